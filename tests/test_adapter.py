@@ -1,0 +1,146 @@
+"""adapter.py: the Perceiver adapter (Eq. 6-11, 16), routing statistics (Eq. 15) and the [x || C] splice."""
+import copy
+import math
+
+import pytest
+import torch
+import torch.nn as nn
+
+from adapter import PerceiverAdapter, policy_inputs, position_ids, routing_stats
+from lora import apply_lora, lora_disabled
+from train import completion_logprobs, encode_prompts, sample
+
+DIMS = [48, 32, 40]
+
+
+def states(B=3, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randn(B, d, generator=g) for d in DIMS]
+
+
+def test_shapes_and_attention_rows():
+    torch.manual_seed(0)
+    ad = PerceiverAdapter(DIMS, out_dim=64, latent_dim=32, num_latents=5, num_heads=4)
+    C, A = ad(states())
+    assert C.shape == (3, 5, 64) and A.shape == (3, 5, 3)
+    torch.testing.assert_close(A.sum(-1), torch.ones(3, 5))
+    assert C.pow(2).mean().sqrt() < 1e-5  # near-zero W_out: C starts as a no-op-sized perturbation
+    _, A2 = ad(states(seed=1))
+    assert not torch.allclose(A, A2)  # attention depends on the experts' states, i.e. on the prompt
+
+
+def test_matches_torch_multihead_attention():
+    """Eq. 9-10 by hand == nn.MultiheadAttention with the same W_Q, W_K, W_V and an identity output projection."""
+    torch.manual_seed(0)
+    ad = PerceiverAdapter(DIMS, out_dim=16, latent_dim=32, num_latents=4, num_heads=4)
+    mha = nn.MultiheadAttention(32, 4, bias=False, batch_first=True)
+    with torch.no_grad():
+        mha.in_proj_weight.copy_(torch.cat([ad.w_q.weight, ad.w_k.weight, ad.w_v.weight]))
+        mha.out_proj.weight.copy_(torch.eye(32))
+    h = states()
+    V = torch.stack([W(x) for W, x in zip(ad.proj, h)], 1)
+    ref, ref_A = mha(ad.latents.expand(3, -1, -1), V, V, need_weights=True, average_attn_weights=True)
+    C, A = ad(h)
+    torch.testing.assert_close(A, ref_A)
+    torch.testing.assert_close(C, ad.out(ad.ffn(ad.latents + ref)))
+
+
+def test_gradient_reaches_every_parameter():
+    torch.manual_seed(0)
+    ad = PerceiverAdapter(DIMS, out_dim=16, latent_dim=32, num_latents=4, num_heads=4)
+    nn.init.normal_(ad.out.weight, std=0.1)  # at the real init the update to W_out comes first (like LoRA's B)
+    C, A = ad(states())
+    (C.pow(2).sum() + A[..., 0].sum()).backward()
+    for name, p in ad.named_parameters():
+        assert p.grad is not None and p.grad.abs().sum() > 0, name
+
+
+def test_routing_stats_by_hand():
+    A = torch.tensor([[[0.5, 0.5, 0.0], [1.0, 0.0, 0.0]]])  # B=1, m=2, n=3
+    H, u = routing_stats(A)
+    assert H == pytest.approx((math.log(2) + 0.0) / 2, abs=1e-6)
+    assert u == pytest.approx([0.75, 0.25, 0.0])
+
+
+def test_policy_inputs_layout():
+    embed = nn.Embedding(10, 4)
+    ids = torch.tensor([[0, 0, 5, 6], [7, 8, 9, 1]])
+    mask = torch.tensor([[0, 0, 1, 1], [1, 1, 1, 1]]).bool()
+    C = torch.randn(2, 3, 4)
+    x, m, pos = policy_inputs(embed, ids, mask, C, "after")
+    assert x.shape == (2, 7, 4) and torch.equal(x[:, 4:], C)
+    assert pos[0].tolist()[2:] == [0, 1, 2, 3, 4] and pos[1].tolist() == [0, 1, 2, 3, 4, 5, 6]
+    x, m, pos = policy_inputs(embed, ids, mask, C, "before")
+    assert torch.equal(x[:, :3], C) and m[0].tolist() == [1, 1, 1, 0, 0, 1, 1]
+    assert [p for p, k in zip(pos[0].tolist(), m[0].tolist()) if k] == [0, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="context-position"):
+        policy_inputs(embed, ids, mask, C, "middle")
+
+
+PROMPTS = ["What is 2 + 3?", "A much longer prompt: what is the sum of 17 and 25, and why?"]
+
+
+@pytest.fixture(scope="module")
+def lora_policy(tiny_policy):
+    model, tok = tiny_policy
+    model = copy.deepcopy(model)
+    apply_lora(model)
+    return model, tok
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_step0_policy_equals_zero_context_reference(lora_policy, position):
+    """LoRA (B = 0) and adapter at init give the reference's log-probs: the reference is the frozen policy with
+    zero tokens where C goes. Tolerance 1e-4: C has RMS ~1e-6, so after the first RMSNorm (eps 1e-6) its
+    tokens have RMS <= ~1e-3 where the zero tokens have 0, a perturbation measured below at ~1e-6 in log-prob."""
+    model, tok = lora_policy
+    torch.manual_seed(0)
+    ad = PerceiverAdapter(DIMS, out_dim=model.config.hidden_size, latent_dim=32, num_latents=4, num_heads=4)
+    C, _ = ad(states(B=2))
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")
+    comp = torch.randint(0, 200, (2, 6))
+    cmask = torch.ones_like(comp, dtype=torch.bool)
+    with torch.no_grad():
+        logp = completion_logprobs(model, ids, mask, C, comp, cmask, 1.0, position)
+        with lora_disabled(model):
+            ref = completion_logprobs(model, ids, mask, torch.zeros_like(C), comp, cmask, 1.0, position)
+        no_ctx = completion_logprobs(model, ids, mask, None, comp, cmask, 1.0, position)
+    assert (logp - ref).abs().max() < 1e-4
+    assert (no_ctx - ref).abs().max() > 1e-3  # zero tokens are not neutral (DESIGN trap 2): the test can fail
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_left_padding_does_not_change_logprobs(lora_policy, position):
+    model, tok = lora_policy
+    C = torch.randn(2, 3, model.config.hidden_size) * 0.02
+    comp = torch.randint(0, 200, (2, 5))
+    cmask = torch.ones_like(comp, dtype=torch.bool)
+    with torch.no_grad():
+        ids, mask = encode_prompts(tok, PROMPTS, "cpu")  # the short prompt is left-padded here
+        batched = completion_logprobs(model, ids, mask, C, comp, cmask, 1.0, position)
+        ids1, mask1 = encode_prompts(tok, PROMPTS[:1], "cpu")
+        alone = completion_logprobs(model, ids1, mask1, C[:1], comp[:1], cmask[:1], 1.0, position)
+    assert mask[0].sum() < mask.shape[1]  # there really was padding
+    torch.testing.assert_close(batched[0], alone[0], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_rollout_and_scoring_see_the_same_positions(lora_policy, position):
+    """DESIGN trap 1: the KV-cached sampler and the one-pass scorer must give the same log-probs."""
+    model, tok = lora_policy
+    torch.manual_seed(1)
+    C = torch.randn(2, 3, model.config.hidden_size) * 0.02
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")
+    comp, logp_sample = sample(model, ids, mask, C, 2, 8, 0.7, [tok.eos_token_id], tok.pad_token_id, position,
+                               return_logprobs=True)
+    from grpo import completion_mask
+    cmask = completion_mask(comp, tok.eos_token_id)
+    with torch.no_grad():
+        logp = completion_logprobs(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0),
+                                   C.repeat_interleave(2, 0), comp, cmask, 0.7, position)
+    torch.testing.assert_close(logp[cmask], logp_sample[cmask], rtol=1e-4, atol=1e-4)
+
+
+def test_position_ids():
+    m = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
+    assert position_ids(m).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]

@@ -1,0 +1,115 @@
+"""lora.py against the plain matrix maths and against PEFT (an independent implementation)."""
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+
+from lora import (LoRALinear, apply_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora,
+                  save_peft, unmerge_lora)
+
+
+def randomise_lora(model, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    for name, p in model.named_parameters():
+        if "lora_" in name:
+            p.data = torch.randn(p.shape, generator=g) * 0.1
+
+
+def logits(model, ids):
+    with torch.no_grad():
+        return model(input_ids=ids).logits
+
+
+IDS = torch.tensor([[5, 17, 99, 3, 42, 7], [8, 8, 120, 64, 1, 2]])
+
+
+def test_formula_matches_plain_maths():
+    torch.manual_seed(0)
+    base = nn.Linear(6, 5)
+    layer = LoRALinear(copy.deepcopy(base), rank=3, alpha=12)
+    A, B = torch.randn(3, 6), torch.randn(5, 3)
+    layer.lora_A.data, layer.lora_B.data = A.clone(), B.clone()
+    x = torch.randn(4, 6)
+    expected = x @ base.weight.T + base.bias + (12 / 3) * x @ A.T @ B.T
+    torch.testing.assert_close(layer(x), expected)
+
+
+def test_noop_at_init_and_only_lora_trains(tiny_policy):
+    model = copy.deepcopy(tiny_policy[0])
+    before = logits(model, IDS)
+    names = apply_lora(model, rank=4, alpha=8)
+    assert len(names) == 2 * 7  # 2 layers x (q, k, v, o, gate, up, down)
+    assert torch.equal(logits(model, IDS), before)  # B = 0: exactly the base model
+    trainable = [n for n, p in model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A" in n or ".lora_B" in n for n in trainable)
+
+
+def test_lora_disabled_gives_base_and_restores(tiny_policy):
+    model = copy.deepcopy(tiny_policy[0])
+    base = logits(model, IDS)
+    apply_lora(model)
+    randomise_lora(model)
+    adapted = logits(model, IDS)
+    assert not torch.allclose(adapted, base)
+    with lora_disabled(model):
+        torch.testing.assert_close(logits(model, IDS), base)
+    torch.testing.assert_close(logits(model, IDS), adapted)
+    with pytest.raises(RuntimeError), lora_disabled(model):
+        raise RuntimeError("boom")
+    torch.testing.assert_close(logits(model, IDS), adapted)  # re-enabled even after an exception
+
+
+def test_matches_peft_given_same_weights(tiny_policy):
+    peft = pytest.importorskip("peft")
+    ours = copy.deepcopy(tiny_policy[0])
+    names = apply_lora(ours, rank=4, alpha=8)
+    randomise_lora(ours)
+    cfg = peft.LoraConfig(r=4, lora_alpha=8, lora_dropout=0.0, target_modules=sorted({n.split(".")[-1] for n in names}))
+    theirs = peft.get_peft_model(copy.deepcopy(tiny_policy[0]), cfg)
+    sd = lora_state_dict(ours)
+    for name, module in theirs.base_model.model.named_modules():
+        if name in names:
+            module.lora_A["default"].weight.data = sd[f"{name}.lora_A"].clone()
+            module.lora_B["default"].weight.data = sd[f"{name}.lora_B"].clone()
+    torch.testing.assert_close(logits(ours, IDS), logits(theirs, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_peft_export_loads_with_peft(tiny_policy, tmp_path):
+    peft = pytest.importorskip("peft")
+    ours = copy.deepcopy(tiny_policy[0])
+    apply_lora(ours, rank=4, alpha=8)
+    randomise_lora(ours, seed=1)
+    save_peft(ours, str(tmp_path / "adapter"), "tiny:llama")
+    loaded = peft.PeftModel.from_pretrained(copy.deepcopy(tiny_policy[0]), str(tmp_path / "adapter"))
+    torch.testing.assert_close(logits(loaded, IDS), logits(ours, IDS), rtol=1e-5, atol=1e-5)
+
+
+def test_merge_unmerge(tiny_policy):
+    model = copy.deepcopy(tiny_policy[0])
+    apply_lora(model)
+    randomise_lora(model, seed=2)
+    w0 = model.model.layers[0].self_attn.q_proj.base.weight.clone()
+    adapted = logits(model, IDS)
+    merge_lora(model)
+    torch.testing.assert_close(logits(model, IDS), adapted, rtol=1e-5, atol=1e-5)
+    unmerge_lora(model)
+    torch.testing.assert_close(model.model.layers[0].self_attn.q_proj.base.weight, w0)
+
+
+def test_state_dict_roundtrip_and_mismatch(tiny_policy):
+    a, b = copy.deepcopy(tiny_policy[0]), copy.deepcopy(tiny_policy[0])
+    apply_lora(a, rank=4)
+    apply_lora(b, rank=4)
+    randomise_lora(a, seed=3)
+    load_lora_state_dict(b, lora_state_dict(a))
+    torch.testing.assert_close(logits(a, IDS), logits(b, IDS))
+    c = copy.deepcopy(tiny_policy[0])
+    apply_lora(c, rank=2)
+    with pytest.raises(ValueError, match="shape"):
+        load_lora_state_dict(c, lora_state_dict(a))
+
+
+def test_no_matching_module_is_an_error():
+    with pytest.raises(ValueError, match="no nn.Linear"):
+        apply_lora(nn.Sequential(nn.Linear(2, 2)), target_modules=("q_proj",))

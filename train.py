@@ -1,0 +1,413 @@
+"""
+Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts.
+
+    python train.py --task arithmetic --team default                 # the paper's setting (one CUDA GPU)
+    python train.py --task chain_sum --team tiny --steps 3 --batch-size 2 --grad-accum 1 --group-size 4 \
+        --max-new-tokens 16 --out runs/smoke                         # seconds, on any CPU
+
+Paper: Eq. 3 (pi(y | [x || C])), Eq. 4 (reward minus beta * KL to pi_ref = the initial policy fed zero
+context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 prompts per step (4 x 8 grad-accum),
+lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default below is the paper's.
+
+The loop, one optimiser step:   rollout -> reward -> advantage -> loss -> step -> log -> checkpoint
+
+Deviations from the paper (see also grpo.py, adapter.py, experts.py, rewards.py):
+  1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop: one
+     prefill per prompt shared by its G samples, and rollout and scoring use the same positions.
+  2. Options the paper does not have, off by default: --inner-epochs (mu > 1 reuses a rollout; the paper's
+     mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example / --response-prefix (small
+     policies never write the answer tags with the paper's prompt: DESIGN §3), --context-position before.
+  3. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
+"""
+import argparse
+import json
+import os
+import random
+import sys
+import time
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------------------
+# Configuration: one flat argparse block. Flags use dashes, variables underscores.
+
+TASK_HELP = "a family (arithmetic, algorithmic, logic), gsm8k, or any reasoning-gym dataset name"
+
+
+def parse_args(argv=None):
+    from baselines import METHODS
+    from experts import POOLINGS, TEAMS
+    from rewards import SYSTEM_PROMPT_NAMES
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    a = p.add_argument
+    a("--task", default="arithmetic", help=TASK_HELP)
+    a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
+    a("--method", default="ours", choices=sorted(METHODS), help="how experts reach the policy (baselines.py)")
+    a("--policy", default=None, help="policy model: hub id, local folder or .gguf (default: the team's)")
+    a("--experts", default=None, help="comma-separated expert models, overriding the team's")
+    a("--steps", type=int, default=None, help="optimiser steps (default 500; 233 for gsm8k: one epoch)")
+    a("--batch-size", type=int, default=4, help="prompts per micro-batch")
+    a("--grad-accum", type=int, default=8, help="micro-batches per optimiser step (paper: 4 x 8 = 32 prompts)")
+    a("--group-size", type=int, default=8, help="GRPO group size G: completions per prompt")
+    a("--max-new-tokens", type=int, default=128, help="generation budget for the policy and expert hints")
+    a("--temperature", type=float, default=1.0, help="sampling temperature (log-probs use the same)")
+    a("--lr", type=float, default=1e-4, help="learning rate of the LoRA policy")
+    a("--router-lr", type=float, default=1e-4, help="learning rate of the adapter / router g_phi")
+    a("--weight-decay", type=float, default=1e-2, help="AdamW weight decay")
+    a("--adam-eps", type=float, default=1e-6, help="AdamW epsilon")
+    a("--grad-clip", type=float, default=1.0, help="max global gradient norm")
+    a("--beta", type=float, default=0.04, help="KL coefficient beta (Eq. 4)")
+    a("--clip-eps", type=float, default=0.2, help="PPO clip epsilon")
+    a("--inner-epochs", type=int, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
+    a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
+    a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
+    a("--lora-rank", type=int, default=8, help="LoRA rank r")
+    a("--lora-alpha", type=float, default=16.0, help="LoRA alpha (scaling alpha / r)")
+    a("--latent-dim", type=int, default=512, help="adapter latent width d")
+    a("--num-latents", type=int, default=8, help="m: number of latent queries = context tokens")
+    a("--num-heads", type=int, default=8, help="cross-attention heads")
+    a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
+    a("--context-position", default="after", choices=["after", "before"], help="[x || C] (Eq. 3) or [C || x]")
+    a("--system-prompt", default="DeepSeekZero", choices=SYSTEM_PROMPT_NAMES, help="reasoning-gym system prompt")
+    a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
+    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")
+    a("--dataset-size", type=int, default=20000, help="reasoning-gym items per split (paper: 20000)")
+    a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
+    a("--seed", type=int, default=0, help="seed for data order, sampling and initialisation")
+    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda, mps or cpu")
+    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
+    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    a("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
+    a("--sample-every", type=int, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
+    a("--max-bad-steps", type=int, default=5, help="stop after this many non-finite steps in a row")
+    args = p.parse_args(argv)
+
+    # Fail in the first second, naming the flag (STYLE 7).
+    for flag in ("steps", "batch_size", "grad_accum", "max_new_tokens", "lora_rank", "latent_dim",
+                 "num_latents", "num_heads", "inner_epochs", "save_every", "sample_every", "dataset_size",
+                 "max_bad_steps"):
+        v = getattr(args, flag)
+        if v is not None and v < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    checks = [(args.group_size >= 2, f"--group-size must be >= 2 (GRPO compares samples), got {args.group_size}"),
+              (args.latent_dim % args.num_heads == 0,
+               f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
+              (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
+              (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
+              (0 <= args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
+              (args.lr > 0 and args.router_lr > 0, "--lr and --router-lr must be > 0"),
+              (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
+               f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}")]
+    for ok, msg in checks:
+        if not ok:
+            p.error(msg)
+    if args.steps is None:
+        args.steps = 233 if args.task == "gsm8k" else 500
+    args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
+    return args
+
+
+def pick_device(name):
+    if name != "auto":
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def fail(msg):
+    """Bad input: one line, exit code 2, nothing written (STYLE 7, issue 6)."""
+    print(f"error: {msg}", file=sys.stderr)
+    sys.exit(2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Rollout and scoring: the two places the policy runs. They must build the same inputs (DESIGN trap 1).
+
+
+def encode_prompts(tok, prompts, device):
+    tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
+    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
+
+
+@torch.no_grad()
+def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
+           position="after", greedy=False, return_logprobs=False):
+    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad after EOS),
+    and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them with the scoring pass).
+    One prefill per prompt; its KV cache is then repeated G times (speed-up: prefill once, not G times)."""
+    from adapter import policy_inputs
+    embeds, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)
+    out = policy(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
+    logits = out.logits[:, -1].float().repeat_interleave(G, 0)            # (B*G, vocab)
+    mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)
+    eos = torch.tensor(eos_ids, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logps = [], []
+    for _ in range(max_new_tokens):
+        if greedy:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)        # finished rows emit padding
+        tokens.append(nxt)
+        if return_logprobs:
+            logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
+        done = done | torch.isin(nxt, eos)
+        if done.all():
+            break
+        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                     use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+    if return_logprobs:
+        return torch.stack(tokens, 1), torch.stack(logps, 1)
+    return torch.stack(tokens, 1)
+
+
+def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
+                        position="after"):
+    """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T]. N = rows of completion_ids;
+    prompt_ids / C have one row per completion (repeat_interleave them first).
+    Speed-up: logits only for the completion positions (logits_to_keep), never for the prompt."""
+    from adapter import policy_inputs
+    from grpo import token_logprobs
+    embed = policy.get_input_embeddings()
+    x, mask, _ = policy_inputs(embed, prompt_ids, prompt_mask, C, position)
+    x = torch.cat([x, embed(completion_ids)], 1)                          # (N, P + T, D)
+    mask = torch.cat([mask, completion_mask], 1)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    T = completion_ids.shape[1]
+    logits = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits
+    return token_logprobs(logits[:, :-1], completion_ids, temperature)   # position t-1 predicts token t
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Checkpoints: one file, written to a temporary name and renamed, so it is the old one or the new one.
+
+
+def save_checkpoint(path, step, policy, method, optimizer, pool):
+    from lora import lora_state_dict
+    state = {"step": step, "lora": lora_state_dict(policy), "method": method.state_dict(),
+             "optimizer": optimizer.state_dict(),
+             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
+                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+                     "experts": pool.generator.get_state() if pool is not None else None}}
+    tmp = f"{path}.tmp{os.getpid()}"
+    torch.save(state, tmp)
+    with open(tmp, "rb") as f:
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+def load_checkpoint(path, policy, method, optimizer, pool):
+    from lora import load_lora_state_dict
+    try:
+        state = torch.load(path, map_location="cpu", weights_only=False)
+        load_lora_state_dict(policy, state["lora"])
+        method.load_state_dict(state["method"])
+        optimizer.load_state_dict(state["optimizer"])
+    except Exception as e:  # corrupt file, other model, other method: refuse, say which
+        raise ValueError(f"--resume: checkpoint {path} does not fit this run ({str(e).splitlines()[0][:160]})")
+    rng = state["rng"]
+    torch.set_rng_state(rng["torch"]), np.random.set_state(rng["numpy"]), random.setstate(rng["python"])
+    if rng["cuda"] is not None and torch.cuda.is_available():
+        torch.cuda.set_rng_state_all(rng["cuda"])
+    if pool is not None and rng["experts"] is not None:
+        pool.generator.set_state(rng["experts"])
+    return state["step"]
+
+
+def keep_metrics_upto(path, step):
+    """On resume: drop metric lines after the checkpoint's step (and any torn last line), atomically."""
+    if not os.path.exists(path):
+        return
+    kept = []
+    with open(path) as f:
+        for line in f:
+            try:
+                if json.loads(line)["step"] <= step:
+                    kept.append(line if line.endswith("\n") else line + "\n")
+            except (ValueError, KeyError):
+                break
+    with open(path + ".tmp", "w") as f:
+        f.writelines(kept)
+    os.replace(path + ".tmp", path)
+
+
+def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
+    """Data order: a fresh permutation per epoch, a pure function of (seed, position): resume needs no state."""
+    start = (step * grad_accum + micro) * batch_size
+    out = []
+    for k in range(start, start + batch_size):
+        epoch, i = divmod(k, n_items)
+        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
+    return out
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The training run
+
+
+def main(argv=None):
+    args = parse_args(argv)
+    import rewards
+    from baselines import METHODS
+    from experts import TEAMS, load_model
+    from grpo import completion_mask, group_advantages, grpo_loss
+    from lora import apply_lora, lora_disabled, save_peft
+    from tqdm import tqdm
+
+    ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
+    if args.resume and not os.path.exists(ckpt_path):
+        fail(f"--resume: no checkpoint at {ckpt_path}")
+    if not args.resume and os.path.exists(metrics_path):
+        fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    try:
+        device = pick_device(args.device)
+        team = dict(TEAMS[args.team])
+        team["policy"] = args.policy or team["policy"]
+        if args.experts:
+            team["experts"] = args.experts.split(",")
+        train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path)
+    except ValueError as e:
+        fail(str(e))
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
+
+    # Models: the policy (frozen + LoRA) and the context builder g_phi of the chosen method.
+    try:
+        policy, tok = load_model(team["policy"], device, dtype)
+        build = METHODS[args.method]
+        method = build(team, policy.config.hidden_size, args, device, dtype)
+    except ValueError as e:
+        fail(str(e))
+    apply_lora(policy, args.lora_rank, args.lora_alpha)
+    policy.train()  # no dropout in these models; train() only marks intent
+    pool = getattr(method, "pool", None)
+    eos_ids = sorted({tok.eos_token_id} | set(np.atleast_1d(policy.generation_config.eos_token_id or []).tolist()))
+    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr}]
+    if any(p.requires_grad for p in method.parameters()):
+        groups.append({"params": [p for p in method.parameters() if p.requires_grad], "lr": args.router_lr})
+    optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
+
+    start = 0
+    if args.resume:
+        try:
+            start = load_checkpoint(ckpt_path, policy, method, optimizer, pool)
+        except ValueError as e:
+            fail(str(e))
+        keep_metrics_upto(metrics_path, start)
+    os.makedirs(args.out, exist_ok=True)
+    with open(os.path.join(args.out, "config.json"), "w") as f:
+        json.dump({**vars(args), "team_models": team, "device_used": str(device)}, f, indent=2)
+
+    G, bad_steps = args.group_size, 0
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", dynamic_ncols=True)
+    for step in bar:
+        t0 = time.time()
+        # ---- rollout: G samples per prompt, all conditioned on the same C ---------------------------------
+        batches = []
+        for micro in range(args.grad_accum):
+            items = [train_items[i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                           len(train_items), args.seed)]
+            questions = [it["question"] for it in items]
+            method.eval()
+            with torch.no_grad():
+                ctx = method(questions)
+            prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
+                                            args.response_prefix) for q, h in zip(questions, ctx["hints"])]
+            ids, mask = encode_prompts(tok, prompts, device)
+            comp = sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
+                          tok.pad_token_id, args.context_position)
+            comp_mask = completion_mask(comp, eos_ids)
+            texts = tok.batch_decode(comp, skip_special_tokens=True)
+            # ---- reward: untrusted text, scored with a time limit (rewards.py) ----------------------------
+            r, counts = rewards.score_batch([it for it in items for _ in range(G)], texts)
+            r = torch.tensor(r, dtype=torch.float32, device=device)
+            # ---- advantage: group-relative, one group per prompt -----------------------------------------
+            adv = group_advantages(r, G, scale=not args.no_scale_rewards)
+            ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+            with torch.no_grad(), lora_disabled(policy):  # pi_ref: LoRA off, zero tokens where C was
+                C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"]).repeat_interleave(G, 0)
+                logp_ref = completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
+                                               args.context_position)
+            batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
+                                r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
+
+        # ---- loss and step: mu passes over the rollout batch, gradient accumulation over micro-batches ----
+        method.train()
+        for epoch in range(args.inner_epochs):
+            optimizer.zero_grad(set_to_none=True)
+            losses, stats = [], []
+            for b in batches:
+                ctx = method(b["questions"], reuse=b["ctx"])  # same routing noise as in the rollout
+                C = None if ctx["C"] is None else ctx["C"].repeat_interleave(G, 0)
+                logp = completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
+                                           args.temperature, args.context_position)
+                if epoch == 0:  # mu = 1: logp_old is logp itself (detached), so no extra forward is needed
+                    b["logp_old"] = logp.detach()
+                loss, m = grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"], args.clip_eps,
+                                    args.beta, args.loss_aggregation)
+                (loss / args.grad_accum).backward()
+                losses.append(loss.item()), stats.append(m)
+            params = [p for g in optimizer.param_groups for p in g["params"]]
+            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
+            finite = np.isfinite(grad_norm) and all(np.isfinite(losses))
+            if finite:
+                optimizer.step()
+        bad_steps = 0 if finite else bad_steps + 1
+
+        # ---- log: one line, one JSON object ---------------------------------------------------------------
+        r_all = torch.cat([b["r"] for b in batches])
+        lengths = torch.cat([b["comp_mask"].sum(-1) for b in batches]).float()
+        eos = torch.tensor(eos_ids, device=device)
+        truncated = torch.cat([~torch.isin(b["comp"], eos).any(-1) for b in batches]).float().mean()
+        zero_std = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+        zero_std = zero_std.float().mean()
+        fails = sum(sum(v for k, v in b["counts"].items() if k != "ok") for b in batches)
+        rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+               "solve_rate": (r_all == 1).float().mean().item(), "loss": float(np.mean(losses)),
+               "kl": float(np.mean([m["kl"] for m in stats])),
+               "clip_fraction": float(np.mean([m["clip_fraction"] for m in stats])),
+               "grad_norm": grad_norm, "completion_length": lengths.mean().item(),
+               "truncated_fraction": truncated.item(), "zero_std_fraction": zero_std.item(),
+               "scorer_failures": fails, "skipped_update": not finite, "seconds": time.time() - t0}
+        A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
+        if A:
+            from adapter import routing_stats
+            rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
+        with open(metrics_path, "a") as f:
+            f.write(json.dumps(rec) + "\n")
+        line = (f"step {step + 1}/{args.steps} | reward {rec['reward']:.3f} | kl {rec['kl']:.4f} | "
+                f"len {rec['completion_length']:.0f}" + (f" | H {rec['entropy']:.3f}" if A else "") +
+                f" | {rec['seconds']:.1f} s")
+        bar.write(line)
+        if (step + 1) % args.sample_every == 0 or step == start:
+            b = batches[0]
+            with open(os.path.join(args.out, "samples.jsonl"), "a") as f:
+                for k in range(min(G, 4)):
+                    f.write(json.dumps({"step": step + 1, "question": b["questions"][k // G],
+                                        "answer": b["items"][k // G].get("answer"),
+                                        "completion": b["texts"][k], "reward": b["r"][k].item()}) + "\n")
+
+        # ---- checkpoint -----------------------------------------------------------------------------------
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or bad_steps:
+            save_checkpoint(ckpt_path, step + 1, policy, method, optimizer, pool)
+        if bad_steps >= args.max_bad_steps:
+            fail(f"{bad_steps} steps in a row had a non-finite loss or gradient; stopped. The last good weights "
+                 f"are in {ckpt_path}; try a lower --lr / --router-lr")
+    save_peft(policy, os.path.join(args.out, "lora_peft"), team["policy"])
+    return args.out
+
+
+if __name__ == "__main__":
+    main()
