@@ -62,6 +62,7 @@ def parse_args(argv=None):
     a("--inner-epochs", type=int, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
+    a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
     a("--lora-rank", type=int, default=8, help="LoRA rank r")
     a("--lora-alpha", type=float, default=16.0, help="LoRA alpha (scaling alpha / r)")
     a("--latent-dim", type=int, default=512, help="adapter latent width d")
@@ -257,9 +258,12 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
 # The training run
 
 
-def main(argv=None):
+def main(argv=None, score_batch=None):
+    """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's scorer (a fork's
+    own reward, or the tests' synthetic one); by default rewards.score_batch."""
     args = parse_args(argv)
     import rewards
+    score_batch = score_batch or rewards.score_batch
     from baselines import METHODS
     from experts import TEAMS, load_model
     from grpo import completion_mask, group_advantages, grpo_loss
@@ -291,12 +295,19 @@ def main(argv=None):
     except ValueError as e:
         fail(str(e))
     apply_lora(policy, args.lora_rank, args.lora_alpha)
+    if args.freeze_policy:
+        for p in policy.parameters():
+            p.requires_grad_(False)
     policy.train()  # no dropout in these models; train() only marks intent
     pool = getattr(method, "pool", None)
     eos_ids = sorted({tok.eos_token_id} | set(np.atleast_1d(policy.generation_config.eos_token_id or []).tolist()))
-    groups = [{"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr}]
+    groups = []
+    if not args.freeze_policy:
+        groups.append({"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr})
     if any(p.requires_grad for p in method.parameters()):
         groups.append({"params": [p for p in method.parameters() if p.requires_grad], "lr": args.router_lr})
+    if not groups:
+        fail(f"--freeze-policy with --method {args.method}: nothing left to train")
     optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
 
     start = 0
@@ -331,7 +342,7 @@ def main(argv=None):
             comp_mask = completion_mask(comp, eos_ids)
             texts = tok.batch_decode(comp, skip_special_tokens=True)
             # ---- reward: untrusted text, scored with a time limit (rewards.py) ----------------------------
-            r, counts = rewards.score_batch([it for it in items for _ in range(G)], texts)
+            r, counts = score_batch([it for it in items for _ in range(G)], texts)
             r = torch.tensor(r, dtype=torch.float32, device=device)
             # ---- advantage: group-relative, one group per prompt -----------------------------------------
             adv = group_advantages(r, G, scale=not args.no_scale_rewards)

@@ -1,0 +1,298 @@
+"""
+Evaluate runs and turn a folder of runs into the paper's table and figures.
+
+    python evaluate.py --run runs/arith-pocket-ours-s0 --n 200        # validation score of one run
+    python evaluate.py --run runs/arith-pocket-ours-s0 --no-context   # the same policy fed zero context (Fig. 5)
+    python evaluate.py --untrained --task chain_sum --team pocket      # the policy before training
+    python evaluate.py --summarize runs/ --out results/               # table.md, spearman.json, fig4/fig5 PNGs
+
+Paper: Table 1 (mean +- std over 3 seeds), §4.3 (Spearman rho between the reward and routing-entropy series of
+each run, then averaged: -0.48), Fig. 4 (utilisation per expert, entropy and reward over steps), Fig. 5 (with vs
+without context tokens), Fig. 6 (accuracy vs number of latents m).
+
+Choices the paper leaves open:
+  1. Validation decodes greedily (one completion per item), with the training prompt and generation budget.
+  2. Accuracy is the mean reasoning-gym score (partial credit, DESIGN §2); the exact-solve rate (score == 1)
+     is reported beside it.
+  3. "Without C" feeds zero tokens at the positions of C: exactly what the reference policy sees.
+  4. std is the sample standard deviation (ddof = 1) across seeds.
+"""
+import argparse
+import glob
+import json
+import os
+import sys
+from types import SimpleNamespace
+
+import numpy as np
+import torch
+
+# ----------------------------------------------------------------------------------------------------------
+# Scoring a policy on the validation split
+
+
+@torch.no_grad()
+def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False, untrained=False,
+             device="cpu"):
+    """Score the policy described by `args` (a run's config) on n validation items. Returns a dict."""
+    import rewards
+    from baselines import METHODS
+    from experts import TEAMS, load_model
+    from grpo import completion_mask
+    from lora import apply_lora, load_lora_state_dict
+    from train import encode_prompts, sample
+    device = torch.device(device)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    team = args.team_models if hasattr(args, "team_models") else TEAMS[args.team]
+    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path)
+    n = min(n, len(items))
+    policy, tok = load_model(team["policy"], device, dtype)
+    method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args, device, dtype)
+    if lora_state is not None:
+        apply_lora(policy, args.lora_rank, args.lora_alpha)
+        load_lora_state_dict(policy, lora_state)
+    if method_state is not None:
+        method.load_state_dict(method_state)
+    policy.eval(), method.eval()
+    eos_ids = [tok.eos_token_id]
+    scores, sources, status = [], [], {}
+    for start in range(0, n, batch_size):
+        batch = [items[i] for i in range(start, min(n, start + batch_size))]
+        questions = [it["question"] for it in batch]
+        ctx = method(questions)
+        C = ctx["C"] if ctx["C"] is None or not no_context else torch.zeros_like(ctx["C"])
+        prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
+                                        args.response_prefix) for q, h in zip(questions, ctx["hints"])]
+        ids, mask = encode_prompts(tok, prompts, device)
+        comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
+                      args.context_position, greedy=True)
+        comp = comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id)
+        r, counts = rewards.score_batch(batch, tok.batch_decode(comp, skip_special_tokens=True))
+        scores += r
+        sources += [it.get("metadata", {}).get("source_dataset", args.task) for it in batch]
+        for k, v in counts.items():
+            status[k] = status.get(k, 0) + v
+    scores = np.array(scores)
+    per = {s: {"score": float(scores[[x == s for x in sources]].mean()),
+               "solve_rate": float((scores[[x == s for x in sources]] == 1).mean()),
+               "n": sources.count(s)} for s in sorted(set(sources))}
+    return {"task": args.task, "method": "untrained" if untrained else args.method, "n": int(n),
+            "score": float(scores.mean()), "solve_rate": float((scores == 1).mean()),
+            "no_context": no_context, "per_dataset": per, "scorer_status": status}
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Statistics over runs
+
+
+def ranks(x):
+    """Ranks 1..n with ties given their average rank (as scipy.stats.rankdata)."""
+    x = np.asarray(x, dtype=float)
+    order = np.argsort(x, kind="mergesort")
+    r = np.empty(len(x))
+    r[order] = np.arange(1, len(x) + 1)
+    for v in np.unique(x):
+        tie = x == v
+        r[tie] = r[tie].mean()
+    return r
+
+
+def spearman(a, b):
+    """Spearman rho = Pearson correlation of the ranks. NaN when either series is constant."""
+    ra, rb = ranks(a), ranks(b)
+    ra, rb = ra - ra.mean(), rb - rb.mean()
+    denom = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
+    return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
+
+
+def mean_std(values):
+    """(mean, sample std with ddof = 1; 0 for a single value)."""
+    v = np.asarray(values, dtype=float)
+    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
+
+
+def read_metrics(run):
+    with open(os.path.join(run, "metrics.jsonl")) as f:
+        return [json.loads(line) for line in f if line.strip()]
+
+
+def find_runs(folders):
+    runs = []
+    for folder in folders:
+        runs += sorted(os.path.dirname(p) for p in glob.glob(os.path.join(folder, "**", "config.json"), recursive=True))
+    return runs
+
+
+def summarize(folders, out):
+    """Table 1-style Markdown (method x task, mean +- std over seeds), Spearman rho per run and its mean."""
+    os.makedirs(out, exist_ok=True)
+    cells, rhos = {}, {}
+    for run in find_runs(folders):
+        cfg = json.load(open(os.path.join(run, "config.json")))
+        key = (cfg["method"] + ("" if cfg["team"] in ("default", "pocket", "tiny") else f" ({cfg['team']})"),
+               cfg["task"])
+        ev = os.path.join(run, "eval.json")
+        if os.path.exists(ev):
+            cells.setdefault(key, []).append(json.load(open(ev)))
+        m = [r for r in read_metrics(run) if "entropy" in r]
+        if len(m) >= 3:
+            rhos[run] = spearman([r["reward"] for r in m], [r["entropy"] for r in m])
+    for path in glob.glob(os.path.join(out, "untrained-*.json")):
+        ev = json.load(open(path))
+        cells.setdefault(("untrained", ev["task"]), []).append(ev)
+    tasks = sorted({t for _, t in cells})
+    lines = ["| method | " + " | ".join(f"{t} score | {t} solved" for t in tasks) + " | seeds |",
+             "|---|" + "---|---|" * len(tasks) + "---|"]
+    for meth in sorted({m for m, _ in cells}):
+        row, seeds = [], 0
+        for t in tasks:
+            evs = cells.get((meth, t), [])
+            seeds = max(seeds, len(evs))
+            for k in ("score", "solve_rate"):
+                row.append("{:.1f} ± {:.1f}".format(*[100 * v for v in mean_std([e[k] for e in evs])]) if evs else "–")
+        lines.append(f"| {meth} | " + " | ".join(row) + f" | {seeds} |")
+    table = "\n".join(lines) + "\n"
+    finite = [v for v in rhos.values() if np.isfinite(v)]
+    rho = {"per_run": rhos, "mean": float(np.mean(finite)) if finite else None}
+    with open(os.path.join(out, "table.md"), "w") as f:
+        f.write(table)
+    with open(os.path.join(out, "spearman.json"), "w") as f:
+        json.dump(rho, f, indent=2)
+    return table, rho
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Figures (matplotlib is optional: only this part needs it)
+
+
+def plot_runs(folders, out):
+    """fig4_<task>.png per task: utilisation per expert (mean and band across seeds), entropy and reward of
+    `ours` runs; fig5.png: validation score with vs without C; fig6.png: score vs number of latents m."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        print("matplotlib is not installed: pip install matplotlib to draw the figures", file=sys.stderr)
+        return []
+    written, by_task = [], {}
+    for run in find_runs(folders):
+        cfg = json.load(open(os.path.join(run, "config.json")))
+        if cfg["method"] == "ours":
+            by_task.setdefault((cfg["task"], cfg["team"]), []).append((cfg, read_metrics(run), run))
+    for (task, team), runs in sorted(by_task.items()):
+        T = min(len(m) for _, m, _ in runs)
+        if T == 0:
+            continue
+        steps = np.arange(1, T + 1)
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+        U = np.array([[r["utilization"] for r in m[:T]] for _, m, _ in runs])  # (seeds, T, n)
+        names = runs[0][0]["team_models"]["experts"]
+        for i, name in enumerate(names):
+            mu, sd = U[:, :, i].mean(0), U[:, :, i].std(0)
+            ax1.plot(steps, mu, label=name)
+            ax1.fill_between(steps, mu - sd, mu + sd, alpha=0.2)
+        ax1.set_ylabel("utilisation u_i (Eq. 15)")
+        ax1.set_title(f"ours on {task} ({team} team, {len(runs)} seeds)")
+        ax1.legend(fontsize=8)
+        for key, ax, color in (("reward", ax2, "tab:green"), ("entropy", ax2.twinx(), "tab:purple")):
+            Y = np.array([[r[key] for r in m[:T]] for _, m, _ in runs])
+            ax.plot(steps, Y.mean(0), color=color, label=key)
+            ax.fill_between(steps, Y.mean(0) - Y.std(0), Y.mean(0) + Y.std(0), color=color, alpha=0.15)
+            ax.set_ylabel("training reward" if key == "reward" else "routing entropy H", color=color)
+        ax2.set_xlabel("step")
+        path = os.path.join(out, f"fig4_{task}_{team}.png")
+        fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
+        written.append(path)
+    pairs = []  # Fig. 5: eval.json vs eval_no_context.json of the same run
+    for run in find_runs(folders):
+        a, b = os.path.join(run, "eval.json"), os.path.join(run, "eval_no_context.json")
+        if os.path.exists(a) and os.path.exists(b):
+            pairs.append((os.path.basename(run), json.load(open(a))["score"], json.load(open(b))["score"]))
+    if pairs:
+        fig, ax = plt.subplots(figsize=(max(5, len(pairs) * 0.9), 4))
+        x = np.arange(len(pairs))
+        ax.bar(x - 0.2, [100 * p[1] for p in pairs], 0.4, label="with C")
+        ax.bar(x + 0.2, [100 * p[2] for p in pairs], 0.4, label="zero context")
+        ax.set_xticks(x, [p[0] for p in pairs], rotation=30, ha="right", fontsize=7)
+        ax.set_ylabel("validation score (%)"), ax.set_title("Fig. 5: with vs without context tokens"), ax.legend()
+        path = os.path.join(out, "fig5.png")
+        fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
+        written.append(path)
+    by_m = {}
+    for run in find_runs(folders):
+        cfg, ev = json.load(open(os.path.join(run, "config.json"))), os.path.join(run, "eval.json")
+        if cfg["method"] == "ours" and os.path.exists(ev):
+            by_m.setdefault(cfg["num_latents"], []).append(json.load(open(ev))["score"])
+    if len(by_m) > 1:
+        ms = sorted(by_m)
+        stats = [mean_std(by_m[m]) for m in ms]
+        fig, ax = plt.subplots(figsize=(5, 4))
+        ax.errorbar(ms, [100 * s[0] for s in stats], yerr=[100 * s[1] for s in stats], marker="o", capsize=3)
+        ax.set_xlabel("number of latents m"), ax.set_ylabel("validation score (%)"), ax.set_title("Fig. 6")
+        path = os.path.join(out, "fig6.png")
+        fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
+        written.append(path)
+    return written
+
+
+# ----------------------------------------------------------------------------------------------------------
+
+
+def main(argv=None):
+    from experts import TEAMS
+    p = argparse.ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs.")
+    p.add_argument("--run", help="a run folder written by train.py")
+    p.add_argument("--untrained", action="store_true", help="score the policy before training (needs --task, --team)")
+    p.add_argument("--task", default=None, help="task, with --untrained")
+    p.add_argument("--team", default="pocket", choices=sorted(TEAMS), help="team, with --untrained")
+    p.add_argument("--policy", default=None, help="policy model, with --untrained (default: the team's)")
+    p.add_argument("--n", type=int, default=4000, help="validation items (paper: 4000; GSM8K: its 1319 test items)")
+    p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
+    p.add_argument("--no-context", action="store_true", help="feed zero context tokens instead of C (Fig. 5)")
+    p.add_argument("--summarize", nargs="+", metavar="FOLDER", help="folders of runs -> table, Spearman rho, plots")
+    p.add_argument("--out", default=None, help="where to write (default: the run folder, or results/)")
+    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
+    a = p.parse_args(argv)
+    if sum(map(bool, (a.run, a.untrained, a.summarize))) != 1:
+        p.error("give exactly one of --run DIR, --untrained or --summarize FOLDER...")
+    if a.n < 1:
+        p.error(f"--n must be >= 1, got {a.n}")
+    if a.summarize:
+        out = a.out or "results"
+        table, rho = summarize(a.summarize, out)
+        print(table + f"\nSpearman rho(reward, entropy): mean {rho['mean']} over {len(rho['per_run'])} runs")
+        for path in plot_runs(a.summarize, out):
+            print("wrote", path)
+        return
+    from train import parse_args, pick_device
+    device = pick_device(a.device)
+    if a.untrained:
+        if not a.task:
+            p.error("--untrained needs --task")
+        cfg = vars(parse_args(["--task", a.task, "--team", a.team, "--method", "single"]))
+        if a.policy:
+            cfg["team_models"] = {**TEAMS[a.team], "policy": a.policy}
+        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, untrained=True, device=device)
+        path = os.path.join(a.out or "results", f"untrained-{a.task}-{a.team}.json")
+    else:
+        cfg_path, ckpt = os.path.join(a.run, "config.json"), os.path.join(a.run, "checkpoint.pt")
+        if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
+            print(f"error: --run {a.run} has no config.json and checkpoint.pt (is it a finished train.py run?)",
+                  file=sys.stderr)
+            sys.exit(2)
+        cfg = SimpleNamespace(**json.load(open(cfg_path)))
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        result = evaluate(cfg, a.n, a.batch_size, state["lora"], state["method"], a.no_context, device=device)
+        result["step"] = state["step"]
+        path = os.path.join(a.out or a.run, "eval_no_context.json" if a.no_context else "eval.json")
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(result, f, indent=2)
+    os.replace(path + ".tmp", path)
+    print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "
+          f"solved {100 * result['solve_rate']:.1f} | n {result['n']} -> {path}")
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,117 @@
+"""baselines.py (paper §4.1, Eq. 12-14) and evaluate.py's statistics, on the tiny team."""
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from baselines import METHODS, straight_through_gumbel
+from evaluate import mean_std, ranks, spearman, summarize
+from experts import TEAMS
+
+ARGS = SimpleNamespace(pooling="last", seed=0, latent_dim=32, num_latents=4, num_heads=4, max_new_tokens=12)
+QS = ["What is 2 + 3?", "Sort 3 1 2.", "Is it raining?", "Add 10 and 32."]
+
+
+def build(name):
+    torch.manual_seed(0)
+    return METHODS[name](TEAMS["tiny"], 64, ARGS, "cpu", torch.float32)
+
+
+def test_straight_through_gumbel_is_one_hot_forward_with_router_gradient():
+    logits = torch.randn(5, 3, requires_grad=True)
+    noise = -torch.empty(5, 3).exponential_().log()
+    R = straight_through_gumbel(logits, noise)
+    assert torch.equal(R.detach().sum(-1), torch.ones(5)) and set(R.detach().unique().tolist()) <= {0.0, 1.0}
+    assert torch.equal(R.detach().argmax(-1), (logits + noise).argmax(-1))
+    (R * torch.randn(5, 3)).sum().backward()
+    assert logits.grad is not None and logits.grad.abs().sum() > 0
+
+
+def test_hard_routing_runs_only_the_chosen_expert():
+    m = build("hard_routing").train()
+    ctx = m(QS)
+    chosen = (m.head(m.encoder.encode(QS)[0]) + ctx["noise"]).argmax(-1)
+    ran = [i for i, c in enumerate(m.pool.calls) if c > 0]
+    assert sorted(set(chosen.tolist())) == ran  # experts nobody chose never ran a forward
+    assert ctx["C"].shape == (4, 1, 64) and ctx["A"].shape == (4, 1, 3)
+    again = m(QS, reuse=ctx)  # the loss pass reuses the rollout's Gumbel draw: same experts, same C
+    torch.testing.assert_close(again["C"], ctx["C"])
+    torch.nn.init.normal_(m.out.weight, std=0.1)  # at init W_out ~ 0 passes almost no gradient back
+    m(QS, reuse=ctx)["C"].pow(2).sum().backward()
+    assert m.head.weight.grad.abs().sum() > 0  # straight-through: the router head learns
+
+
+def test_hard_routing_eval_is_argmax():
+    m = build("hard_routing").eval()
+    ctx = m(QS)
+    assert ctx["noise"] is None
+    chosen = m.head(m.encoder.encode(QS)[0]).argmax(-1)
+    assert [i for i, c in enumerate(m.pool.calls) if c > 0] == sorted(set(chosen.tolist()))
+
+
+def test_no_xattn_is_ffn_of_stacked_states():
+    m = build("no_xattn")
+    ctx = m(QS)
+    V = torch.stack([W(h) for W, h in zip(m.proj, m.pool.encode(QS))], 1)
+    torch.testing.assert_close(ctx["C"], m.out(m.ffn(V)))
+    assert ctx["C"].shape == (4, 3, 64) and ctx["A"] is None
+
+
+def test_output_collab_hint_block_within_budget():
+    """Eq. 12: one hint per decoder expert (the BERT encoder cannot write), greedy, at most the generation
+    budget of new tokens each, in an [Expert Hints] block; the policy side adds no trainable parameters."""
+    m = build("output_collab")
+    new_tokens = []
+    for model, _ in m.pool.models:
+        if model.config.model_type == "bert":
+            continue
+        generate = model.generate
+
+        def spy(*a, _generate=generate, **kw):
+            out = _generate(*a, **kw)
+            new_tokens.append(out.shape[1] - kw["input_ids"].shape[1])
+            return out
+        model.generate = spy
+    hints = m(QS[:2])["hints"]
+    assert len(new_tokens) == 2 * 2 and max(new_tokens) <= ARGS.max_new_tokens
+    for h in hints:
+        assert h.startswith("\n\n[Expert Hints]\nExpert 1: ") and "\nExpert 2: " in h and "Expert 3" not in h
+    assert m(QS[:2])["hints"] == hints and len(new_tokens) == 4  # greedy, so cached: no new generation
+    assert m(QS[:1])["C"] is None and not list(m.parameters())
+
+
+def test_single_has_no_context_and_no_parameters():
+    m = build("single")
+    assert m(QS)["C"] is None and not list(m.parameters())
+
+
+def test_spearman_with_ties_by_hand():
+    # a = [1, 2, 2, 3] -> ranks [1, 2.5, 2.5, 4]; b = [4, 3, 3, 1] -> ranks [4, 2.5, 2.5, 1]: rho = -1
+    assert ranks([1, 2, 2, 3]).tolist() == [1, 2.5, 2.5, 4]
+    assert spearman([1, 2, 2, 3], [4, 3, 3, 1]) == pytest.approx(-1.0)
+    # a = [1, 2, 3, 4], b = [1, 3, 2, 2]: ranks b = [1, 4, 2.5, 2.5]; centred a = [-1.5, -.5, .5, 1.5],
+    # centred b = [-1.5, 1.5, 0, 0]: cov = 2.25 - 0.75 = 1.5; |a| = sqrt(5), |b| = sqrt(4.5) -> 1.5 / sqrt(22.5)
+    assert spearman([1, 2, 3, 4], [1, 3, 2, 2]) == pytest.approx(1.5 / 22.5 ** 0.5)
+    assert spearman([1, 1, 1], [1, 2, 3]) != spearman([1, 1, 1], [1, 2, 3])  # constant series: NaN
+
+
+def test_mean_std_by_hand():
+    m, s = mean_std([0.5, 0.7, 0.9])
+    assert m == pytest.approx(0.7) and s == pytest.approx(0.2)  # sample std: sqrt((0.04 + 0 + 0.04) / 2)
+    assert mean_std([0.3]) == (0.3, 0.0)
+
+
+def test_summarize_builds_the_table(tmp_path):
+    for seed, score in enumerate([0.5, 0.7, 0.9]):
+        run = tmp_path / f"ours-s{seed}"
+        os.makedirs(run)
+        json.dump({"method": "ours", "task": "chain_sum", "team": "tiny"}, open(run / "config.json", "w"))
+        json.dump({"score": score, "solve_rate": score / 2}, open(run / "eval.json", "w"))
+        with open(run / "metrics.jsonl", "w") as f:
+            for step, (r, h) in enumerate([(0.1, 1.0), (0.2, 0.9), (0.3, 0.8)]):
+                f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
+    table, rho = summarize([str(tmp_path)], str(tmp_path / "out"))
+    assert "| ours | 70.0 ± 20.0 | 35.0 ± 10.0 | 3 |" in table
+    assert rho["mean"] == pytest.approx(-1.0) and len(rho["per_run"]) == 3
