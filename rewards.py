@@ -23,7 +23,8 @@ Deviations from the paper (which only names the datasets):
    example, a response prefix such as "<think>". A template that rejects the system role gets the system text
    before the question; a tokenizer without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
 5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####" numerically, else 0.
-   Val = the 1,319 test items in file order; train is shuffled with the seed.
+   Val = the 1,319 test items in file order; train is shuffled with the seed. The splits are fixed, so a larger
+   `size` (the default 4,000 validation items, 16,000 training items) gets the whole split: one epoch.
 6. A single dataset name (`--task chain_sum`) uses the config of its paper family if it has one.
 
 Try it on CPU (about 5 s, no network):
@@ -31,6 +32,7 @@ Try it on CPU (about 5 s, no network):
 """
 
 import hashlib
+from collections.abc import Sequence
 import json
 import math
 import multiprocessing as mp
@@ -53,9 +55,11 @@ FAMILIES = {
         "ab": {}, "base_conversion": {}, "binary_alternation": {"p_solvable": 0.9},
         "binary_matrix": {"min_n": 2, "max_n": 6}, "caesar_cipher": {"max_words": 10}, "cryptarithm": {},
         "isomorphic_strings": {"max_string_length": 8}, "jugs": {"difficulty": 6},
-        "rotate_matrix": {"min_n": 2, "max_n": 6}, "string_manipulation": {"max_string_length": 15, "max_num_rules": 6}},
+        "rotate_matrix": {"min_n": 2, "max_n": 6},
+        "string_manipulation": {"max_string_length": 15, "max_num_rules": 6}},
     "logic": {name: {} for name in [
-        "aiw", "circuit_logic", "knights_knaves", "propositional_logic", "self_reference", "syllogism", "zebra_puzzles"]},
+        "aiw", "circuit_logic", "knights_knaves", "propositional_logic", "self_reference", "syllogism",
+        "zebra_puzzles"]},
 }
 SPLITS = ("train", "val")
 _SEED_SPAN = 10**9  # reasoning-gym seeds one split may use: [split_seed, split_seed + _SEED_SPAN)
@@ -85,7 +89,7 @@ def shared_questions(entries_a, entries_b):
 
 def load_entries(task, split, size, seed=0, data_path=None):
     """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one reasoning-gym dataset;
-    metadata['source_dataset'] names the dataset that scores the entry. GSM8K: size=None = the whole split."""
+    metadata['source_dataset'] names the dataset that scores the entry. GSM8K: at most its whole split."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if task == "gsm8k":
@@ -105,14 +109,36 @@ def load_entries(task, split, size, seed=0, data_path=None):
     max_draws = 20 * size + 1000  # we expect 2 per kept entry: half the questions belong to the other split
     specs = [DatasetSpec(name, 1.0, dict(config)) for name, config in configs.items()]
     composite = CompositeDataset(CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs))
-    entries = []
-    for idx in range(max_draws):
-        entry = composite[idx]
-        if question_split(entry["question"]) == split:
-            entries.append(entry)
-            if len(entries) == size:
-                return entries
-    raise ValueError(f"--task {task}: only {len(entries)} of {size} {split} questions in {max_draws} draws")
+    return LazyEntries(composite, split, size, max_draws, task)
+
+
+class LazyEntries(Sequence):
+    """`size` entries of one split, generated in order on first access and kept. Generation is lazy because
+    some datasets are slow (a zebra puzzle takes ~0.2 s: 16,000 up front would delay the first step by
+    almost an hour), and a run of N steps only ever touches its first N x 32 entries."""
+
+    def __init__(self, composite, split, size, max_draws, task):
+        self.composite, self.split, self.size, self.max_draws, self.task = composite, split, size, max_draws, task
+        self.entries, self.draws = [], 0
+
+    def __len__(self):
+        return self.size
+
+    def __getitem__(self, i):
+        if isinstance(i, slice):
+            return [self[j] for j in range(*i.indices(self.size))]
+        if not -self.size <= i < self.size:
+            raise IndexError(i)
+        i %= self.size
+        while len(self.entries) <= i:
+            if self.draws == self.max_draws:
+                raise ValueError(f"--task {self.task}: only {len(self.entries)} {self.split} questions in "
+                                 f"{self.max_draws} draws")
+            entry = self.composite[self.draws]
+            self.draws += 1
+            if question_split(entry["question"]) == self.split:
+                self.entries.append(entry)
+        return self.entries[i]
 
 
 def _load_gsm8k(split, size, seed, data_path):
@@ -135,9 +161,9 @@ def _load_gsm8k(split, size, seed, data_path):
     rows = list(enumerate(rows))
     if split == "train":
         random.Random(seed).shuffle(rows)
-    size = len(rows) if size is None else size
-    if not 0 < size <= len(rows):
-        raise ValueError(f"gsm8k {split} has {len(rows)} items, asked for {size} (size=None takes them all)")
+    size = len(rows) if size is None else min(size, len(rows))  # fixed splits: at most all of it (deviation 5)
+    if size <= 0:
+        raise ValueError(f"gsm8k: size must be positive or None, got {size}")
     return [{"question": row["question"], "answer": row["answer"].split("####")[-1].strip(),
              "metadata": {"source_dataset": "gsm8k", "source_index": i, "solution": row["answer"]}}
             for i, row in rows[:size]]
@@ -233,8 +259,9 @@ SCORERS = {
     "circuit_logic": ("string", "exact match, or match after strip()"),
     "zebra_puzzles": ("string", "exact match after lower()"),
     "knights_knaves": ("string", "lower/replace/split into (name, role) pairs: linear"),
-    **dict.fromkeys(["simple_geometry", "base_conversion", "binary_alternation", "caesar_cipher", "aiw",
-                     "isomorphic_strings", "rotate_matrix", "string_manipulation", "syllogism"], ("string", DEFAULT)),
+    **{name: ("string", DEFAULT) for name in ["simple_geometry", "base_conversion", "binary_alternation", "aiw",
+                                              "caesar_cipher", "isomorphic_strings", "rotate_matrix",
+                                              "string_manipulation", "syllogism"]},
     "gsm8k": ("gsm8k", "this file: a regex and Decimal on at most 64 characters"),
 }
 STATUSES = ("ok", "refused", "error", "timeout")
@@ -255,8 +282,8 @@ def _guard_sympy(answer, entry):
     anything but maths functions."""
     meta = entry["metadata"]
     names = _SYMPY_NAMES | set(meta.get("variables", [])) | {meta.get("variable", "x")}
-    if len(answer) > MAX_FORMULA_CHARS or not set(answer) <= _SYMPY_CHARS:  # Python's parser refuses > 200
-        return "not a short formula"                                          # nested brackets by itself
+    if len(answer) > MAX_FORMULA_CHARS or not set(answer) <= _SYMPY_CHARS:  # deep nesting: a SyntaxError
+        return "not a short formula"
     if re.search(r"\.\s*[A-Za-z]", answer) or not set(re.findall(r"[A-Za-z]+", answer)) <= names:
         return "name outside the maths whitelist"
     return None
@@ -307,13 +334,20 @@ def _kind(name):
     return "string" if DATASETS[name][0].score_answer is ProceduralDataset.score_answer else "unknown"
 
 
+def _make_scorer(name):
+    """score_answer of the dataset built with its paper config, as in the composite that made the entry."""
+    if name == "gsm8k":
+        return _score_gsm8k
+    from reasoning_gym import create_dataset
+
+    return create_dataset(name, **dataset_config(name)).score_answer
+
+
 def _call_scorer(cache, name, entry, answer):
     """(reward, status) of one answer that passed its guard; any exception scores 0 with 'error'."""
     try:
         if name not in cache:
-            from reasoning_gym import create_dataset
-
-            cache[name] = _score_gsm8k if name == "gsm8k" else create_dataset(name, **dataset_config(name)).score_answer
+            cache[name] = _make_scorer(name)
         reward = float(cache[name](answer, entry))
         return (0.0 if math.isnan(reward) else min(1.0, max(0.0, reward))), "ok"
     except Exception:  # includes RecursionError and MemoryError
@@ -461,7 +495,7 @@ def safe_score(entry, completion, timeout=2.0):
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Rewards of a right, a wrong and a hostile answer on a few items.")
+    parser = argparse.ArgumentParser(description="Rewards of a right, a wrong and a hostile answer.")
     parser.add_argument("--task", default="arithmetic", help="a family, gsm8k, or a reasoning-gym dataset name")
     parser.add_argument("--n", type=int, default=3, help="number of validation items to show")
     parser.add_argument("--data-path", default=None, help="gsm8k only: a local jsonl or a folder with them")

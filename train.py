@@ -245,12 +245,14 @@ def keep_metrics_upto(path, step):
 
 
 def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
-    """Data order: a fresh permutation per epoch, a pure function of (seed, position): resume needs no state."""
+    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch in order
+    (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on load), every later
+    epoch a fresh seeded permutation."""
     start = (step * grad_accum + micro) * batch_size
     out = []
     for k in range(start, start + batch_size):
         epoch, i = divmod(k, n_items)
-        out.append(int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
+        out.append(i if epoch == 0 else int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
     return out
 
 
@@ -258,17 +260,127 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
 # The training run
 
 
+def build_run(args, device):
+    """Models, data and optimiser for a run: the policy (frozen + LoRA), the context builder g_phi of the
+    chosen method, the training items. Raises ValueError with a one-line message on bad input."""
+    import rewards
+    from baselines import METHODS
+    from experts import TEAMS, load_model
+    from lora import apply_lora
+    team = dict(TEAMS[args.team])
+    team["policy"] = args.policy or team["policy"]
+    if args.experts:
+        team["experts"] = args.experts.split(",")
+    train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path)
+    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
+    policy, tok = load_model(team["policy"], device, dtype)
+    method = METHODS[args.method](team, policy.config.hidden_size, args, device, dtype)
+    apply_lora(policy, args.lora_rank, args.lora_alpha)
+    if args.freeze_policy:
+        for p in policy.parameters():
+            p.requires_grad_(False)
+    policy.train()  # no dropout in these models; train() only marks intent
+    groups = []
+    if not args.freeze_policy:
+        groups.append({"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr})
+    if any(p.requires_grad for p in method.parameters()):
+        groups.append({"params": [p for p in method.parameters() if p.requires_grad], "lr": args.router_lr})
+    if not groups:
+        raise ValueError(f"--freeze-policy with --method {args.method}: nothing left to train")
+    optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
+    eos_ids = sorted({tok.eos_token_id} | set(np.atleast_1d(policy.generation_config.eos_token_id or []).tolist()))
+    return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer, train_items=train_items,
+                eos_ids=eos_ids, device=device, pool=getattr(method, "pool", None))
+
+
+def grpo_step(step, run, args, score_batch):
+    """One optimiser step: rollout -> reward -> advantage -> loss -> step. Returns (metrics, rollout batches)."""
+    import rewards
+    from grpo import completion_mask, group_advantages, grpo_loss
+    from lora import lora_disabled
+    policy, tok, method, optimizer = run["policy"], run["tok"], run["method"], run["optimizer"]
+    G, device, eos_ids, t0 = args.group_size, run["device"], run["eos_ids"], time.time()
+    # ---- rollout: G samples per prompt, all conditioned on the same C -----------------------------------------
+    batches = []
+    for micro in range(args.grad_accum):
+        items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                              len(run["train_items"]), args.seed)]
+        questions = [it["question"] for it in items]
+        method.eval()
+        with torch.no_grad():
+            ctx = method(questions)
+        prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
+                                        args.response_prefix) for q, h in zip(questions, ctx["hints"])]
+        ids, mask = encode_prompts(tok, prompts, device)
+        comp = sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
+                      tok.pad_token_id, args.context_position)
+        comp_mask = completion_mask(comp, eos_ids)
+        texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
+        # ---- reward: untrusted text, scored with a time limit (rewards.py) ------------------------------------
+        r, counts = score_batch([it for it in items for _ in range(G)], texts)
+        r = torch.tensor(r, dtype=torch.float32, device=device)
+        # ---- advantage: group-relative, one group per prompt -------------------------------------------------
+        adv = group_advantages(r, G, scale=not args.no_scale_rewards)
+        ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
+        with torch.no_grad(), lora_disabled(policy):  # pi_ref: LoRA off, zero tokens where C was (paper §4.1)
+            C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"]).repeat_interleave(G, 0)
+            logp_ref = completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
+                                           args.context_position)
+        batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
+                            r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
+
+    # ---- loss and step: mu passes over the rollout batch, gradient accumulation over micro-batches ------------
+    method.train()
+    for epoch in range(args.inner_epochs):
+        optimizer.zero_grad(set_to_none=True)
+        losses, stats = [], []
+        for b in batches:
+            ctx = method(b["questions"], reuse=b["ctx"])  # same routing noise as in the rollout
+            C = None if ctx["C"] is None else ctx["C"].repeat_interleave(G, 0)
+            logp = completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
+                                       args.temperature, args.context_position)
+            if epoch == 0:  # the weights have not moved yet: logp_old = logp, detached (no extra forward)
+                b["logp_old"] = logp.detach()
+            loss, m = grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"], args.clip_eps,
+                                args.beta, args.loss_aggregation)
+            (loss / args.grad_accum).backward()
+            losses.append(loss.item()), stats.append(m)
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
+        finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
+        if finite:  # a non-finite loss or gradient skips the update: the weights stay as they were
+            optimizer.step()
+
+    # ---- metrics (README: "Metrics") --------------------------------------------------------------------------
+    r_all = torch.cat([b["r"] for b in batches])
+    eos = torch.tensor(eos_ids, device=device)
+    same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+           "solve_rate": (r_all == 1).float().mean().item(), "loss": float(np.mean(losses)),
+           "kl": float(np.mean([m["kl"] for m in stats])),
+           "clip_fraction": float(np.mean([m["clip_fraction"] for m in stats])), "grad_norm": grad_norm,
+           "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
+           "truncated_fraction": torch.cat([~torch.isin(b["comp"], eos).any(-1) for b in batches]).float().mean().item(),
+           "zero_std_fraction": same.float().mean().item(),
+           "scorer_failures": sum(v for b in batches for k, v in b["counts"].items() if k != "ok"),
+           "skipped_update": not finite}
+    A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
+    if A:
+        from adapter import routing_stats
+        rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
+    rec["seconds"] = time.time() - t0
+    return rec, batches
+
+
 def main(argv=None, score_batch=None):
     """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's scorer (a fork's
     own reward, or the tests' synthetic one); by default rewards.score_batch."""
     args = parse_args(argv)
     import rewards
-    score_batch = score_batch or rewards.score_batch
-    from baselines import METHODS
-    from experts import TEAMS, load_model
-    from grpo import completion_mask, group_advantages, grpo_loss
-    from lora import apply_lora, lora_disabled, save_peft
+    from lora import save_peft
     from tqdm import tqdm
+    score_batch = score_batch or rewards.score_batch
 
     ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
     if args.resume and not os.path.exists(ckpt_path):
@@ -276,147 +388,44 @@ def main(argv=None, score_batch=None):
     if not args.resume and os.path.exists(metrics_path):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
     try:
-        device = pick_device(args.device)
-        team = dict(TEAMS[args.team])
-        team["policy"] = args.policy or team["policy"]
-        if args.experts:
-            team["experts"] = args.experts.split(",")
-        train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path)
+        run = build_run(args, pick_device(args.device))
+        start = load_checkpoint(ckpt_path, run["policy"], run["method"], run["optimizer"], run["pool"]) \
+            if args.resume else 0
     except ValueError as e:
         fail(str(e))
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
-
-    # Models: the policy (frozen + LoRA) and the context builder g_phi of the chosen method.
-    try:
-        policy, tok = load_model(team["policy"], device, dtype)
-        build = METHODS[args.method]
-        method = build(team, policy.config.hidden_size, args, device, dtype)
-    except ValueError as e:
-        fail(str(e))
-    apply_lora(policy, args.lora_rank, args.lora_alpha)
-    if args.freeze_policy:
-        for p in policy.parameters():
-            p.requires_grad_(False)
-    policy.train()  # no dropout in these models; train() only marks intent
-    pool = getattr(method, "pool", None)
-    eos_ids = sorted({tok.eos_token_id} | set(np.atleast_1d(policy.generation_config.eos_token_id or []).tolist()))
-    groups = []
-    if not args.freeze_policy:
-        groups.append({"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr})
-    if any(p.requires_grad for p in method.parameters()):
-        groups.append({"params": [p for p in method.parameters() if p.requires_grad], "lr": args.router_lr})
-    if not groups:
-        fail(f"--freeze-policy with --method {args.method}: nothing left to train")
-    optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
-
-    start = 0
     if args.resume:
-        try:
-            start = load_checkpoint(ckpt_path, policy, method, optimizer, pool)
-        except ValueError as e:
-            fail(str(e))
-        keep_metrics_upto(metrics_path, start)
+        for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
+            keep_metrics_upto(os.path.join(args.out, name), start)
     os.makedirs(args.out, exist_ok=True)
     with open(os.path.join(args.out, "config.json"), "w") as f:
-        json.dump({**vars(args), "team_models": team, "device_used": str(device)}, f, indent=2)
+        json.dump({**vars(args), "team_models": run["team"], "device_used": str(run["device"])}, f, indent=2)
 
-    G, bad_steps = args.group_size, 0
+    bad_steps = 0
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", dynamic_ncols=True)
     for step in bar:
-        t0 = time.time()
-        # ---- rollout: G samples per prompt, all conditioned on the same C ---------------------------------
-        batches = []
-        for micro in range(args.grad_accum):
-            items = [train_items[i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                           len(train_items), args.seed)]
-            questions = [it["question"] for it in items]
-            method.eval()
-            with torch.no_grad():
-                ctx = method(questions)
-            prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
-                                            args.response_prefix) for q, h in zip(questions, ctx["hints"])]
-            ids, mask = encode_prompts(tok, prompts, device)
-            comp = sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
-                          tok.pad_token_id, args.context_position)
-            comp_mask = completion_mask(comp, eos_ids)
-            texts = tok.batch_decode(comp, skip_special_tokens=True)
-            # ---- reward: untrusted text, scored with a time limit (rewards.py) ----------------------------
-            r, counts = score_batch([it for it in items for _ in range(G)], texts)
-            r = torch.tensor(r, dtype=torch.float32, device=device)
-            # ---- advantage: group-relative, one group per prompt -----------------------------------------
-            adv = group_advantages(r, G, scale=not args.no_scale_rewards)
-            ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
-            with torch.no_grad(), lora_disabled(policy):  # pi_ref: LoRA off, zero tokens where C was
-                C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"]).repeat_interleave(G, 0)
-                logp_ref = completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
-                                               args.context_position)
-            batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
-                                r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
-
-        # ---- loss and step: mu passes over the rollout batch, gradient accumulation over micro-batches ----
-        method.train()
-        for epoch in range(args.inner_epochs):
-            optimizer.zero_grad(set_to_none=True)
-            losses, stats = [], []
-            for b in batches:
-                ctx = method(b["questions"], reuse=b["ctx"])  # same routing noise as in the rollout
-                C = None if ctx["C"] is None else ctx["C"].repeat_interleave(G, 0)
-                logp = completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
-                                           args.temperature, args.context_position)
-                if epoch == 0:  # mu = 1: logp_old is logp itself (detached), so no extra forward is needed
-                    b["logp_old"] = logp.detach()
-                loss, m = grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"], args.clip_eps,
-                                    args.beta, args.loss_aggregation)
-                (loss / args.grad_accum).backward()
-                losses.append(loss.item()), stats.append(m)
-            params = [p for g in optimizer.param_groups for p in g["params"]]
-            grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
-            finite = np.isfinite(grad_norm) and all(np.isfinite(losses))
-            if finite:
-                optimizer.step()
-        bad_steps = 0 if finite else bad_steps + 1
-
-        # ---- log: one line, one JSON object ---------------------------------------------------------------
-        r_all = torch.cat([b["r"] for b in batches])
-        lengths = torch.cat([b["comp_mask"].sum(-1) for b in batches]).float()
-        eos = torch.tensor(eos_ids, device=device)
-        truncated = torch.cat([~torch.isin(b["comp"], eos).any(-1) for b in batches]).float().mean()
-        zero_std = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-        zero_std = zero_std.float().mean()
-        fails = sum(sum(v for k, v in b["counts"].items() if k != "ok") for b in batches)
-        rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-               "solve_rate": (r_all == 1).float().mean().item(), "loss": float(np.mean(losses)),
-               "kl": float(np.mean([m["kl"] for m in stats])),
-               "clip_fraction": float(np.mean([m["clip_fraction"] for m in stats])),
-               "grad_norm": grad_norm, "completion_length": lengths.mean().item(),
-               "truncated_fraction": truncated.item(), "zero_std_fraction": zero_std.item(),
-               "scorer_failures": fails, "skipped_update": not finite, "seconds": time.time() - t0}
-        A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
-        if A:
-            from adapter import routing_stats
-            rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
+        rec, batches = grpo_step(step, run, args, score_batch)
+        bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
+        # ---- log: one line, one JSON object ------------------------------------------------------------------
         with open(metrics_path, "a") as f:
             f.write(json.dumps(rec) + "\n")
-        line = (f"step {step + 1}/{args.steps} | reward {rec['reward']:.3f} | kl {rec['kl']:.4f} | "
-                f"len {rec['completion_length']:.0f}" + (f" | H {rec['entropy']:.3f}" if A else "") +
-                f" | {rec['seconds']:.1f} s")
-        bar.write(line)
+        bar.write(f"step {step + 1}/{args.steps} | reward {rec['reward']:.3f} | kl {rec['kl']:.4f} | "
+                  f"len {rec['completion_length']:.0f}" + (f" | H {rec['entropy']:.3f}" if "entropy" in rec else "")
+                  + f" | {rec['seconds']:.1f} s")
         if (step + 1) % args.sample_every == 0 or step == start:
             b = batches[0]
             with open(os.path.join(args.out, "samples.jsonl"), "a") as f:
-                for k in range(min(G, 4)):
-                    f.write(json.dumps({"step": step + 1, "question": b["questions"][k // G],
-                                        "answer": b["items"][k // G].get("answer"),
-                                        "completion": b["texts"][k], "reward": b["r"][k].item()}) + "\n")
-
-        # ---- checkpoint -----------------------------------------------------------------------------------
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or bad_steps:
-            save_checkpoint(ckpt_path, step + 1, policy, method, optimizer, pool)
-        if bad_steps >= args.max_bad_steps:
+                for k in range(min(args.group_size, 4)):  # the first prompt's first few completions
+                    f.write(json.dumps({"step": step + 1, "question": b["questions"][0],
+                                        "answer": b["items"][0].get("answer"), "completion": b["texts"][k],
+                                        "reward": b["r"][k].item()}) + "\n")
+        # ---- checkpoint --------------------------------------------------------------------------------------
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps:
+            save_checkpoint(ckpt_path, step + 1, run["policy"], run["method"], run["optimizer"], run["pool"])
+        if bad_steps >= args.max_bad_steps:  # skipped steps left the weights as they were: save them
+            save_checkpoint(ckpt_path, step + 1, run["policy"], run["method"], run["optimizer"], run["pool"])
             fail(f"{bad_steps} steps in a row had a non-finite loss or gradient; stopped. The last good weights "
                  f"are in {ckpt_path}; try a lower --lr / --router-lr")
-    save_peft(policy, os.path.join(args.out, "lora_peft"), team["policy"])
+    save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
     return args.out
 
 

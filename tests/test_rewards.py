@@ -63,7 +63,7 @@ def test_family_train_and_val_share_no_question(family):
     val = rewards.load_entries(family, "val", 30, seed=0)
     assert len(train) == len(val) == 30
     assert rewards.shared_questions(train, val) == set()
-    for entry in train + val:
+    for entry in [*train, *val]:
         assert {"question", "answer", "metadata"} <= set(entry)
         assert entry["metadata"]["source_dataset"] in rewards.FAMILIES[family]
 
@@ -100,8 +100,7 @@ def test_gsm8k_from_a_local_folder_or_file():
     assert not set(train) & {e["question"] for e in val}
     rewards_, counts = rewards.score_batch(val[:50], [f"<answer>{e['answer']}</answer>" for e in val[:50]])
     assert rewards_ == [1.0] * 50 and counts["ok"] == 50
-    with pytest.raises(ValueError, match="1319"):
-        rewards.load_entries("gsm8k", "val", 4000, data_path=GSM8K)
+    assert len(rewards.load_entries("gsm8k", "val", 4000, data_path=GSM8K)) == 1319  # the paper's 1,319 items
 
 
 def test_gsm8k_without_network_asks_for_data_path(monkeypatch):
@@ -122,14 +121,16 @@ def tiny_tokenizer(chat_template):
     from tokenizers import Tokenizer, models
     from transformers import PreTrainedTokenizerFast
 
-    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(models.WordLevel({"<unk>": 0}, unk_token="<unk>")))
+    vocab = models.WordLevel({"<unk>": 0}, unk_token="<unk>")
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=Tokenizer(vocab))
     tokenizer.chat_template = chat_template
     return tokenizer
 
 
 TEMPLATE = ("{% for m in messages %}<|{{ m.role }}|>{{ m.content }}<|end|>{% endfor %}"
             "{% if add_generation_prompt %}<|assistant|>{% endif %}")
-NO_SYSTEM = "{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}" + TEMPLATE
+NO_SYSTEM = ("{% if messages[0].role == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+             + TEMPLATE)  # like Gemma's
 
 
 def test_build_prompt_uses_the_chat_template():
@@ -255,34 +256,46 @@ def hostile_answers(marker):
     }
 
 
+def expected_status(scorer_kind, answer_kind):
+    if scorer_kind in rewards.IN_PROCESS_KINDS:
+        return "ok"  # plain string comparisons: harmless on anything
+    if answer_kind in ("nesting", "lists", "megabyte"):
+        return "refused"  # longer than any real answer
+    if scorer_kind in ("sympy", "eval", "complex", "logic") and answer_kind in ("code", "lambda", "dunder"):
+        return "refused"
+    if scorer_kind == "sympy" and answer_kind == "exponent":
+        return "timeout"
+    return None  # "ok" (the scorer parses it safely and gives 0) or "refused": both fine
+
+
 def test_hostile_answers_on_every_dataset(tmp_path):
     marker, timeout = tmp_path / "pwned", 1.0
-    entries, completions, kinds = [], [], []
+    rewards.safe_score(make_entry("chain_sum"), "<answer>1</answer>")  # start the worker: not counted as scoring
+    entries, completions = [], []
     for name in ALL_DATASETS + ["gsm8k"]:
         entry = make_entry(name) if name != "gsm8k" else gsm8k_entry()
-        for kind, answer in hostile_answers(marker).items():
+        for answer_kind, answer in hostile_answers(marker).items():
+            completion = f"<think>x</think><answer>{answer}</answer>"
+            start = time.time()
+            reward, status = rewards.safe_score(entry, completion, timeout=timeout)
+            assert time.time() - start < timeout + 0.5, (name, answer_kind)
+            assert 0.0 <= reward <= 1.0 and status in rewards.STATUSES and status != "error", (name, answer_kind)
+            assert status == (expected_status(rewards.SCORERS[name][0], answer_kind) or status), (name, answer_kind)
             entries.append(entry)
-            completions.append(f"<think>x</think><answer>{answer}</answer>")
-            kinds.append((name, kind))
+            completions.append(completion)
     start = time.time()
-    scores, counts = rewards.score_batch(entries, completions, timeout=timeout)
-    elapsed = time.time() - start
+    scores, counts = rewards.score_batch(entries, completions, timeout=timeout)  # the same in one batch
+    assert time.time() - start < (counts["timeout"] + 1) * timeout + 5
+    assert counts["timeout"] == 2 and counts["error"] == 0 and all(0.0 <= s <= 1.0 for s in scores)
     assert not marker.exists(), "model text ran as code"
-    assert all(0.0 <= s <= 1.0 for s in scores)
-    assert sum(counts[s] for s in rewards.STATUSES) == len(entries)
-    assert counts["timeout"] <= 4, counts  # only the sympy scorers on 9**9**9**9 (and maybe nesting) should hang
-    assert elapsed < counts["timeout"] * timeout + 15, (elapsed, counts)
-    status = {k: rewards.safe_score(e, c, timeout=timeout)[1] for k, e, c in zip(kinds, entries, completions)
-              if k[0] in ("binary_matrix", "polynomial_multiplication", "complex_arithmetic", "propositional_logic")
-              and k[1] in ("code", "lambda", "dunder", "nan", "atoms", "lists")}
-    assert set(status.values()) == {"refused"}, status
 
 
 def test_a_hanging_scorer_times_out_and_the_worker_recovers():
     entry = make_entry("polynomial_multiplication")
+    assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")  # worker started
     start = time.time()
     assert rewards.safe_score(entry, "<answer>9**9**9**9</answer>", timeout=1.0) == (0.0, "timeout")
-    assert time.time() - start < 2.5
+    assert time.time() - start < 1.5
     assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")
     rewards._WORKER.proc.kill()  # a worker that died between batches (e.g. killed by the OS) is replaced
     rewards._WORKER.proc.join()
