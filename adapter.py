@@ -20,10 +20,16 @@ Deviations / choices the paper leaves open:
      form; Eq. 9–10 are written for one head. There is no output projection after the heads (Eq. 10 has
      none), unlike nn.MultiheadAttention; tests check parity with nn.MultiheadAttention given an identity
      output projection.
-  2. "Near-zero" W_out: std 1e-7 and b_out = 0. The first RMSNorm of the policy divides by
-     sqrt(mean(x^2) + eps) with eps ~ 1e-6, so a token of RMS 1e-3 would already be amplified to unit scale
-     (DESIGN trap 3); at RMS ~ 1e-6 it stays within ~1e-3 of the zero tokens of the reference. Measured in
-     tests/test_adapter.py: step-0 log-probs equal the zero-context reference's to < 1e-3.
+  2. "Near-zero" W_out is exactly zero (b_out too), so C = 0 and step 0 is the reference policy bit for bit
+     (tests/test_adapter.py). Small random values are not a no-op: the policy's RMSNorm divides by
+     sqrt(mean(x^2) + eps), which amplifies a tiny token by up to 1/sqrt(eps), layer after layer (DESIGN
+     trap 3). Measured on the tiny policy, max |log-prob - reference log-prob| for W_out ~ N(0, std^2):
+         std     1e-6     1e-7     1e-8     1e-9     0
+         after   4.1e-3   4.1e-4   3.9e-5   1.9e-6   0
+         before  6.5e-1   6.1e-1   1.4e-1   2.0e-3   0
+     ("before": C comes first and attends only to itself, so nothing dilutes the amplified tokens.) The
+     gradient still reaches W_out at step 0 (dC/dW_out = C'), like LoRA's B = 0; the rest of g_phi gets
+     gradient from the second step on. `out_init_std` restores a random near-zero init.
   3. W_i have no bias (Eq. 6 has none); W_Q, W_K, W_V, W1, W2 have none either; W_out has b_out.
 
 Try it on CPU:  python adapter.py   (prints C and A for random expert states)
@@ -46,16 +52,16 @@ class FFN(nn.Module):
 
 
 class OutputProjection(nn.Linear):
-    """Eq. 11: C = C' W_out + b_out, initialised near zero so C starts as a no-op (deviation 2)."""
+    """Eq. 11: C = C' W_out + b_out, initialised at zero so C starts as a no-op (deviation 2)."""
 
-    def __init__(self, d, out_dim, init_std=1e-7):
+    def __init__(self, d, out_dim, init_std=0.0):
         super().__init__(d, out_dim, bias=True)
         nn.init.normal_(self.weight, std=init_std)
         nn.init.zeros_(self.bias)
 
 
 class PerceiverAdapter(nn.Module):
-    def __init__(self, expert_dims, out_dim, latent_dim=512, num_latents=8, num_heads=8, out_init_std=1e-7):
+    def __init__(self, expert_dims, out_dim, latent_dim=512, num_latents=8, num_heads=8, out_init_std=0.0):
         super().__init__()
         if latent_dim % num_heads:
             raise ValueError(f"--latent-dim {latent_dim} must be divisible by --num-heads {num_heads}")

