@@ -87,7 +87,7 @@ def shared_questions(entries_a, entries_b):
     return {e["question"] for e in entries_a} & {e["question"] for e in entries_b}
 
 
-def load_entries(task, split, size, seed=0, data_path=None):
+def load_entries(task, split, size, seed=0, data_path=None, config=None):
     """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one reasoning-gym dataset;
     metadata['source_dataset'] names the dataset that scores the entry. GSM8K: at most its whole split."""
     if split not in SPLITS:
@@ -103,6 +103,14 @@ def load_entries(task, split, size, seed=0, data_path=None):
     else:
         raise ValueError(f"unknown --task {task!r}: use one of {', '.join([*FAMILIES, 'gsm8k'])} "
                          "or a reasoning-gym dataset name (e.g. chain_sum)")
+    if config:  # --task-config: JSON over the reasoning-gym defaults of one dataset
+        if task not in configs or len(configs) != 1:
+            raise ValueError(f"--task-config applies to a single reasoning-gym dataset, not to --task {task}")
+        try:
+            configs = {task: {**configs[task], **json.loads(config)}}
+            DATASETS[task][1](**configs[task]).validate()
+        except (ValueError, TypeError, AssertionError) as err:
+            raise ValueError(f"--task-config {config!r} is not a valid {task} config: {err}") from None
     assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, f"size must be a positive int, got {size!r}"
     from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
