@@ -18,13 +18,23 @@ Deviations from the paper (see also grpo.py, adapter.py, experts.py, rewards.py)
      mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example / --response-prefix (small
      policies never write the answer tags with the paper's prompt: DESIGN §3), --context-position before.
   3. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
+
+Failure modes (issue 6; tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
+anything in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the checkpoint
+holding the last good weights; a killed run continues exactly with --resume (a resumed run must keep the flags
+that change the maths).
 """
 import argparse
+import functools
+import glob
 import json
 import os
 import random
+import signal
 import sys
 import time
+import urllib.error
+import urllib.request
 
 import numpy as np
 import torch
@@ -33,13 +43,22 @@ import torch
 # Configuration: one flat argparse block. Flags use dashes, variables underscores.
 
 TASK_HELP = "a family (arithmetic, algorithmic, logic), gsm8k, or any reasoning-gym dataset name"
+# Flags a resumed run may change: none of them changes the maths of a step.
+RESUME_MAY_CHANGE = {"steps", "device", "out", "resume", "save_every", "sample_every", "max_bad_steps"}
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block), like every other bad-input error here."""
+
+    def error(self, message):
+        fail(message)
 
 
 def parse_args(argv=None):
     from baselines import METHODS
     from experts import POOLINGS, TEAMS
     from rewards import SYSTEM_PROMPT_NAMES
-    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     a = p.add_argument
     a("--task", default="arithmetic", help=TASK_HELP)
     a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
@@ -74,6 +93,8 @@ def parse_args(argv=None):
     a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
     a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")
     a("--dataset-size", type=int, default=20000, help="reasoning-gym items per split (paper: 20000)")
+    a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
+      "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
     a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
     a("--seed", type=int, default=0, help="seed for data order, sampling and initialisation")
     a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda, mps or cpu")
@@ -81,7 +102,7 @@ def parse_args(argv=None):
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     a("--save-every", type=int, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=int, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
-    a("--max-bad-steps", type=int, default=5, help="stop after this many non-finite steps in a row")
+    a("--max-bad-steps", type=int, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
     args = p.parse_args(argv)
 
     # Fail in the first second, naming the flag (STYLE 7).
@@ -91,15 +112,24 @@ def parse_args(argv=None):
         v = getattr(args, flag)
         if v is not None and v < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {v}")
+    for flag in ("temperature", "lr", "router_lr", "adam_eps", "grad_clip", "lora_alpha"):
+        v = getattr(args, flag)
+        if not (np.isfinite(v) and v > 0):  # `not`, so that NaN fails too
+            p.error(f"--{flag.replace('_', '-')} must be a finite number > 0, got {v}")
+    for flag in ("beta", "weight_decay", "seed"):
+        v = getattr(args, flag)
+        if not (np.isfinite(v) and v >= 0):
+            p.error(f"--{flag.replace('_', '-')} must be a finite number >= 0, got {v}")
     checks = [(args.group_size >= 2, f"--group-size must be >= 2 (GRPO compares samples), got {args.group_size}"),
               (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
-              (args.temperature > 0, f"--temperature must be > 0, got {args.temperature}"),
-              (args.beta >= 0, f"--beta must be >= 0, got {args.beta}"),
               (0 <= args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
-              (args.lr > 0 and args.router_lr > 0, "--lr and --router-lr must be > 0"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
-               f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}")]
+               f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
+              (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
+              (args.data_path is None or os.path.exists(args.data_path),
+               f"--data-path {args.data_path}: no such file or folder"),
+              (not (args.experts and args.method == "single"), "--experts is not used by --method single")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -121,10 +151,70 @@ def pick_device(name):
     return torch.device("cpu")
 
 
-def fail(msg):
-    """Bad input: one line, exit code 2, nothing written (STYLE 7, issue 6)."""
+def fail(msg, code=2):
+    """One line on stderr, then exit: code 2 for bad input, before anything is written (STYLE 7, issue 6);
+    code 3 when --max-bad-steps stops a run."""
     print(f"error: {msg}", file=sys.stderr)
-    sys.exit(2)
+    sys.exit(code)
+
+
+def team_models(args):
+    """{"policy", "experts", "router"}: the team's models, with --policy / --experts applied."""
+    from experts import TEAMS
+    team = dict(TEAMS[args.team])
+    team["policy"] = args.policy or team["policy"]
+    if args.experts:
+        team["experts"] = args.experts.split(",")
+    return team
+
+
+@functools.cache
+def hub_unreachable():
+    """True (and offline mode switched on) when the model hub cannot be reached. huggingface_hub retries an
+    unreachable hub for ~30 s per file; offline, a cached model loads at once and any other fails at once."""
+    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
+        return True
+    try:
+        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
+        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=3).close()
+        return False
+    except urllib.error.HTTPError:  # it answered
+        return False
+    except (OSError, ValueError):
+        os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub and datasets on import...
+        for name in ("huggingface_hub.constants", "datasets.config"):  # ...or set where already imported
+            if name in sys.modules:
+                sys.modules[name].HF_HUB_OFFLINE = True
+        return True
+
+
+def check_models(specs):
+    """specs: [(model, flag that chose it)]. Fail in a second, naming the flag, on a missing local path or a
+    hub id that is neither cached nor reachable (rather than after minutes of download retries)."""
+    hub = []
+    for spec, flag in specs:
+        if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
+            continue
+        if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+            fail(f"{flag}: no such file or folder {spec!r}")
+        hub.append((spec, flag))
+    if hub and hub_unreachable():
+        from huggingface_hub import try_to_load_from_cache
+        for spec, flag in hub:
+            try:
+                cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
+            except ValueError:  # not a valid hub id either
+                cached = False
+            if not cached:
+                fail(f"{flag}: model {spec!r} is not a local path, not in the hub cache, and the model hub "
+                     "cannot be reached; pass a local folder or .gguf file (--policy, --experts) or use --team pocket")
+
+
+def sigkill_hook(point, step):
+    """Test hook, inert unless NMUSK_TEST_SIGKILL=POINT:STEP is set (tests/test_hardening.py): die here, as a
+    power cut or the OOM killer would, to show that --resume continues exactly."""
+    if os.environ.get("NMUSK_TEST_SIGKILL") == f"{point}:{step}":
+        os.kill(os.getpid(), signal.SIGKILL)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -206,6 +296,7 @@ def save_checkpoint(path, step, policy, method, optimizer, pool):
     torch.save(state, tmp)
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
+    sigkill_hook("checkpoint", step)  # a kill here leaves the old checkpoint and a stray .tmp file
     os.replace(tmp, path)
 
 
@@ -216,15 +307,33 @@ def load_checkpoint(path, policy, method, optimizer, pool):
         load_lora_state_dict(policy, state["lora"])
         method.load_state_dict(state["method"])
         optimizer.load_state_dict(state["optimizer"])
+        rng, step = state["rng"], int(state["step"])
     except Exception as e:  # corrupt file, other model, other method: refuse, say which
-        raise ValueError(f"--resume: checkpoint {path} does not fit this run ({str(e).splitlines()[0][:160]})")
-    rng = state["rng"]
+        why = (str(e).splitlines() or [""])[0][:160]
+        raise ValueError(f"--resume: checkpoint {path} is unreadable or does not fit this run "
+                         f"({type(e).__name__}: {why})") from None
     torch.set_rng_state(rng["torch"]), np.random.set_state(rng["numpy"]), random.setstate(rng["python"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     if pool is not None and rng["experts"] is not None:
         pool.generator.set_state(rng["experts"])
-    return state["step"]
+    return step
+
+
+def check_resume(args, config_path):
+    """--resume continues the run saved in --out: refuse flags that would change its maths (RESUME_MAY_CHANGE
+    lists those that may change), so that a resumed run is the run it claims to be."""
+    if not os.path.exists(config_path):
+        fail(f"--resume: no run to resume in --out {args.out} (no config.json)")
+    try:
+        with open(config_path) as f:
+            saved = json.load(f)
+    except (ValueError, OSError) as e:
+        fail(f"--resume: cannot read {config_path} ({type(e).__name__})")
+    for k, v in vars(args).items():
+        if k not in RESUME_MAY_CHANGE and saved.get(k) != v:
+            fail(f"--resume: --{k.replace('_', '-')} {v!r} differs from the run's {saved.get(k)!r} ({config_path}); "
+                 "resume with the run's flags or choose another --out")
 
 
 def keep_metrics_upto(path, step):
@@ -265,13 +374,11 @@ def build_run(args, device):
     chosen method, the training items. Raises ValueError with a one-line message on bad input."""
     import rewards
     from baselines import METHODS
-    from experts import TEAMS, load_model
+    from experts import load_model
     from lora import apply_lora
-    team = dict(TEAMS[args.team])
-    team["policy"] = args.policy or team["policy"]
-    if args.experts:
-        team["experts"] = args.experts.split(",")
-    train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path)
+    team = team_models(args)
+    train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path,
+                                       args.task_config)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
     policy, tok = load_model(team["policy"], device, dtype)
@@ -307,7 +414,7 @@ def grpo_step(step, run, args, score_batch):
         items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
                                                               len(run["train_items"]), args.seed)]
         questions = [it["question"] for it in items]
-        method.eval()
+        method.train()  # training behaviour in the rollout too: hard routing draws its Gumbel expert here
         with torch.no_grad():
             ctx = method(questions)
         prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
@@ -315,6 +422,7 @@ def grpo_step(step, run, args, score_batch):
         ids, mask = encode_prompts(tok, prompts, device)
         comp = sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
                       tok.pad_token_id, args.context_position)
+        sigkill_hook("rollout", step + 1)
         comp_mask = completion_mask(comp, eos_ids)
         texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
         # ---- reward: untrusted text, scored with a time limit (rewards.py) ------------------------------------
@@ -331,7 +439,7 @@ def grpo_step(step, run, args, score_batch):
                             r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
 
     # ---- loss and step: mu passes over the rollout batch, gradient accumulation over micro-batches ------------
-    method.train()
+    skipped = False
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
@@ -351,6 +459,7 @@ def grpo_step(step, run, args, score_batch):
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
         if finite:  # a non-finite loss or gradient skips the update: the weights stay as they were
             optimizer.step()
+        skipped = skipped or not finite
 
     # ---- metrics (README: "Metrics") --------------------------------------------------------------------------
     r_all = torch.cat([b["r"] for b in batches])
@@ -363,8 +472,10 @@ def grpo_step(step, run, args, score_batch):
            "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
            "truncated_fraction": torch.cat([~torch.isin(b["comp"], eos).any(-1) for b in batches]).float().mean().item(),
            "zero_std_fraction": same.float().mean().item(),
-           "scorer_failures": sum(v for b in batches for k, v in b["counts"].items() if k != "ok"),
-           "skipped_update": not finite}
+           # refused, failed or timed-out scorings (rewards.STATUSES); "no_answer" is the model's fault, not one
+           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
+           "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
+           "skipped_update": skipped}
     A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
     if A:
         from adapter import routing_stats
@@ -383,22 +494,42 @@ def main(argv=None, score_batch=None):
     score_batch = score_batch or rewards.score_batch
 
     ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
-    if args.resume and not os.path.exists(ckpt_path):
-        fail(f"--resume: no checkpoint at {ckpt_path}")
-    if not args.resume and os.path.exists(metrics_path):
+    # ---- check everything before writing anything into --out ---------------------------------------------------
+    config_path = os.path.join(args.out, "config.json")
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        fail(f"--out {args.out} is a file, not a folder")
+    if args.resume:
+        check_resume(args, config_path)
+    elif any(os.path.exists(os.path.join(args.out, n)) for n in ("config.json", "metrics.jsonl", "checkpoint.pt")):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
+    models = [(team["policy"], "--policy" if args.policy else by_team)]
+    if args.method != "single":
+        models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
+    if args.method == "hard_routing":
+        models.append((team["router"], by_team))
+    check_models(models)
+    if args.task == "gsm8k" and args.data_path is None:
+        hub_unreachable()  # offline at once: a cached copy loads, otherwise rewards.py says to pass --data-path
     try:
         run = build_run(args, pick_device(args.device))
+        # a run killed before its first checkpoint resumes from step 0
         start = load_checkpoint(ckpt_path, run["policy"], run["method"], run["optimizer"], run["pool"]) \
-            if args.resume else 0
-    except ValueError as e:
+            if args.resume and os.path.exists(ckpt_path) else 0
+    except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
         fail(str(e))
+    if start > args.steps:
+        fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out {args.out}")
+    # ---- from here on we write: metrics after the checkpoint are dropped, each file is replaced atomically ------
     if args.resume:
         for name in ("metrics.jsonl", "samples.jsonl"):  # drop what was logged after the checkpoint
             keep_metrics_upto(os.path.join(args.out, name), start)
+        for tmp in glob.glob(ckpt_path + ".tmp*"):  # left by a run killed while saving
+            os.remove(tmp)
     os.makedirs(args.out, exist_ok=True)
-    with open(os.path.join(args.out, "config.json"), "w") as f:
+    with open(config_path + ".tmp", "w") as f:
         json.dump({**vars(args), "team_models": run["team"], "device_used": str(run["device"])}, f, indent=2)
+    os.replace(config_path + ".tmp", config_path)
 
     bad_steps = 0
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", dynamic_ncols=True)
@@ -410,7 +541,8 @@ def main(argv=None, score_batch=None):
             f.write(json.dumps(rec) + "\n")
         bar.write(f"step {step + 1}/{args.steps} | reward {rec['reward']:.3f} | kl {rec['kl']:.4f} | "
                   f"len {rec['completion_length']:.0f}" + (f" | H {rec['entropy']:.3f}" if "entropy" in rec else "")
-                  + f" | {rec['seconds']:.1f} s")
+                  + f" | {rec['seconds']:.1f} s" + (" | update skipped: non-finite loss or gradient"
+                                                     if rec["skipped_update"] else ""))
         if (step + 1) % args.sample_every == 0 or step == start:
             b = batches[0]
             with open(os.path.join(args.out, "samples.jsonl"), "a") as f:
@@ -423,8 +555,9 @@ def main(argv=None, score_batch=None):
             save_checkpoint(ckpt_path, step + 1, run["policy"], run["method"], run["optimizer"], run["pool"])
         if bad_steps >= args.max_bad_steps:  # skipped steps left the weights as they were: save them
             save_checkpoint(ckpt_path, step + 1, run["policy"], run["method"], run["optimizer"], run["pool"])
-            fail(f"{bad_steps} steps in a row had a non-finite loss or gradient; stopped. The last good weights "
-                 f"are in {ckpt_path}; try a lower --lr / --router-lr")
+            bar.close()  # so that the message gets a line of its own
+            fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. The "
+                 f"last good weights are in {ckpt_path}; try a lower --lr / --router-lr", code=3)
     save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
     return args.out
 
