@@ -17,7 +17,6 @@ Choices the paper leaves open:
   3. "Without C" feeds zero tokens at the positions of C: exactly what the reference policy sees.
   4. std is the sample standard deviation (ddof = 1) across seeds.
 """
-import argparse
 import glob
 import json
 import os
@@ -37,14 +36,14 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     """Score the policy described by `args` (a run's config) on n validation items. Returns a dict."""
     import rewards
     from baselines import METHODS
-    from experts import TEAMS, load_model
+    from experts import load_model
     from grpo import completion_mask
     from lora import apply_lora, load_lora_state_dict
-    from train import encode_prompts, sample
+    from grpo import encode_prompts, sample
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
-    team = args.team_models if hasattr(args, "team_models") else TEAMS[args.team]
-    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path)
+    team = args.team_models
+    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path, getattr(args, "task_config", None))
     n = min(n, len(items))
     policy, tok = load_model(team["policy"], device, dtype)
     method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args, device, dtype)
@@ -240,52 +239,69 @@ def plot_runs(folders, out):
 
 
 def main(argv=None):
-    from experts import TEAMS
-    p = argparse.ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs.")
+    from experts import check_models
+    from experts import pick_device, team_models
+    from train import ArgumentParser, fail, parse_args
+    p = ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs. "
+                       "With --untrained, any train.py flag (--task, --team, --policy, --task-config, prompt and "
+                       "generation flags) describes the policy to score.")
     p.add_argument("--run", help="a run folder written by train.py")
-    p.add_argument("--untrained", action="store_true", help="score the policy before training (needs --task, --team)")
-    p.add_argument("--task", default=None, help="task, with --untrained")
-    p.add_argument("--team", default="pocket", choices=sorted(TEAMS), help="team, with --untrained")
-    p.add_argument("--policy", default=None, help="policy model, with --untrained (default: the team's)")
+    p.add_argument("--untrained", action="store_true", help="score the policy before training, as train.py's "
+                   "flags describe it (e.g. --task chain_sum --team pocket --worked-example)")
     p.add_argument("--n", type=int, default=4000, help="validation items (paper: 4000; GSM8K: its 1319 test items)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
     p.add_argument("--no-context", action="store_true", help="feed zero context tokens instead of C (Fig. 5)")
     p.add_argument("--summarize", nargs="+", metavar="FOLDER", help="folders of runs -> table, Spearman rho, plots")
     p.add_argument("--out", default=None, help="where to write (default: the run folder, or results/)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    a = p.parse_args(argv)
+    a, train_flags = p.parse_known_args(argv)
     if sum(map(bool, (a.run, a.untrained, a.summarize))) != 1:
         p.error("give exactly one of --run DIR, --untrained or --summarize FOLDER...")
-    if a.n < 1:
-        p.error(f"--n must be >= 1, got {a.n}")
+    if train_flags and not a.untrained:
+        p.error(f"unrecognized arguments: {' '.join(train_flags)} (train.py flags go with --untrained only)")
+    for flag in ("n", "batch_size"):
+        if getattr(a, flag) < 1:
+            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     if a.summarize:
+        missing = [d for d in a.summarize if not os.path.isdir(d)]
+        if missing:
+            p.error(f"--summarize: no such folder {missing[0]}")
         out = a.out or "results"
         table, rho = summarize(a.summarize, out)
         print(table + f"\nSpearman rho(reward, entropy): mean {rho['mean']} over {len(rho['per_run'])} runs")
         for path in plot_runs(a.summarize, out):
             print("wrote", path)
         return
-    from train import parse_args, pick_device
-    device = pick_device(a.device)
+    lora_state = method_state = step = None
     if a.untrained:
-        if not a.task:
-            p.error("--untrained needs --task")
-        cfg = vars(parse_args(["--task", a.task, "--team", a.team, "--method", "single"]))
-        if a.policy:
-            cfg["team_models"] = {**TEAMS[a.team], "policy": a.policy}
-        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, untrained=True, device=device)
-        path = os.path.join(a.out or "results", f"untrained-{a.task}-{a.team}.json")
+        targs = parse_args([*train_flags, "--method", "single"])
+        cfg = {**vars(targs), "team_models": team_models(targs)}
+        models = [(cfg["team_models"]["policy"], "--policy" if targs.policy else f"--team {targs.team}")]
+        path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
         cfg_path, ckpt = os.path.join(a.run, "config.json"), os.path.join(a.run, "checkpoint.pt")
         if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
-            print(f"error: --run {a.run} has no config.json and checkpoint.pt (is it a finished train.py run?)",
-                  file=sys.stderr)
-            sys.exit(2)
-        cfg = SimpleNamespace(**json.load(open(cfg_path)))
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        result = evaluate(cfg, a.n, a.batch_size, state["lora"], state["method"], a.no_context, device=device)
-        result["step"] = state["step"]
+            fail(f"--run {a.run} has no config.json and checkpoint.pt (is it a finished train.py run?)")
+        try:  # a corrupt or foreign file: say so in one line
+            with open(cfg_path) as f:
+                cfg = json.load(f)
+            state = torch.load(ckpt, map_location="cpu", weights_only=False)
+            lora_state, method_state, step = state["lora"], state["method"], int(state["step"])
+            team = cfg["team_models"]
+        except Exception as e:
+            fail(f"--run {a.run}: unreadable config.json or checkpoint.pt ({type(e).__name__}: "
+                 f"{(str(e).splitlines() or [''])[0][:160]})")
+        models = [(m, f"--run {a.run}") for m in [team["policy"]] + (team["experts"] if cfg["method"] != "single"
+                                                                    else [])]
         path = os.path.join(a.out or a.run, "eval_no_context.json" if a.no_context else "eval.json")
+    try:
+        check_models(models)
+        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, lora_state, method_state, a.no_context,
+                          untrained=a.untrained, device=pick_device(a.device))
+    except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA: one line
+        fail(str(e))
+    if step is not None:
+        result["step"] = step
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
     with open(path + ".tmp", "w") as f:
         json.dump(result, f, indent=2)

@@ -90,6 +90,54 @@ def load_model(spec, device="cpu", dtype=torch.float32):
     return model, tok
 
 
+def pick_device(name):
+    """--device: auto picks cuda, then mps, then cpu."""
+    if name != "auto":
+        if name.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
+        return torch.device(name)
+    if torch.cuda.is_available():
+        return torch.device("cuda")
+    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
+        return torch.device("mps")
+    return torch.device("cpu")
+
+
+def team_models(args):
+    """{"policy", "experts", "router"}: the team's models, with --policy / --experts applied."""
+    team = dict(TEAMS[args.team])
+    team["policy"] = args.policy or team["policy"]
+    if args.experts:
+        team["experts"] = args.experts.split(",")
+    return team
+
+
+def hub_offline():
+    """HF_HUB_OFFLINE is set (tests and CI set it): no request leaves the machine, only cached hub models load."""
+    return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
+
+
+def check_models(specs):
+    """specs: [(model, flag that chose it)]. Raise ValueError naming the flag for a local path that does not
+    exist or, offline, a hub id that is not in the cache: a bad flag fails in a second, before anything loads
+    (online, huggingface_hub would retry an unreachable hub for half a minute per file)."""
+    for spec, flag in specs:
+        if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
+            continue
+        if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
+            raise ValueError(f"{flag}: no such file or folder {spec!r}")
+        if hub_offline():
+            from huggingface_hub import try_to_load_from_cache
+            try:
+                cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
+            except ValueError:  # not a valid hub id either
+                cached = False
+            if not cached:
+                raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub cache, and the "
+                                 "hub is off (HF_HUB_OFFLINE); pass a local folder or .gguf file (--policy, "
+                                 "--experts) or use --team pocket")
+
+
 def is_encoder(model):
     return model.config.model_type in ENCODER_TYPES
 

@@ -1,6 +1,8 @@
 """
 GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty, the
-completion mask and per-token log-probs. Pure functions, tensors in, (loss, metrics) out.
+completion mask and per-token log-probs (pure functions, tensors in, (loss, metrics) out); then the two places
+the policy runs: `sample` (the rollout, G completions per prompt from one shared prefill) and
+`completion_logprobs` (the scoring pass, completion positions only), which must agree token for token.
 
 The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised objective
 
@@ -175,3 +177,66 @@ def token_logprobs(logits, tokens, temperature=1.0):
         picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
         rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
     return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)  # (N, T) fp32
+
+
+# ----------------------------------------------------------------------------- rollout and scoring
+# The two places the policy runs; they must build the same inputs and positions (DESIGN trap 1).
+
+
+def encode_prompts(tok, prompts, device):
+    tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
+    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
+
+
+@torch.no_grad()
+def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
+           position="after", greedy=False, return_logprobs=False):
+    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad after EOS),
+    and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them with the scoring pass).
+    One prefill per prompt; its KV cache is then repeated G times (speed-up: prefill once, not G times)."""
+    from adapter import policy_inputs
+    embeds, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)
+    out = policy(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
+    logits = out.logits[:, -1].float().repeat_interleave(G, 0)            # (B*G, vocab)
+    mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)
+    eos = torch.tensor(eos_ids, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logps = [], []
+    for _ in range(max_new_tokens):
+        if greedy:
+            nxt = logits.argmax(-1)
+        else:
+            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(-1)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)        # finished rows emit padding
+        tokens.append(nxt)
+        if return_logprobs:
+            logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
+        done = done | torch.isin(nxt, eos)
+        if done.all():
+            break
+        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                     use_cache=True)
+        cache, logits = out.past_key_values, out.logits[:, -1].float()
+    if return_logprobs:
+        return torch.stack(tokens, 1), torch.stack(logps, 1)
+    return torch.stack(tokens, 1)
+
+
+def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
+                        position="after"):
+    """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T]. N = rows of completion_ids;
+    prompt_ids / C have one row per completion (repeat_interleave them first).
+    Speed-up: logits only for the completion positions (logits_to_keep), never for the prompt."""
+    from adapter import policy_inputs
+    embed = policy.get_input_embeddings()
+    x, mask, _ = policy_inputs(embed, prompt_ids, prompt_mask, C, position)
+    x = torch.cat([x, embed(completion_ids)], 1)                          # (N, P + T, D)
+    mask = torch.cat([mask, completion_mask], 1)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    T = completion_ids.shape[1]
+    logits = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits
+    return token_logprobs(logits[:, :-1], completion_ids, temperature)   # position t-1 predicts token t

@@ -25,7 +25,6 @@ holding the last good weights; a killed run continues exactly with --resume (a r
 that change the maths).
 """
 import argparse
-import functools
 import glob
 import json
 import os
@@ -33,8 +32,6 @@ import random
 import signal
 import sys
 import time
-import urllib.error
-import urllib.request
 
 import numpy as np
 import torch
@@ -139,18 +136,6 @@ def parse_args(argv=None):
     return args
 
 
-def pick_device(name):
-    if name != "auto":
-        if name.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError("--device cuda requested but CUDA is not available; use --device cpu")
-        return torch.device(name)
-    if torch.cuda.is_available():
-        return torch.device("cuda")
-    if getattr(torch.backends, "mps", None) and torch.backends.mps.is_available():
-        return torch.device("mps")
-    return torch.device("cpu")
-
-
 def fail(msg, code=2):
     """One line on stderr, then exit: code 2 for bad input, before anything is written (STYLE 7, issue 6);
     code 3 when --max-bad-steps stops a run."""
@@ -158,127 +143,11 @@ def fail(msg, code=2):
     sys.exit(code)
 
 
-def team_models(args):
-    """{"policy", "experts", "router"}: the team's models, with --policy / --experts applied."""
-    from experts import TEAMS
-    team = dict(TEAMS[args.team])
-    team["policy"] = args.policy or team["policy"]
-    if args.experts:
-        team["experts"] = args.experts.split(",")
-    return team
-
-
-@functools.cache
-def hub_unreachable():
-    """True (and offline mode switched on) when the model hub cannot be reached. huggingface_hub retries an
-    unreachable hub for ~30 s per file; offline, a cached model loads at once and any other fails at once."""
-    if os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on"):
-        return True
-    try:
-        endpoint = os.environ.get("HF_ENDPOINT", "https://huggingface.co")
-        urllib.request.urlopen(urllib.request.Request(endpoint, method="HEAD"), timeout=3).close()
-        return False
-    except urllib.error.HTTPError:  # it answered
-        return False
-    except (OSError, ValueError):
-        os.environ["HF_HUB_OFFLINE"] = "1"  # read by huggingface_hub and datasets on import...
-        for name in ("huggingface_hub.constants", "datasets.config"):  # ...or set where already imported
-            if name in sys.modules:
-                sys.modules[name].HF_HUB_OFFLINE = True
-        return True
-
-
-def check_models(specs):
-    """specs: [(model, flag that chose it)]. Fail in a second, naming the flag, on a missing local path or a
-    hub id that is neither cached nor reachable (rather than after minutes of download retries)."""
-    hub = []
-    for spec, flag in specs:
-        if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
-            continue
-        if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
-            fail(f"{flag}: no such file or folder {spec!r}")
-        hub.append((spec, flag))
-    if hub and hub_unreachable():
-        from huggingface_hub import try_to_load_from_cache
-        for spec, flag in hub:
-            try:
-                cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
-            except ValueError:  # not a valid hub id either
-                cached = False
-            if not cached:
-                fail(f"{flag}: model {spec!r} is not a local path, not in the hub cache, and the model hub "
-                     "cannot be reached; pass a local folder or .gguf file (--policy, --experts) or use --team pocket")
-
-
 def sigkill_hook(point, step):
     """Test hook, inert unless NMUSK_TEST_SIGKILL=POINT:STEP is set (tests/test_hardening.py): die here, as a
     power cut or the OOM killer would, to show that --resume continues exactly."""
     if os.environ.get("NMUSK_TEST_SIGKILL") == f"{point}:{step}":
         os.kill(os.getpid(), signal.SIGKILL)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Rollout and scoring: the two places the policy runs. They must build the same inputs (DESIGN trap 1).
-
-
-def encode_prompts(tok, prompts, device):
-    tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
-    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
-
-
-@torch.no_grad()
-def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
-           position="after", greedy=False, return_logprobs=False):
-    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad after EOS),
-    and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them with the scoring pass).
-    One prefill per prompt; its KV cache is then repeated G times (speed-up: prefill once, not G times)."""
-    from adapter import policy_inputs
-    embeds, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)
-    out = policy(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
-    logits = out.logits[:, -1].float().repeat_interleave(G, 0)            # (B*G, vocab)
-    mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)
-    eos = torch.tensor(eos_ids, device=logits.device)
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens, logps = [], []
-    for _ in range(max_new_tokens):
-        if greedy:
-            nxt = logits.argmax(-1)
-        else:
-            nxt = torch.multinomial(torch.softmax(logits / temperature, -1), 1).squeeze(-1)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)        # finished rows emit padding
-        tokens.append(nxt)
-        if return_logprobs:
-            logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
-        done = done | torch.isin(nxt, eos)
-        if done.all():
-            break
-        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
-        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                     use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
-    if return_logprobs:
-        return torch.stack(tokens, 1), torch.stack(logps, 1)
-    return torch.stack(tokens, 1)
-
-
-def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
-                        position="after"):
-    """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T]. N = rows of completion_ids;
-    prompt_ids / C have one row per completion (repeat_interleave them first).
-    Speed-up: logits only for the completion positions (logits_to_keep), never for the prompt."""
-    from adapter import policy_inputs
-    from grpo import token_logprobs
-    embed = policy.get_input_embeddings()
-    x, mask, _ = policy_inputs(embed, prompt_ids, prompt_mask, C, position)
-    x = torch.cat([x, embed(completion_ids)], 1)                          # (N, P + T, D)
-    mask = torch.cat([mask, completion_mask], 1)
-    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    T = completion_ids.shape[1]
-    logits = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, logits_to_keep=T + 1).logits
-    return token_logprobs(logits[:, :-1], completion_ids, temperature)   # position t-1 predicts token t
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -374,7 +243,7 @@ def build_run(args, device):
     chosen method, the training items. Raises ValueError with a one-line message on bad input."""
     import rewards
     from baselines import METHODS
-    from experts import load_model
+    from experts import load_model, team_models
     from lora import apply_lora
     team = team_models(args)
     train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path,
@@ -403,6 +272,7 @@ def build_run(args, device):
 
 def grpo_step(step, run, args, score_batch):
     """One optimiser step: rollout -> reward -> advantage -> loss -> step. Returns (metrics, rollout batches)."""
+    import grpo
     import rewards
     from grpo import completion_mask, group_advantages, grpo_loss
     from lora import lora_disabled
@@ -419,8 +289,8 @@ def grpo_step(step, run, args, score_batch):
             ctx = method(questions)
         prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
                                         args.response_prefix) for q, h in zip(questions, ctx["hints"])]
-        ids, mask = encode_prompts(tok, prompts, device)
-        comp = sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
+        ids, mask = grpo.encode_prompts(tok, prompts, device)
+        comp = grpo.sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
                       tok.pad_token_id, args.context_position)
         sigkill_hook("rollout", step + 1)
         comp_mask = completion_mask(comp, eos_ids)
@@ -433,7 +303,7 @@ def grpo_step(step, run, args, score_batch):
         ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
         with torch.no_grad(), lora_disabled(policy):  # pi_ref: LoRA off, zero tokens where C was (paper §4.1)
             C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"]).repeat_interleave(G, 0)
-            logp_ref = completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
+            logp_ref = grpo.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
                                            args.context_position)
         batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
                             r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
@@ -446,7 +316,7 @@ def grpo_step(step, run, args, score_batch):
         for b in batches:
             ctx = method(b["questions"], reuse=b["ctx"])  # same routing noise as in the rollout
             C = None if ctx["C"] is None else ctx["C"].repeat_interleave(G, 0)
-            logp = completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
+            logp = grpo.completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
                                        args.temperature, args.context_position)
             if epoch == 0:  # the weights have not moved yet: logp_old = logp, detached (no extra forward)
                 b["logp_old"] = logp.detach()
@@ -489,6 +359,7 @@ def main(argv=None, score_batch=None):
     own reward, or the tests' synthetic one); by default rewards.score_batch."""
     args = parse_args(argv)
     import rewards
+    from experts import check_models, pick_device, team_models
     from lora import save_peft
     from tqdm import tqdm
     score_batch = score_batch or rewards.score_batch
@@ -508,10 +379,8 @@ def main(argv=None, score_batch=None):
         models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
     if args.method == "hard_routing":
         models.append((team["router"], by_team))
-    check_models(models)
-    if args.task == "gsm8k" and args.data_path is None:
-        hub_unreachable()  # offline at once: a cached copy loads, otherwise rewards.py says to pass --data-path
     try:
+        check_models(models)
         run = build_run(args, pick_device(args.device))
         # a run killed before its first checkpoint resumes from step 0
         start = load_checkpoint(ckpt_path, run["policy"], run["method"], run["optimizer"], run["pool"]) \

@@ -5,6 +5,8 @@ import sys
 import pytest
 import torch
 
+# Hermetic: no request to a model hub ever leaves the machine (subprocesses inherit this).
+os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 

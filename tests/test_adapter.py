@@ -8,7 +8,7 @@ import torch.nn as nn
 
 from adapter import PerceiverAdapter, policy_inputs, position_ids, routing_stats
 from lora import apply_lora, lora_disabled
-from train import completion_logprobs, encode_prompts, sample
+from grpo import completion_logprobs, encode_prompts, sample
 
 DIMS = [48, 32, 40]
 

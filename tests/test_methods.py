@@ -43,7 +43,7 @@ def test_every_pooling_mode_trains_and_evaluates(tmp_path, pooling):
 
 def test_untrained_policy_is_scored(tmp_path):
     res = subprocess.run([sys.executable, "evaluate.py", "--untrained", "--task", "chain_sum", "--team", "tiny",
-                          "--n", "3", "--max-new-tokens", "6", "--out", str(tmp_path)],
+                          "--n", "3", "--max-new-tokens", "6", "--dataset-size", "8", "--out", str(tmp_path)],
                          cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     result = json.load(open(tmp_path / "untrained-chain_sum-tiny.json"))
