@@ -1,0 +1,398 @@
+"""
+Speed benchmark (issue 5): one GRPO optimiser step of this project vs TRL's GRPOTrainer vs the compute floor.
+
+    pip install -r requirements-bench.txt       # TRL + PEFT: benchmark-only dependencies, never needed to train
+    HF_HUB_OFFLINE=1 python bench.py            # ~25 min on 2 CPU cores -> results/bench.json and bench.md
+    HF_HUB_OFFLINE=1 python bench.py --quick    # 1 measured step, no scaling runs: a fast check
+
+A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
+q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 64 new tokens (T = 1, no top-k/p);
+beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum question and prompt tokens everywhere.
+  single, ours   train.grpo_step as it is, timed around the call (ours: experts Gemma-3-270M, SmolLM2-135M, MiniLM;
+                 each step's prompt is new to them, so no expert-cache hits).
+  ours_shared    PROPOSAL, not in train.py: ours with completion_logprobs -> shared_prefix_logprobs (below).
+  trl_default    TRL GRPOTrainer + PEFT LoRA, GRPOConfig defaults (gradient checkpointing ON in TRL 1.16);
+  trl_no_gc      the same with it off. Both bf16=False (fp32), no vLLM, logging/saving/shuffling off, batch =
+                 prompts x G; timed by a callback from on_step_begin (before generation) to on_step_end.
+  floor          HF generate of the same tokens + one forward/backward over the G sequences (completion log-probs,
+                 LoRA) + AdamW; no reward, no reference pass.
+Equal work: each implementation stops generating at EOS, so all are forced to 64 tokens: TRL and the floor with
+min_new_tokens (EOS masked), ours by an EOS id that never occurs (-1), so the mask covers all 64 tokens too.
+--natural-eos lifts this (then compare tokens/s).
+Method: worker subprocesses load once, run --warmup uncounted steps, then --steps rounds of one step per contender
+in turn (alternated: load drifts hit all alike). Reported: median, min/max, IQR, paired per-round ratios, peak RSS
+per worker (ru_maxrss, incl. loading); ours vs G (4, 8, 16) and vs 1-3 experts (first k of the team, G = 8); a
+phase profile of one ours and one ours_shared step (timers wrapped around the functions grpo_step calls).
+Threads: --threads per worker (default 1). On this shared 2-core machine one forward took 1.9-10 s with two OpenMP
+threads (stalls when another job holds a core) and 3.4-3.9 s with one; use --threads 2 on a quiet machine.
+"""
+import argparse, collections, contextlib, json, os, platform, resource, subprocess, sys, tempfile, time  # noqa: E401
+
+import numpy as np
+
+POLICY = "pocket:smollm2-135m-instruct"
+EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"]
+TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
+GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
+DATASET_SIZE, SEED = 256, 0
+
+
+def step_items(items, step, prompts):
+    from train import batch_indices
+    return [items[i] for i in batch_indices(step, 0, prompts, 1, len(items), SEED)]
+
+
+def shared_prefix_logprobs(G):
+    """Drop-in for grpo.completion_logprobs when rows come as G copies of each prompt (as in grpo_step): forward
+    [x || C] once per group with use_cache, repeat its KV cache G times, forward only the completions. Tokens per
+    group: P + G*T instead of G*(P + T). The gradient reaches LoRA and C through the cache."""
+    import torch
+    from adapter import policy_inputs
+    from grpo import token_logprobs
+
+    def logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature, position="after"):
+        g = G()
+        x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids[::g], prompt_mask[::g],
+                                     None if C is None else C[::g], position)          # (B, P', D)
+        out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+        out.past_key_values.batch_repeat_interleave(g)                                  # (B, ...) -> (B*G, ...)
+        mask = torch.cat([mask.repeat_interleave(g, 0), completion_mask], 1)
+        pos = pos[:, -1:].repeat_interleave(g, 0) + completion_mask.long().cumsum(-1)  # = (mask.cumsum - 1)
+        logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos,
+                        past_key_values=out.past_key_values).logits                   # (B*G, T, V)
+        first = out.logits[:, -1:].repeat_interleave(g, 0)                             # (B*G, 1, V) predicts y_0
+        return token_logprobs(torch.cat([first, logits[:, :-1]], 1), completion_ids, temperature)
+    return logprobs
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Worker side: load once, then answer one JSON command per line on the real stdout (library noise goes to a log).
+
+
+@contextlib.contextmanager
+def phase_timers(run, times):
+    """Accumulate seconds per phase by wrapping what grpo_step calls; everything is restored on exit."""
+    import torch
+    import grpo
+    import rewards
+    patched = []
+    for owner, name, key in [
+            (grpo, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
+            (grpo, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
+            (rewards, "score_batch", "reward scoring"), (rewards, "build_prompt", "prompt + tokenise"),
+            (grpo, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
+            (torch.nn.utils, "clip_grad_norm_", "grad clip")] + ([] if run["pool"] is None else [
+            (run["pool"], "encode", "experts (frozen forwards)"), (run["method"].adapter, "forward", "adapter")]):
+        def timed(*a, _f=getattr(owner, name), _key=key, **k):
+            t0 = time.perf_counter()
+            try:
+                return _f(*a, **k)
+            finally:
+                times[_key() if callable(_key) else _key] += time.perf_counter() - t0
+        patched.append((owner, name, getattr(owner, name), name in vars(owner)))
+        setattr(owner, name, timed)
+    try:
+        yield
+    finally:
+        for owner, name, f, own in reversed(patched):
+            setattr(owner, name, f) if own else delattr(owner, name)  # instance patches are removed again
+
+
+def ours_worker(kind, o):
+    import torch
+    import grpo
+    import rewards
+    import train
+    argv = ["--task", "chain_sum", "--team", "pocket", "--method", "single" if kind == "single" else "ours",
+            "--batch-size", str(o["prompts"]), "--grad-accum", "1", "--group-size", str(o["G"]), "--max-new-tokens",
+            str(o["T"]), "--lora-rank", "8", "--beta", "0.04", "--dataset-size", str(DATASET_SIZE), "--seed",
+            str(SEED), "--device", "cpu", "--out", "unused"]
+    args = train.parse_args(argv + ([] if kind == "single" else ["--experts", ",".join(EXPERTS[:o["n_experts"]])]))
+    run = train.build_run(args, torch.device("cpu"))
+    if not o["natural_eos"]:
+        run["eos_ids"] = [-1]  # never sampled: every completion runs the full T tokens (equal work, see docstring)
+    if kind == "ours_shared":
+        grpo.completion_logprobs = shared_prefix_logprobs(lambda: args.group_size)  # grpo_step calls grpo.X
+
+    def step(cmd):
+        args.group_size, times, t0 = cmd.get("G", o["G"]), collections.defaultdict(float), time.perf_counter()
+        with phase_timers(run, times) if cmd.get("profile") else contextlib.nullcontext():
+            rec, _ = train.grpo_step(cmd["step"], run, args, rewards.score_batch)
+        seconds = time.perf_counter() - t0
+        if times:
+            times["other (decode, advantage, loss, metrics)"] = seconds - sum(times.values())
+        return dict(seconds=seconds, tokens=rec["completion_length"] * args.group_size * args.batch_size,
+                    phases=dict(times))
+    return step
+
+
+def floor_worker(o):
+    import torch
+    import torch.nn.functional as F
+    import grpo
+    import rewards
+    from experts import load_model
+    from lora import apply_lora
+    policy, tok = load_model(POLICY)
+    apply_lora(policy, 8, 16.0, TARGETS)
+    opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
+    items, T = rewards.load_entries("chain_sum", "train", DATASET_SIZE, SEED), o["T"]
+
+    def step(cmd):
+        G, t0 = cmd.get("G", o["G"]), time.perf_counter()
+        prompts = [rewards.build_prompt(tok, it["question"]) for it in step_items(items, cmd["step"], o["prompts"])]
+        ids, mask = grpo.encode_prompts(tok, prompts, "cpu")
+        ids, mask = ids.repeat_interleave(G, 0), mask.long().repeat_interleave(G, 0)
+        with torch.no_grad():
+            seq = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,
+                                  top_p=1.0, max_new_tokens=T, min_new_tokens=T, pad_token_id=tok.pad_token_id)
+        mask = torch.cat([mask, torch.ones_like(seq[:, ids.shape[1]:])], 1)
+        logits = policy(input_ids=seq, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                        logits_to_keep=T + 1).logits[:, :-1]                              # (N, T, V)
+        F.cross_entropy(logits.flatten(0, 1), seq[:, -T:].flatten()).backward()          # -mean log-prob
+        opt.step(), opt.zero_grad(set_to_none=True)
+        return dict(seconds=time.perf_counter() - t0, tokens=G * T * len(prompts))
+    return step
+
+
+def trl_worker(kind, o, reply, read):
+    """TRL runs its own loop: a callback waits for our command in on_step_begin and replies in on_step_end."""
+    from datasets import Dataset
+    from peft import LoraConfig
+    from transformers import TrainerCallback
+    from trl import GRPOConfig, GRPOTrainer
+    import rewards
+    from experts import load_model
+    policy, tok = load_model(POLICY)
+    items = rewards.load_entries("chain_sum", "train", DATASET_SIZE, SEED)
+    rows = [it for k in range(o["n_steps"]) for it in step_items(items, k, o["prompts"])]
+    data = Dataset.from_list([{"prompt": rewards.build_prompt(tok, it["question"]), "row": i}
+                              for i, it in enumerate(rows)])
+
+    def reward(prompts, completions, row, **_):
+        return rewards.score_batch([rows[i] for i in row], completions)[0]
+    config = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=o["prompts"]
+                        * o["G"], num_generations=o["G"], max_completion_length=o["T"], beta=0.04, learning_rate=1e-4,
+                        max_steps=o["n_steps"], bf16=False, use_cpu=True, report_to="none", logging_strategy="no",
+                        save_strategy="no", disable_tqdm=True, shuffle_dataset=False, seed=SEED,
+                        generation_kwargs={} if o["natural_eos"] else {"min_new_tokens": o["T"]},
+                        **({} if kind == "trl_default" else {"gradient_checkpointing": False}))
+    t0 = {}
+
+    class Clock(TrainerCallback):
+        def on_step_begin(self, args, state, control, **kw):
+            assert read()["step"] == state.global_step, "TRL runs its steps in order"
+            t0["t"] = time.perf_counter()
+
+        def on_step_end(self, args, state, control, **kw):
+            seconds = time.perf_counter() - t0["t"]
+            lengths = trainer._metrics["train"].get("completions/mean_length") or [float("nan")]
+            reply(seconds=seconds, tokens=lengths[-1] * o["G"] * o["prompts"])
+            release_memory()
+    trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
+                          peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS),
+                          callbacks=[Clock()])
+    reply(ready=True, gradient_checkpointing=bool(trainer.args.gradient_checkpointing), dtype=str(policy.dtype))
+    trainer.train()
+
+
+def release_memory():
+    """Between steps, outside the timing: hand freed heap back to the OS. Otherwise every idle worker keeps its
+    peak (4-6 GB after a G=8 step) and six of them filled this 24 GB machine. ru_maxrss still reports the peak."""
+    import ctypes
+    import gc
+    gc.collect()
+    ctypes.CDLL("libc.so.6").malloc_trim(0)
+
+
+def worker_main(kind, o):
+    import torch
+    torch.set_num_threads(o["threads"])
+    proto = os.fdopen(os.dup(1), "w", buffering=1)
+    os.dup2(2, 1)  # prints and warnings of the libraries go to the log file, not into the protocol
+
+    def reply(**kw):
+        rss = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        proto.write(json.dumps({**kw, "rss_mb": rss, "threads": torch.get_num_threads(),
+                                "load": os.getloadavg()[0]}) + "\n")
+
+    def read():
+        return json.loads(sys.stdin.readline() or '{"cmd": "quit"}')
+    if kind.startswith("trl"):
+        return trl_worker(kind, o, reply, read)
+    step = floor_worker(o) if kind == "floor" else ours_worker(kind, o)
+    reply(ready=True)
+    while (cmd := read())["cmd"] != "quit":
+        reply(**step(cmd))
+        release_memory()
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# Parent side: spawn, alternate, summarise.
+
+
+class Worker:
+    def __init__(self, name, kind, opts, log_dir):
+        self.name, self.rss, self.log = name, 0.0, open(os.path.join(log_dir, f"{name}.log"), "w")
+        env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false",
+               "OMP_NUM_THREADS": str(opts["threads"])}
+        self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", kind, "--opts",
+                                      json.dumps(opts)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                     stderr=self.log, text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+
+    def recv(self):
+        line = self.proc.stdout.readline()
+        if not line:
+            raise RuntimeError(f"worker {self.name} died; see {self.log.name}")
+        r = json.loads(line)
+        self.rss = max(self.rss, r["rss_mb"])
+        return r
+
+    def run(self, **cmd):
+        self.proc.stdin.write(json.dumps({"cmd": "step", **cmd}) + "\n")
+        self.proc.stdin.flush()
+        return self.recv()
+
+    def close(self):
+        with contextlib.suppress(OSError):
+            self.proc.stdin.write('{"cmd": "quit"}\n'), self.proc.stdin.flush()
+        self.proc.wait(timeout=300)
+
+
+def alternate(plan, n_warm, n_meas, log):
+    """plan: {label: (worker, round -> command)}. One step of each in turn per round; returns label -> replies."""
+    out = collections.defaultdict(list)
+    for r in range(n_warm + n_meas):
+        for label, (w, cmd) in plan.items():
+            res = w.run(**cmd(r))
+            out[label] += [res] if r >= n_warm else []
+            log(f"{'warm-up' if r < n_warm else f'round {r - n_warm + 1}'} {label:12s} {res['seconds']:7.2f} s "
+                f"(load avg {res['load']:.1f})")
+    return out
+
+
+def stats(replies, rss):
+    t, tok = np.array([r["seconds"] for r in replies]), float(np.median([r["tokens"] for r in replies]))
+    return dict(seconds=[round(x, 2) for x in t], median=float(np.median(t)), min=float(t.min()), max=float(t.max()),
+                iqr=[float(np.percentile(t, 25)), float(np.percentile(t, 75))], tokens_per_step=tok,
+                tokens_per_second=tok / float(np.median(t)), peak_rss_mb=round(rss))
+
+
+def environment(threads):
+    import peft, torch, transformers, trl  # noqa: E401
+    cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    return dict(torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__,
+                peft=peft.__version__, python=platform.python_version(), cpu=cpu, cores=os.cpu_count(),
+                threads_per_worker=threads, commit=git("rev-parse", "HEAD"),
+                uncommitted=git("status", "--porcelain").splitlines())
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--steps", type=int, default=3, help="measured steps per contender, after the warm-up")
+    p.add_argument("--warmup", type=int, default=1, help="uncounted warm-up steps per contender")
+    p.add_argument("--scaling-steps", type=int, default=1, help="measured steps per point of the scaling runs")
+    p.add_argument("--group-size", type=int, default=8, help="G: completions per prompt")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="new tokens per completion (see --natural-eos)")
+    p.add_argument("--prompts", type=int, default=1, help="prompts per optimiser step (batch = prompts x G)")
+    p.add_argument("--threads", type=int, default=1, help="torch threads per worker (see the docstring)")
+    p.add_argument("--natural-eos", action="store_true", help="let generation stop at EOS (unequal work)")
+    p.add_argument("--no-scaling", action="store_true", help="skip the G and number-of-experts scaling runs")
+    p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
+    p.add_argument("--out", default="results/bench.json", help="JSON output; the Markdown table goes beside it")
+    p.add_argument("--worker", help=argparse.SUPPRESS)
+    p.add_argument("--opts", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.worker:
+        return worker_main(a.worker, json.loads(a.opts))
+    a.steps, a.no_scaling = (1, True) if a.quick else (a.steps, a.no_scaling)
+    for flag in ("steps", "scaling_steps", "prompts", "threads", "max_new_tokens"):
+        assert getattr(a, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1"
+    assert a.group_size >= 2 and a.warmup >= 0, "--group-size must be >= 2 and --warmup >= 0"
+    t_start, log_dir = time.time(), tempfile.mkdtemp(prefix="bench-logs-")
+    log = lambda s: print(f"[{time.time() - t_start:5.0f} s] {s}", flush=True)  # noqa: E731
+    o = dict(G=a.group_size, T=a.max_new_tokens, prompts=a.prompts, natural_eos=a.natural_eos, threads=a.threads,
+             n_steps=a.warmup + a.steps, n_experts=3)
+    log(f"worker logs in {log_dir}")
+
+    # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
+    W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "ours_shared", "trl_default", "trl_no_gc", "floor"]}
+    info = {k: w.recv() for k, w in W.items()}
+    log("loaded: " + ", ".join(f"{k} {w.rss / 1024:.1f} GB" for k, w in W.items()))
+    runs = alternate({k: (w, lambda r: dict(step=r)) for k, w in W.items()}, a.warmup, a.steps, log)
+    res = {k: {**stats(v, W[k].rss), "threads": info[k]["threads"]} for k, v in runs.items()}
+    res["trl_default"]["gradient_checkpointing"] = info["trl_default"]["gradient_checkpointing"]
+    paired = {f"ours/{y}": float(np.median([u["seconds"] / v["seconds"] for u, v in zip(runs["ours"], runs[y])]))
+              for y in ("trl_default", "trl_no_gc", "floor", "single")}
+
+    # ---- 2. profile: one step of ours and ours_shared on a prompt new to both, phase by phase ----------------------
+    profile = {}
+    for k in ("ours", "ours_shared"):
+        v = W[k].run(step=DATASET_SIZE - 1, profile=True)
+        profile[k] = dict(seconds=v["seconds"], phases=dict(sorted(v["phases"].items(), key=lambda x: -x[1])))
+        log(f"profile {k} {v['seconds']:.1f} s: " + ", ".join(f"{ph} {s:.2f}" for ph, s in profile[k]["phases"].items()))
+    [w.close() for k, w in W.items() if k != "ours"]
+
+    # ---- 3. scaling: ours vs G (same worker, new prompts) and vs number of experts (same prompts as G = 8) -------
+    scaling = {}
+    if not a.no_scaling:
+        E = {k: Worker(f"experts_{k}", "ours", {**o, "n_experts": k}, log_dir) for k in (1, 2)}
+        [w.recv() for w in E.values()]
+        [w.run(step=DATASET_SIZE - 2, G=8) for w in E.values() for _ in range(a.warmup)]  # ours is warm already
+        plan = {f"G={g}": (W["ours"], lambda r, g=g, j=j: dict(step=100 + 4 * r + j, G=g))
+                for j, g in enumerate((4, 8, 16))}
+        plan.update({f"experts={k}": (w, lambda r: dict(step=100 + 4 * r + 1, G=8)) for k, w in E.items()})
+        runs = alternate(plan, 0, a.scaling_steps, log)
+        E[3] = W["ours"]
+        scaling = dict(vs_group_size={g: stats(runs[f"G={g}"], W["ours"].rss) for g in (4, 8, 16)},
+                       vs_num_experts={k: {**stats(runs[f"experts={k}" if k < 3 else "G=8"], E[k].rss),
+                                           "experts": EXPERTS[:k]} for k in (1, 2, 3)})
+        [w.close() for w in E.values()]
+    W["ours"].close()
+
+    # ---- 4. results ----------------------------------------------------------------------------------------------
+    med = {k: v["median"] for k, v in res.items()}
+    best = min(("trl_default", "trl_no_gc"), key=med.get)
+    ratios = lambda x: dict(ratio_vs_trl=med[x] / med["trl_default"], ratio_vs_trl_best=med[x] / med[best],  # noqa: E731
+                            ratio_vs_floor=med[x] / med["floor"], overhead_ours_vs_single=med[x] / med["single"])
+    report = dict(**ratios("ours"), trl_best_config=best, targets=GOALS, paired_round_ratios=paired,
+                  targets_met={k: v <= GOALS[k] for k, v in ratios("ours").items()},
+                  proposal_ours_shared={**ratios("ours_shared"), "vs_ours": med["ours_shared"] / med["ours"]},
+                  contenders=res, profile=profile, scaling=scaling,
+                  setup=dict(policy=POLICY, experts=EXPERTS, task="chain_sum", G=a.group_size, prompts=a.prompts,
+                             new_tokens=a.max_new_tokens, forced_length=not a.natural_eos, lora_rank=8, beta=0.04,
+                             mu=1, warmup=a.warmup, steps=a.steps, scaling_steps=a.scaling_steps),
+                  environment=environment(a.threads), wall_seconds=round(time.time() - t_start))
+    os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
+    with open(a.out, "w") as f:
+        json.dump(report, f, indent=1)
+    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+        f.write(markdown(report))
+    print(markdown(report))
+
+
+def markdown(r):
+    s, env, pr = r["setup"], r["environment"], r["proposal_ours_shared"]
+    out = [f"One GRPO step, SmolLM2-135M-Instruct + LoRA r8, {s['prompts']} prompt x G={s['G']} x {s['new_tokens']} "
+           f"tokens, beta {s['beta']}; {env['cpu']}, {env['cores']} cores, {env['threads_per_worker']} thread(s) per "
+           f"process; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}, PEFT {env['peft']}. "
+           f"Median of {s['steps']} alternated steps after {s['warmup']} warm-up (`python bench.py`).", "",
+           "| contender | s/step (median) | min – max | tokens/s | peak RSS |", "|---|---|---|---|---|"]
+    out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | {v['tokens_per_second']:.1f} | "
+            f"{v['peak_rss_mb'] / 1024:.1f} GB |" for k, v in r["contenders"].items()]
+    out += ["", "| ratio | ours | target | met | ours_shared (proposal) |", "|---|---|---|---|---|"]
+    out += [f"| {k} | {r[k]:.2f} | ≤ {t} | {'yes' if r['targets_met'][k] else 'no'} | {pr[k]:.2f} |"
+            for k, t in r["targets"].items()]
+    out += ["", *(f"Profile of one `{k}` step ({v['seconds']:.1f} s): " + ", ".join(
+        f"{ph} {t:.1f} s" for ph, t in v["phases"].items()) for k, v in r["profile"].items())]
+    if r["scaling"]:
+        cols = [(f"G={g}", v) for g, v in r["scaling"]["vs_group_size"].items()]
+        cols += [(f"{k} expert(s), G=8", v) for k, v in r["scaling"]["vs_num_experts"].items()]
+        out += ["", "| ours | " + " | ".join(c for c, _ in cols) + " |", "|---" * (len(cols) + 1) + "|",
+                "| s/step (median) | " + " | ".join(f"{v['median']:.1f}" for _, v in cols) + " |"]
+    return "\n".join(out) + "\n"
+
+
+if __name__ == "__main__":
+    main()
