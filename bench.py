@@ -2,7 +2,7 @@
 Speed benchmark (issue 5): one GRPO optimiser step of this project vs TRL's GRPOTrainer vs the compute floor.
 
     pip install -r requirements-bench.txt       # TRL + PEFT: benchmark-only dependencies, never needed to train
-    HF_HUB_OFFLINE=1 python bench.py            # ~25 min on 2 CPU cores -> results/bench.json and bench.md
+    HF_HUB_OFFLINE=1 python bench.py            # ~28 min on 2 CPU cores -> results/bench.json and bench.md
     HF_HUB_OFFLINE=1 python bench.py --quick    # 1 measured step, no scaling runs: a fast check
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
@@ -21,8 +21,9 @@ min_new_tokens (EOS masked), ours by an EOS id that never occurs (-1), so the ma
 --natural-eos lifts this (then compare tokens/s).
 Method: worker subprocesses load once, run --warmup uncounted steps, then --steps rounds of one step per contender
 in turn (alternated: load drifts hit all alike). Reported: median, min/max, IQR, paired per-round ratios, peak RSS
-per worker (ru_maxrss, incl. loading); ours vs G (4, 8, 16) and vs 1-3 experts (first k of the team, G = 8); a
-phase profile of one ours and one ours_shared step (timers wrapped around the functions grpo_step calls).
+per worker (ru_maxrss, incl. loading); a phase profile of one ours and one ours_shared step (timers wrapped around
+the functions grpo_step calls); ours vs G (4, 8, 16) and vs 1-3 experts (first k of the team, G = 8), each point
+with the same phase timers, so the experts' own seconds are measured apart from the noisy step total.
 Threads: --threads per worker (default 1). On this shared 2-core machine one forward took 1.9-10 s with two OpenMP
 threads (stalls when another job holds a core) and 3.4-3.9 s with one; use --threads 2 on a quiet machine.
 """
@@ -35,6 +36,7 @@ EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-min
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
 DATASET_SIZE, SEED = 256, 0
+HERE = os.path.dirname(os.path.abspath(__file__))
 
 
 def step_items(items, step, prompts):
@@ -238,7 +240,7 @@ class Worker:
                "OMP_NUM_THREADS": str(opts["threads"])}
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", kind, "--opts",
                                       json.dumps(opts)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=os.path.dirname(os.path.abspath(__file__)))
+                                     stderr=self.log, text=True, env=env, cwd=HERE)
 
     def recv(self):
         line = self.proc.stdout.readline()
@@ -273,17 +275,22 @@ def alternate(plan, n_warm, n_meas, log):
 
 def stats(replies, rss):
     t, tok = np.array([r["seconds"] for r in replies]), float(np.median([r["tokens"] for r in replies]))
+    phases = {k: float(np.median([r["phases"].get(k, 0.0) for r in replies])) for k in replies[0].get("phases") or {}}
     return dict(seconds=[round(x, 2) for x in t], median=float(np.median(t)), min=float(t.min()), max=float(t.max()),
                 iqr=[float(np.percentile(t, 25)), float(np.percentile(t, 75))], tokens_per_step=tok,
-                tokens_per_second=tok / float(np.median(t)), peak_rss_mb=round(rss))
+                tokens_per_second=tok / float(np.median(t)), peak_rss_mb=round(rss),
+                **({"phases_median": phases} if phases else {}))
 
 
 def environment(threads):
     import peft, torch, transformers, trl  # noqa: E401
-    cpu = next(ln.split(":", 1)[1].strip() for ln in open("/proc/cpuinfo") if ln.startswith("model name"))
+    cpuinfo = [ln.split(":", 1) for ln in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in ln]
+    info = {k.strip(): v.strip() for k, v in cpuinfo}
+    cpu, flags = info["model name"], info["flags"].split()
     git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
     return dict(torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__,
                 peft=peft.__version__, python=platform.python_version(), cpu=cpu, cores=os.cpu_count(),
+                bf16_hardware=[f for f in ("avx512_bf16", "amx_bf16") if f in flags],
                 threads_per_worker=threads, commit=git("rev-parse", "HEAD"),
                 uncommitted=git("status", "--porcelain").splitlines())
 
@@ -315,6 +322,7 @@ def main():
     o = dict(G=a.group_size, T=a.max_new_tokens, prompts=a.prompts, natural_eos=a.natural_eos, threads=a.threads,
              n_steps=a.warmup + a.steps, n_experts=3)
     log(f"worker logs in {log_dir}")
+    env = environment(a.threads)  # at the start: the commit whose code the workers import
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
     W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "ours_shared", "trl_default", "trl_no_gc", "floor"]}
@@ -331,7 +339,7 @@ def main():
     for k in ("ours", "ours_shared"):
         v = W[k].run(step=DATASET_SIZE - 1, profile=True)
         profile[k] = dict(seconds=v["seconds"], phases=dict(sorted(v["phases"].items(), key=lambda x: -x[1])))
-        log(f"profile {k} {v['seconds']:.1f} s: " + ", ".join(f"{ph} {s:.2f}" for ph, s in profile[k]["phases"].items()))
+        log(f"profile {k} {v['seconds']:.1f} s: " + ", ".join(f"{ph} {x:.2f}" for ph, x in v["phases"].items()))
     [w.close() for k, w in W.items() if k != "ours"]
 
     # ---- 3. scaling: ours vs G (same worker, new prompts) and vs number of experts (same prompts as G = 8) -------
@@ -340,9 +348,10 @@ def main():
         E = {k: Worker(f"experts_{k}", "ours", {**o, "n_experts": k}, log_dir) for k in (1, 2)}
         [w.recv() for w in E.values()]
         [w.run(step=DATASET_SIZE - 2, G=8) for w in E.values() for _ in range(a.warmup)]  # ours is warm already
-        plan = {f"G={g}": (W["ours"], lambda r, g=g, j=j: dict(step=100 + 4 * r + j, G=g))
+        plan = {f"G={g}": (W["ours"], lambda r, g=g, j=j: dict(step=100 + 4 * r + j, G=g, profile=True))
                 for j, g in enumerate((4, 8, 16))}
-        plan.update({f"experts={k}": (w, lambda r: dict(step=100 + 4 * r + 1, G=8)) for k, w in E.items()})
+        plan.update({f"experts={k}": (w, lambda r: dict(step=100 + 4 * r + 1, G=8, profile=True))
+                     for k, w in E.items()})
         runs = alternate(plan, 0, a.scaling_steps, log)
         E[3] = W["ours"]
         scaling = dict(vs_group_size={g: stats(runs[f"G={g}"], W["ours"].rss) for g in (4, 8, 16)},
@@ -354,8 +363,9 @@ def main():
     # ---- 4. results ----------------------------------------------------------------------------------------------
     med = {k: v["median"] for k, v in res.items()}
     best = min(("trl_default", "trl_no_gc"), key=med.get)
-    ratios = lambda x: dict(ratio_vs_trl=med[x] / med["trl_default"], ratio_vs_trl_best=med[x] / med[best],  # noqa: E731
-                            ratio_vs_floor=med[x] / med["floor"], overhead_ours_vs_single=med[x] / med["single"])
+    ratios = lambda x: dict(ratio_vs_trl=med[x] / med["trl_default"],  # noqa: E731
+                            ratio_vs_trl_best=med[x] / med[best], ratio_vs_floor=med[x] / med["floor"],
+                            overhead_ours_vs_single=med[x] / med["single"])
     report = dict(**ratios("ours"), trl_best_config=best, targets=GOALS, paired_round_ratios=paired,
                   targets_met={k: v <= GOALS[k] for k, v in ratios("ours").items()},
                   proposal_ours_shared={**ratios("ours_shared"), "vs_ours": med["ours_shared"] / med["ours"]},
@@ -363,13 +373,17 @@ def main():
                   setup=dict(policy=POLICY, experts=EXPERTS, task="chain_sum", G=a.group_size, prompts=a.prompts,
                              new_tokens=a.max_new_tokens, forced_length=not a.natural_eos, lora_rank=8, beta=0.04,
                              mu=1, warmup=a.warmup, steps=a.steps, scaling_steps=a.scaling_steps),
-                  environment=environment(a.threads), wall_seconds=round(time.time() - t_start))
+                  environment=env, wall_seconds=round(time.time() - t_start))
     os.makedirs(os.path.dirname(os.path.abspath(a.out)), exist_ok=True)
     with open(a.out, "w") as f:
         json.dump(report, f, indent=1)
     with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
         f.write(markdown(report))
     print(markdown(report))
+
+
+def experts_s(v):
+    return sum(x for ph, x in v.get("phases_median", {}).items() if ph.startswith(("experts", "adapter")))
 
 
 def markdown(r):
@@ -390,7 +404,8 @@ def markdown(r):
         cols = [(f"G={g}", v) for g, v in r["scaling"]["vs_group_size"].items()]
         cols += [(f"{k} expert(s), G=8", v) for k, v in r["scaling"]["vs_num_experts"].items()]
         out += ["", "| ours | " + " | ".join(c for c, _ in cols) + " |", "|---" * (len(cols) + 1) + "|",
-                "| s/step (median) | " + " | ".join(f"{v['median']:.1f}" for _, v in cols) + " |"]
+                "| s/step (median) | " + " | ".join(f"{v['median']:.1f}" for _, v in cols) + " |",
+                "| of which experts + adapter | " + " | ".join(f"{experts_s(v):.2f}" for _, v in cols) + " |"]
     return "\n".join(out) + "\n"
 
 
