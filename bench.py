@@ -10,7 +10,6 @@ q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 6
 beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum question and prompt tokens everywhere.
   single, ours   train.grpo_step as it is, timed around the call (ours: experts Gemma-3-270M, SmolLM2-135M, MiniLM;
                  each step's prompt is new to them, so no expert-cache hits).
-  ours_shared    PROPOSAL, not in train.py: ours with completion_logprobs -> shared_prefix_logprobs (below).
   trl_default    TRL GRPOTrainer + PEFT LoRA, GRPOConfig defaults (gradient checkpointing ON in TRL 1.16);
   trl_no_gc      the same with it off. Both bf16=False (fp32), no vLLM, logging/saving/shuffling off, batch =
                  prompts x G; timed by a callback from on_step_begin (before generation) to on_step_end.
@@ -21,7 +20,7 @@ min_new_tokens (EOS masked), ours by an EOS id that never occurs (-1), so the ma
 --natural-eos lifts this (then compare tokens/s).
 Method: worker subprocesses load once, run --warmup uncounted steps, then --steps rounds of one step per contender
 in turn (alternated: load drifts hit all alike). Reported: median, min/max, IQR, paired per-round ratios, peak RSS
-per worker (ru_maxrss, incl. loading); a phase profile of one ours and one ours_shared step (timers wrapped around
+per worker (ru_maxrss, incl. loading); a phase profile of one ours step (timers wrapped around
 the functions grpo_step calls); ours vs G (4, 8, 16) and vs 1-3 experts (first k of the team, G = 8), each point
 with the same phase timers, so the experts' own seconds are measured apart from the noisy step total.
 Threads: --threads per worker (default 1). On this shared 2-core machine one forward took 1.9-10 s with two OpenMP
@@ -42,29 +41,6 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 def step_items(items, step, prompts):
     from train import batch_indices
     return [items[i] for i in batch_indices(step, 0, prompts, 1, len(items), SEED)]
-
-
-def shared_prefix_logprobs(G):
-    """Drop-in for grpo.completion_logprobs when rows come as G copies of each prompt (as in grpo_step): forward
-    [x || C] once per group with use_cache, repeat its KV cache G times, forward only the completions. Tokens per
-    group: P + G*T instead of G*(P + T). The gradient reaches LoRA and C through the cache."""
-    import torch
-    from adapter import policy_inputs
-    from grpo import token_logprobs
-
-    def logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature, position="after"):
-        g = G()
-        x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids[::g], prompt_mask[::g],
-                                     None if C is None else C[::g], position)          # (B, P', D)
-        out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-        out.past_key_values.batch_repeat_interleave(g)                                  # (B, ...) -> (B*G, ...)
-        mask = torch.cat([mask.repeat_interleave(g, 0), completion_mask], 1)
-        pos = pos[:, -1:].repeat_interleave(g, 0) + completion_mask.long().cumsum(-1)  # = (mask.cumsum - 1)
-        logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos,
-                        past_key_values=out.past_key_values).logits                   # (B*G, T, V)
-        first = out.logits[:, -1:].repeat_interleave(g, 0)                             # (B*G, 1, V) predicts y_0
-        return token_logprobs(torch.cat([first, logits[:, :-1]], 1), completion_ids, temperature)
-    return logprobs
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -102,7 +78,6 @@ def phase_timers(run, times):
 
 def ours_worker(kind, o):
     import torch
-    import grpo
     import rewards
     import train
     argv = ["--task", "chain_sum", "--team", "pocket", "--method", "single" if kind == "single" else "ours",
@@ -113,8 +88,6 @@ def ours_worker(kind, o):
     run = train.build_run(args, torch.device("cpu"))
     if not o["natural_eos"]:
         run["eos_ids"] = [-1]  # never sampled: every completion runs the full T tokens (equal work, see docstring)
-    if kind == "ours_shared":
-        grpo.completion_logprobs = shared_prefix_logprobs(lambda: args.group_size)  # grpo_step calls grpo.X
 
     def step(cmd):
         args.group_size, times, t0 = cmd.get("G", o["G"]), collections.defaultdict(float), time.perf_counter()
@@ -325,7 +298,7 @@ def main():
     env = environment(a.threads)  # at the start: the commit whose code the workers import
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
-    W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "ours_shared", "trl_default", "trl_no_gc", "floor"]}
+    W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "trl_default", "trl_no_gc", "floor"]}
     info = {k: w.recv() for k, w in W.items()}
     log("loaded: " + ", ".join(f"{k} {w.rss / 1024:.1f} GB" for k, w in W.items()))
     runs = alternate({k: (w, lambda r: dict(step=r)) for k, w in W.items()}, a.warmup, a.steps, log)
@@ -334,9 +307,9 @@ def main():
     paired = {f"ours/{y}": float(np.median([u["seconds"] / v["seconds"] for u, v in zip(runs["ours"], runs[y])]))
               for y in ("trl_default", "trl_no_gc", "floor", "single")}
 
-    # ---- 2. profile: one step of ours and ours_shared on a prompt new to both, phase by phase ----------------------
+    # ---- 2. profile: one step of ours on a prompt new to it, phase by phase ------------------------------------------
     profile = {}
-    for k in ("ours", "ours_shared"):
+    for k in ("ours",):
         v = W[k].run(step=DATASET_SIZE - 1, profile=True)
         profile[k] = dict(seconds=v["seconds"], phases=dict(sorted(v["phases"].items(), key=lambda x: -x[1])))
         log(f"profile {k} {v['seconds']:.1f} s: " + ", ".join(f"{ph} {x:.2f}" for ph, x in v["phases"].items()))
@@ -368,7 +341,6 @@ def main():
                             overhead_ours_vs_single=med[x] / med["single"])
     report = dict(**ratios("ours"), trl_best_config=best, targets=GOALS, paired_round_ratios=paired,
                   targets_met={k: v <= GOALS[k] for k, v in ratios("ours").items()},
-                  proposal_ours_shared={**ratios("ours_shared"), "vs_ours": med["ours_shared"] / med["ours"]},
                   contenders=res, profile=profile, scaling=scaling,
                   setup=dict(policy=POLICY, experts=EXPERTS, task="chain_sum", G=a.group_size, prompts=a.prompts,
                              new_tokens=a.max_new_tokens, forced_length=not a.natural_eos, lora_rank=8, beta=0.04,
@@ -387,7 +359,7 @@ def experts_s(v):
 
 
 def markdown(r):
-    s, env, pr = r["setup"], r["environment"], r["proposal_ours_shared"]
+    s, env = r["setup"], r["environment"]
     out = [f"One GRPO step, SmolLM2-135M-Instruct + LoRA r8, {s['prompts']} prompt x G={s['G']} x {s['new_tokens']} "
            f"tokens, beta {s['beta']}; {env['cpu']}, {env['cores']} cores, {env['threads_per_worker']} thread(s) per "
            f"process; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}, PEFT {env['peft']}. "
@@ -395,8 +367,8 @@ def markdown(r):
            "| contender | s/step (median) | min – max | tokens/s | peak RSS |", "|---|---|---|---|---|"]
     out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | {v['tokens_per_second']:.1f} | "
             f"{v['peak_rss_mb'] / 1024:.1f} GB |" for k, v in r["contenders"].items()]
-    out += ["", "| ratio | ours | target | met | ours_shared (proposal) |", "|---|---|---|---|---|"]
-    out += [f"| {k} | {r[k]:.2f} | ≤ {t} | {'yes' if r['targets_met'][k] else 'no'} | {pr[k]:.2f} |"
+    out += ["", "| ratio | ours | target | met |", "|---|---|---|---|"]
+    out += [f"| {k} | {r[k]:.2f} | ≤ {t} | {'yes' if r['targets_met'][k] else 'no'} |"
             for k, t in r["targets"].items()]
     out += ["", *(f"Profile of one `{k}` step ({v['seconds']:.1f} s): " + ", ".join(
         f"{ph} {t:.1f} s" for ph, t in v["phases"].items()) for k, v in r["profile"].items())]

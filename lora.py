@@ -13,6 +13,7 @@ What is here:
   LoRALinear          one wrapped nn.Linear (enable/disable, merge/unmerge)
   apply_lora          freeze a model and wrap the named linear layers, returns the wrapped names
   lora_disabled       context manager: the base model (used for the reference log-probs)
+  lora_merged         context manager: updates folded into copies of the weights (fast rollout)
   lora_state_dict     the trainable tensors only (small checkpoints)
   save_peft           export in PEFT's on-disk format, so `peft.PeftModel.from_pretrained` loads it
 
@@ -113,6 +114,26 @@ def lora_disabled(model: nn.Module):
     finally:
         for m, state in zip(layers, before):
             m.enabled = state
+
+
+@contextlib.contextmanager
+def lora_merged(model: nn.Module):
+    """Run with each enabled update folded into its weight, W' = W + (alpha/r) B A: one matmul per layer
+    instead of three, ~15 % faster decoding for the rollout (no gradient is needed there). Unlike merge(),
+    the frozen W is never modified: W' is a new tensor and W's own storage comes back on exit, bit for bit
+    (W + D - D is not W in floating point, and the reference model must not drift). Costs one extra copy of
+    the wrapped weights while inside. No gradient flows through W'."""
+    layers = [m for _, m in lora_layers(model) if m.enabled and not m.merged]
+    frozen = [m.base.weight.data for m in layers]
+    with torch.no_grad():
+        for m, w in zip(layers, frozen):
+            m.base.weight.data = w + m.delta_weight().to(w.dtype)
+            m.merged = True
+    try:
+        yield model
+    finally:
+        for m, w in zip(layers, frozen):
+            m.base.weight.data, m.merged = w, False
 
 
 def lora_state_dict(model: nn.Module) -> dict:

@@ -300,9 +300,8 @@ def grpo_step(step, run, args, score_batch):
         r = torch.tensor(r, dtype=torch.float32, device=device)
         # ---- advantage: group-relative, one group per prompt -------------------------------------------------
         adv = group_advantages(r, G, scale=not args.no_scale_rewards)
-        ids, mask = ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0)
         with torch.no_grad(), lora_disabled(policy):  # pi_ref: LoRA off, zero tokens where C was (paper §4.1)
-            C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"]).repeat_interleave(G, 0)
+            C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"])  # one row per prompt: shared prefix
             logp_ref = grpo.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
                                            args.context_position)
         batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
@@ -315,8 +314,7 @@ def grpo_step(step, run, args, score_batch):
         losses, stats = [], []
         for b in batches:
             ctx = method(b["questions"], reuse=b["ctx"])  # same routing noise as in the rollout
-            C = None if ctx["C"] is None else ctx["C"].repeat_interleave(G, 0)
-            logp = grpo.completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
+            logp = grpo.completion_logprobs(policy, b["ids"], b["mask"], ctx["C"], b["comp"], b["comp_mask"],
                                        args.temperature, args.context_position)
             if epoch == 0:  # the weights have not moved yet: logp_old = logp, detached (no extra forward)
                 b["logp_old"] = logp.detach()

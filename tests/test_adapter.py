@@ -138,9 +138,55 @@ def test_rollout_and_scoring_see_the_same_positions(lora_policy, position):
     from grpo import completion_mask
     cmask = completion_mask(comp, tok.eos_token_id)
     with torch.no_grad():
-        logp = completion_logprobs(model, ids.repeat_interleave(2, 0), mask.repeat_interleave(2, 0),
-                                   C.repeat_interleave(2, 0), comp, cmask, 0.7, position)
+        logp = completion_logprobs(model, ids, mask, C, comp, cmask, 0.7, position)  # 2 prompts, G = 2
     torch.testing.assert_close(logp[cmask], logp_sample[cmask], rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_shared_prefix_scoring_equals_one_plain_forward(lora_policy, position):
+    """completion_logprobs runs [x || C] once per prompt and the G completions on its repeated KV cache.
+    Reference: one ordinary forward over G full copies of [x || C || y] (left padding, padding-skipping
+    positions), log-probs by F.cross_entropy. Log-probs and the gradients reaching LoRA and C must agree."""
+    import torch.nn.functional as F
+    from grpo import completion_mask
+    model, tok = copy.deepcopy(lora_policy[0]), lora_policy[1]
+    torch.manual_seed(3)
+    for name, p in model.named_parameters():
+        if p.requires_grad:  # LoRA B = 0 at init would hide a gradient path: make the update non-zero
+            nn.init.normal_(p, std=0.05)
+    G, T, D = 3, 7, model.config.hidden_size
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")                  # (2, P), the first row left-padded
+    C = (torch.randn(2, 3, D) * 0.5).requires_grad_()
+    comp = torch.randint(3, 200, (2 * G, T))
+    comp[1, 2], comp[4, 0] = tok.eos_token_id, tok.eos_token_id      # early EOS: padding inside the batch
+    cmask = completion_mask(comp, tok.eos_token_id)
+    lora = [p for p in model.parameters() if p.requires_grad]
+
+    logp = completion_logprobs(model, ids, mask, C, comp, cmask, 0.8, position)    # (2G, T)
+    g_shared = torch.autograd.grad(logp[cmask].sum(), [C] + lora)
+
+    x, m, _ = policy_inputs(model.get_input_embeddings(), ids.repeat_interleave(G, 0),
+                            mask.repeat_interleave(G, 0), C.repeat_interleave(G, 0), position)
+    x = torch.cat([x, model.get_input_embeddings()(comp)], 1)        # (2G, P' + T, D)
+    m = torch.cat([m, cmask], 1)
+    logits = model(inputs_embeds=x, attention_mask=m, position_ids=position_ids(m)).logits[:, -T - 1:-1]
+    ref = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]) / 0.8, comp.reshape(-1),
+                           reduction="none").view(2 * G, T)
+    g_plain = torch.autograd.grad(ref[cmask].sum(), [C] + lora)
+
+    assert mask[0].sum() < mask.shape[1] and not cmask.all()         # padding on both sides was exercised
+    torch.testing.assert_close(logp[cmask], ref[cmask], rtol=1e-5, atol=1e-5)
+    for a, b in zip(g_shared, g_plain):
+        torch.testing.assert_close(a, b, rtol=1e-4, atol=1e-5)
+    assert g_shared[0].abs().sum() > 0                               # the gradient reached C through the cache
+
+
+def test_completion_logprobs_rejects_ungrouped_rows(lora_policy):
+    model, tok = lora_policy
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")
+    comp = torch.randint(3, 200, (3, 4))
+    with pytest.raises(ValueError, match="groups"):
+        completion_logprobs(model, ids, mask, None, comp, torch.ones_like(comp, dtype=torch.bool), 1.0)
 
 
 def test_position_ids():

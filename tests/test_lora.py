@@ -113,3 +113,26 @@ def test_state_dict_roundtrip_and_mismatch(tiny_policy):
 def test_no_matching_module_is_an_error():
     with pytest.raises(ValueError, match="no nn.Linear"):
         apply_lora(nn.Sequential(nn.Linear(2, 2)), target_modules=("q_proj",))
+
+
+def test_lora_merged_is_the_same_function_and_restores_weights_bit_for_bit():
+    """lora_merged (used by the rollout) computes x (W + s B A)^T: the same outputs as the unmerged layers
+    (float rounding aside), and on exit every frozen weight is the very same tensor with the same bits."""
+    from lora import lora_merged
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(16, 24), nn.ReLU(), nn.Linear(24, 8))
+    apply_lora(model, rank=4, alpha=8, target_modules=("0", "2"))
+    for n, p in model.named_parameters():
+        if "lora_B" in n:
+            nn.init.normal_(p)
+    frozen = [(m.base.weight, m.base.weight.data.clone()) for m in model.modules() if isinstance(m, LoRALinear)]
+    x = torch.randn(5, 16)
+    y = model(x)
+    with lora_merged(model):
+        y_merged = model(x)
+        assert all(not torch.equal(w.data, before) for w, before in frozen)  # really merged inside
+    torch.testing.assert_close(y_merged, y, rtol=1e-5, atol=1e-5)
+    assert all(torch.equal(w.data, before) for w, before in frozen)
+    assert torch.equal(model(x), y)
+    with lora_disabled(model), lora_merged(model):  # disabled layers are not merged
+        torch.testing.assert_close(model(x), model[2].base(torch.relu(model[0].base(x))))
