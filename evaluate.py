@@ -37,9 +37,8 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     import rewards
     from baselines import METHODS
     from experts import load_model
-    from grpo import completion_mask
+    from grpo import completion_mask, encode_prompts, eos_token_ids, sample
     from lora import apply_lora, load_lora_state_dict
-    from grpo import encode_prompts, sample
     device = torch.device(device)
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     team = args.team_models
@@ -53,7 +52,7 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     if method_state is not None:
         method.load_state_dict(method_state)
     policy.eval(), method.eval()
-    eos_ids = [tok.eos_token_id]
+    eos_ids = eos_token_ids(policy, tok)  # the same stop tokens as in training
     scores, sources, status = [], [], {}
     for start in range(0, n, batch_size):
         batch = [items[i] for i in range(start, min(n, start + batch_size))]

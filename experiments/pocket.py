@@ -13,8 +13,11 @@ Deviations from the paper's protocol (all forced by a 2-core CPU; the GPU recipe
   2. One task: chain_sum with 2 terms of 1-2 digits, where the untrained policy is neither at 0 nor near 100 %
      (measured first, see results/pocket/untrained-*.json).
   3. A worked example in the system prompt, the response pre-filled with "<think>", C before the prompt.
-  4. G = 4, 2 prompts x 2 accumulation = 4 prompts per step, 64 new tokens, --steps steps, lr 1e-4 -> see flags.
+  4. G = 4 (paper 8), 4 prompts per step (paper 32), 48 new tokens (paper 128; the policy's answers take 10-30),
+     --steps 30 (paper 500), lr 5e-4 for LoRA and g_phi (paper 1e-4: we see ~1/200 of its samples).
   5. Validation on --n-eval items (greedy), not 4,000.
+  6. Two cores: run one process per core with disjoint --seeds (each pinned to its core with
+     OMP_NUM_THREADS=1 taskset -c K); every run is a separate folder, so they never collide.
 """
 import argparse
 import json
@@ -25,7 +28,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}']
-PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before"]
+# the prompt and generation budget: the same for training, the untrained baseline and every evaluation
+PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
 
 
 def run(cmd, log):
@@ -42,6 +46,8 @@ def main():
                    help="methods to compare")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds per method")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
+    p.add_argument("--lr", type=float, default=5e-4, help="learning rate of LoRA and g_phi (paper: 1e-4 over "
+                   "500 steps of 256 completions; here far fewer samples)")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run")
     p.add_argument("--naive", action="store_true", help="also train ours on the pocket-naive team (Fig. 4)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "pocket"), help="folder for the runs")
@@ -49,8 +55,8 @@ def main():
     a = p.parse_args()
     os.makedirs(a.out, exist_ok=True), os.makedirs(a.results, exist_ok=True)
     log = os.path.join(a.out, "log.txt")
-    hyper = ["--batch-size", "2", "--grad-accum", "2", "--group-size", "4", "--max-new-tokens", "64",
-             "--steps", str(a.steps), "--save-every", "5", "--dataset-size", "2000"]
+    hyper = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--lr", str(a.lr), "--router-lr",
+             str(a.lr), "--steps", str(a.steps), "--save-every", "5", "--dataset-size", "2000"]
 
     untrained = os.path.join(a.results, "untrained-chain_sum-pocket.json")
     if not os.path.exists(untrained):
@@ -62,7 +68,7 @@ def main():
     for method, seed, team in jobs:
         out = os.path.join(a.out, f"{team}-{method}-s{seed}")
         if not os.path.exists(os.path.join(out, "eval.json")):
-            resume = ["--resume"] if os.path.exists(os.path.join(out, "checkpoint.pt")) else []
+            resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []  # started before
             done = os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
             if not done:
                 run(["train.py", *TASK, *PROMPT, *hyper, "--team", team, "--method", method, "--seed", str(seed),

@@ -376,6 +376,9 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(monkeypatch, tmp_path, 
     assert not same_weights(saved[3], saved[4])  # and training goes on
     assert capfd.readouterr().out.count("update skipped: non-finite loss or gradient") == 2  # the step lines
     assert all(r["scorer_failures"] == 1 for r in rows)  # the timeout, not the two missing answers
+    with open(os.path.join(out, "metrics.jsonl")) as f:  # strict JSON: the NaN loss is written as null
+        assert all(json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in f)
+    assert rows[1]["loss"] is None
 
 
 def test_max_bad_steps_stops_the_run_with_a_usable_checkpoint(monkeypatch, tmp_path, capfd):
