@@ -3,7 +3,7 @@ The pocket reproduction: the paper's Table 1 and Fig. 4 in miniature, on a 2-cor
 
     python experiments/pocket.py                 # everything: untrained baseline, 5 methods x 3 seeds, naive team,
                                                  # evaluation with and without C, results/pocket/{table.md, *.png}
-    python experiments/pocket.py --steps 10 --seeds 0 --methods single ours   # a smaller slice
+    python experiments/pocket.py --seeds 0 --methods single ours --teams pocket   # a smaller slice
 
 It is resumable: a finished run (eval.json present) is skipped, an interrupted one continues with --resume.
 Stop it at any time and run the same command again.
@@ -49,7 +49,8 @@ def main():
     p.add_argument("--lr", type=float, default=5e-4, help="learning rate of LoRA and g_phi (paper: 1e-4 over "
                    "500 steps of 256 completions; here far fewer samples)")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run")
-    p.add_argument("--naive", action="store_true", help="also train ours on the pocket-naive team (Fig. 4)")
+    p.add_argument("--teams", nargs="+", default=["pocket", "pocket-naive"], choices=["pocket", "pocket-naive"],
+                   help="pocket-naive (pocket + a random-init GPT-2, Fig. 4) trains `ours` only")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "pocket"), help="folder for the runs")
     p.add_argument("--results", default=os.path.join(ROOT, "results", "pocket"), help="folder for table and plots")
     a = p.parse_args()
@@ -62,9 +63,8 @@ def main():
     if not os.path.exists(untrained):
         run(["evaluate.py", "--untrained", "--team", "pocket", "--n", str(a.n_eval), "--out", a.results,
              *TASK, *PROMPT], log)
-    jobs = [(m, s, "pocket") for s in a.seeds for m in a.methods]
-    if a.naive:
-        jobs += [("ours", s, "pocket-naive") for s in a.seeds]
+    jobs = [(m, s, team) for team in a.teams for s in a.seeds
+            for m in (a.methods if team == "pocket" else ["ours"])]
     for method, seed, team in jobs:
         out = os.path.join(a.out, f"{team}-{method}-s{seed}")
         if not os.path.exists(os.path.join(out, "eval.json")):
