@@ -2,7 +2,8 @@
 GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty, the
 completion mask and per-token log-probs (pure functions, tensors in, (loss, metrics) out); then the two places
 the policy runs: `sample` (the rollout, G completions per prompt from one shared prefill) and
-`completion_logprobs` (the scoring pass, completion positions only), which must agree token for token.
+`completion_logprobs` (the scoring pass: the G completions on one shared prefix, completion positions only),
+which must agree token for token.
 
 The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised objective
 
@@ -281,8 +282,8 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     completion_mask [N, T] hold G = N / B completions per prompt in consecutive blocks, as `sample` returns
     them (B = N, G = 1 is fine too).
 
-    Speed-ups, both exact up to float rounding (tests/test_grpo.py compares them with one plain forward over
-    G copies of [x || C || y]):
+    Speed-ups, both exact up to float rounding (tests/test_adapter.py compares log-probs and gradients with
+    one plain forward over G copies of [x || C || y]):
       1. Shared prefix: [x || C] is run once per prompt with use_cache, its KV cache is repeated G times and
          only the completions are run on top of it: P + G*T tokens per group instead of G*(P + T). The
          prompt is often longer than the completion (system prompt, worked example), so this roughly halves

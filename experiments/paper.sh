@@ -17,7 +17,7 @@ for task in $tasks; do
       [ -f "$out/eval.json" ] && continue
       extra=()
       [ "$task" = gsm8k ] && [ -n "${GSM8K_PATH:-}" ] && extra+=(--data-path "$GSM8K_PATH")
-      resume=(); [ -f "$out/checkpoint.pt" ] && resume=(--resume)
+      resume=(); [ -f "$out/config.json" ] && resume=(--resume)   # started before: continue it
       [ -f "$out/lora_peft/adapter_config.json" ] || \
         python train.py --task "$task" --team "$team" --method "$method" --seed "$seed" --out "$out" "${extra[@]}" "${resume[@]}"
       python evaluate.py --run "$out"                     # 4,000 validation items (GSM8K: the 1,319 test items)
