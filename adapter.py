@@ -27,7 +27,8 @@ Deviations / choices the paper leaves open:
          std     1e-6     1e-7     1e-8     1e-9     0
          after   4.1e-3   4.1e-4   3.9e-5   1.9e-6   0
          before  6.5e-1   6.1e-1   1.4e-1   2.0e-3   0
-     ("before": C comes first and attends only to itself, so nothing dilutes the amplified tokens.) The
+     (measured with C before the whole prompt, where it attended only to itself, so nothing diluted the
+     amplified tokens; "before" now keeps the first prompt token in front, see policy_inputs.) The
      gradient still reaches W_out at step 0 (dC/dW_out = C'), like LoRA's B = 0; the rest of g_phi gets
      gradient from the second step on. `out_init_std` restores a random near-zero init.
   3. W_i have no bias (Eq. 6 has none); W_Q, W_K, W_V, W1, W2 have none either; W_out has b_out.
@@ -126,10 +127,20 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
 
     prompt_ids, prompt_mask: [B, T] left-padded (padding on the left, so every prompt ends at T-1 and the
     completion follows directly). C: [B, m, D] or None (no context tokens). embed: the policy's input
-    embedding module. With position="after" the sequence is [pad.. x C], with "before" it is [C pad.. x]:
-    the mask hides the padding wherever it sits, and positions count only unmasked tokens, so a prompt gets
+    embedding module. The sequence is, with x_0 the first real token of the prompt:
+        "after"   [pad.. x C]            Eq. 3
+        "before"  [x_0 C pad.. x_1..]    prefix tuning, kept behind the first token (see below)
+    The mask hides the padding wherever it sits, and positions count only unmasked tokens, so a prompt gets
     the same positions whatever its batch-mates are. The reference policy gets torch.zeros_like(C) here:
     zero tokens at the same positions (paper §4.1).
+
+    Why not [C x] for "before": C starts at exactly 0 (W_out = 0). Tokens at the very front attend only to
+    each other, so zero tokens keep a hidden state of exactly 0 through every layer, where each RMSNorm has
+    slope 1/sqrt(eps) (316 for eps = 1e-5): the gradient reaching them grows ~316x per norm and overflows
+    float32 within ~15 layers. On SmolLM2-135M (30 layers) every update with a non-zero advantage had a NaN
+    gradient, was skipped, and C stayed 0 for ever (regression test in tests/test_adapter.py). Behind x_0
+    (the template's first token, the model's usual attention sink) C's hidden states are non-zero from the
+    first attention layer on, as with "after".
     """
     x = embed(prompt_ids)                                                   # (B, T, D)
     mask = prompt_mask.bool()
@@ -139,7 +150,10 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
         if position == "after":
             x, mask = torch.cat([x, C], 1), torch.cat([mask, ones], 1)
         elif position == "before":
-            x, mask = torch.cat([C, x], 1), torch.cat([ones, mask], 1)
+            first = mask & (mask.long().cumsum(-1) == 1)                    # (B, T) one-hot: x_0 of each row
+            x0 = x[first].unsqueeze(1)                                      # (B, 1, D)
+            x = torch.cat([x0, C, x], 1)                                    # (B, 1 + m + T, D)
+            mask = torch.cat([ones[:, :1], ones, mask & ~first], 1)         # x_0's old column becomes padding
         else:
             raise ValueError(f"--context-position must be 'after' or 'before', got {position!r}")
     return x, mask, position_ids(mask)

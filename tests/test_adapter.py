@@ -70,9 +70,12 @@ def test_policy_inputs_layout():
     x, m, pos = policy_inputs(embed, ids, mask, C, "after")
     assert x.shape == (2, 7, 4) and torch.equal(x[:, 4:], C)
     assert pos[0].tolist()[2:] == [0, 1, 2, 3, 4] and pos[1].tolist() == [0, 1, 2, 3, 4, 5, 6]
-    x, m, pos = policy_inputs(embed, ids, mask, C, "before")
-    assert torch.equal(x[:, :3], C) and m[0].tolist() == [1, 1, 1, 0, 0, 1, 1]
+    x, m, pos = policy_inputs(embed, ids, mask, C, "before")  # [x_0 C pad.. x_1..]: C behind the first token
+    assert x.shape == (2, 8, 4) and torch.equal(x[:, 1:4], C)
+    assert torch.equal(x[:, 0], embed(torch.tensor([5, 7])))        # each row's first real token
+    assert m[0].tolist() == [1, 1, 1, 1, 0, 0, 0, 1] and m[1].tolist() == [1, 1, 1, 1, 0, 1, 1, 1]
     assert [p for p, k in zip(pos[0].tolist(), m[0].tolist()) if k] == [0, 1, 2, 3, 4]
+    assert [p for p, k in zip(pos[1].tolist(), m[1].tolist()) if k] == [0, 1, 2, 3, 4, 5, 6]
     with pytest.raises(ValueError, match="context-position"):
         policy_inputs(embed, ids, mask, C, "middle")
 
@@ -107,8 +110,41 @@ def test_step0_policy_equals_zero_context_reference(lora_policy, position):
         nn.init.normal_(ad.out.weight, std=1e-7)  # a "near-zero" random W_out is NOT a no-op (trap 3)
         tiny = completion_logprobs(model, ids, mask, ad(states(B=2))[0], comp, cmask, 1.0, position)
     assert torch.equal(logp, ref)
-    assert (tiny - ref).abs().max() > 1e-4
+    assert (tiny - ref).abs().max() > 1e-5  # a 1e-7 perturbation moves log-probs ~1e-4: RMSNorm amplifies it
     assert (no_ctx - ref).abs().max() > 1e-3  # zero tokens are not neutral either (DESIGN trap 2)
+
+
+def test_zero_context_in_front_of_a_deep_policy_has_a_finite_gradient():
+    """Regression (found on SmolLM2-135M, 30 layers, --context-position before): with C = 0 exactly (W_out = 0
+    at init) placed in front of the whole prompt, C's tokens see only each other, keep a hidden state of exactly
+    0 in every layer, and each RMSNorm at 0 multiplies the gradient by 1/sqrt(eps): it overflowed to inf/NaN,
+    every update with a non-zero advantage was skipped, and C stayed 0 for ever. policy_inputs now keeps the
+    first prompt token in front ([x_0 C x_1..]); a 16-layer random Llama shows both sides of the story."""
+    import transformers as tf
+    from experts import tiny_tokenizer
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=16,
+                         num_attention_heads=2, num_key_value_heads=2, rms_norm_eps=1e-5, initializer_range=0.3)
+    model = tf.LlamaForCausalLM(cfg).eval()
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")
+    comp = torch.randint(3, 200, (2, 4))
+    cmask = torch.ones_like(comp, dtype=torch.bool)
+
+    def grad_of_C(layout):
+        C = torch.zeros(2, 3, 16, requires_grad=True)
+        if layout == "in front of everything":  # the old "before": [C pad.. x]
+            x = torch.cat([C, model.get_input_embeddings()(ids)], 1)
+            m = torch.cat([torch.ones(2, 3, dtype=torch.bool), mask], 1)
+            logits = model(inputs_embeds=x, attention_mask=m, position_ids=position_ids(m)).logits
+            logits.float().logsumexp(-1).sum().backward()
+        else:
+            completion_logprobs(model, ids, mask, C, comp, cmask, 1.0, "before").sum().backward()
+        return C.grad
+
+    assert not torch.isfinite(grad_of_C("in front of everything")).all()  # the bug
+    g = grad_of_C("before")
+    assert torch.isfinite(g).all() and g.abs().sum() > 0                    # the fix
 
 
 @pytest.mark.parametrize("position", ["after", "before"])
