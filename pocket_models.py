@@ -26,6 +26,7 @@ import importlib.metadata as metadata
 import json
 import os
 import shutil
+import sys
 import tempfile
 from pathlib import Path
 
@@ -221,6 +222,8 @@ def load_causal_lm(spec, fresh: bool = False):
     final = converted_dir(spec)
     if not final.is_dir():
         folder, gguf_file, version = locate_pocket_model(spec)
+        print(f"{name}: converting {gguf_file} to float32 once (about a minute or two); later runs load the "
+              f"copy in {final.parent}", file=sys.stderr, flush=True)  # a newcomer's first run: say why it waits
         _convert(final, folder, gguf_file, {"model": name, "package": resolved["package"],
                                             "version": version, "gguf_file": gguf_file})
     return _load_converted(final)
