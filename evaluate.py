@@ -147,7 +147,8 @@ def summarize(folders, out):
             evs = cells.get((meth, t), [])
             seeds = max(seeds, len(evs))
             for k in ("score", "solve_rate"):
-                row.append("{:.1f} ± {:.1f}".format(*[100 * v for v in mean_std([e[k] for e in evs])]) if evs else "–")
+                m, s = mean_std([e[k] for e in evs]) if evs else (None, None)
+                row.append("–" if m is None else f"{100 * m:.1f}" if len(evs) == 1 else f"{100 * m:.1f} ± {100 * s:.1f}")
         lines.append(f"| {meth} | " + " | ".join(row) + f" | {seeds} |")
     table = "\n".join(lines) + "\n"
     finite = [v for v in rhos.values() if np.isfinite(v)]
@@ -191,7 +192,8 @@ def plot_runs(folders, out):
             ax1.plot(steps, mu, label=name)
             ax1.fill_between(steps, mu - sd, mu + sd, alpha=0.2)
         ax1.set_ylabel("utilisation u_i (Eq. 15)")
-        ax1.set_title(f"ours on {task} ({team} team, {len(runs)} seeds)")
+        ax1.set_title(f"ours on {task} ({team} team, {len(runs)} seed{'s' * (len(runs) > 1)}; "
+                      f"uniform routing: H = log {len(names)} = {np.log(len(names)):.4f})", fontsize=9)
         ax1.legend(fontsize=8)
         for key, ax, color in (("reward", ax2, "tab:green"), ("entropy", ax2.twinx(), "tab:purple")):
             Y = np.array([[r[key] for r in m[:T]] for _, m, _ in runs])
