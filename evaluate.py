@@ -216,8 +216,9 @@ def plot_runs(folders, out):
         ax.bar(x - 0.2, [100 * p[1] for p in pairs], 0.4, label="with C")
         ax.bar(x + 0.2, [100 * p[2] for p in pairs], 0.4, label="zero context")
         ax.set_xticks(x, [p[0] for p in pairs], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("validation score (%)"), ax.set_title("Fig. 5: with vs without context tokens"), ax.legend()
-        ax.set_ylim(bottom=0)
+        ax.set_ylabel("validation score (%)"), ax.set_title("Fig. 5: with vs without context tokens")
+        ax.set_ylim(0, 1.3 * max(100 * max(p[1], p[2]) for p in pairs) + 1)  # head-room: the legend covers no bar
+        ax.legend(loc="upper center", ncol=2)
         path = os.path.join(out, "fig5.png")
         fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
         written.append(path)
