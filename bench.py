@@ -2,7 +2,7 @@
 Speed benchmark (issue 5): one GRPO optimiser step of this project vs TRL's GRPOTrainer vs the compute floor.
 
     pip install -r requirements-bench.txt       # TRL + PEFT: benchmark-only dependencies, never needed to train
-    HF_HUB_OFFLINE=1 python bench.py            # ~28 min on 2 CPU cores -> results/bench.json and bench.md
+    HF_HUB_OFFLINE=1 python bench.py            # ~20 min on 2 CPU cores -> results/bench.json and bench.md
     HF_HUB_OFFLINE=1 python bench.py --quick    # 1 measured step, no scaling runs: a fast check
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
