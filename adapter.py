@@ -12,8 +12,9 @@ Paper §3 (equation numbers are the paper's):
     A    = softmax(Q K^T / sqrt(d_head)), averaged over heads: [m, n], the observable of §4.3 (Eq. 15)
 
 and how C reaches the policy (Eq. 3, pi(y | [x || C])): `policy_inputs` splices C into the prompt's
-embeddings, after the prompt (Eq. 3, the default) or before it (prefix tuning), and builds the attention
-mask and position ids that rollout and scoring must share (DESIGN trap 1).
+embeddings, after the prompt (Eq. 3, the default) or in front of it, behind its first token (prefix tuning,
+[x_0 || C || x_1..]), and builds the attention mask and position ids that rollout and scoring must share
+(DESIGN trap 1).
 
 Deviations / choices the paper leaves open:
   1. Attention has 8 heads (paper §4.1) and scales each head by sqrt(d / heads), the standard multi-head
@@ -119,7 +120,7 @@ def routing_stats(A):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# How C reaches the policy: [x || C] (Eq. 3) or [C || x] (prefix tuning)
+# How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first token)
 
 
 def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):

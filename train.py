@@ -85,7 +85,8 @@ def parse_args(argv=None):
     a("--num-latents", type=int, default=8, help="m: number of latent queries = context tokens")
     a("--num-heads", type=int, default=8, help="cross-attention heads")
     a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
-    a("--context-position", default="after", choices=["after", "before"], help="[x || C] (Eq. 3) or [C || x]")
+    a("--context-position", default="after", choices=["after", "before"],
+      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: adapter.policy_inputs)")
     a("--system-prompt", default="DeepSeekZero", choices=SYSTEM_PROMPT_NAMES, help="reasoning-gym system prompt")
     a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
     a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")

@@ -12,7 +12,8 @@ Deviations from the paper's protocol (all forced by a 2-core CPU; the GPU recipe
   1. Policy SmolLM2-135M-Instruct, experts Gemma-3-270M, SmolLM2-135M-Instruct, all-MiniLM-L6-v2 (pocket team).
   2. One task: chain_sum with 2 terms of 1-2 digits, where the untrained policy is neither at 0 nor near 100 %
      (measured first, see results/pocket/untrained-*.json).
-  3. A worked example in the system prompt, the response pre-filled with "<think>", C before the prompt.
+  3. A worked example in the system prompt, the response pre-filled with "<think>", C in front of the prompt,
+     behind its first token (--context-position before).
   4. G = 4 (paper 8), 4 prompts per step (paper 32), 48 new tokens (paper 128; the policy's answers take 10-30),
      --steps 30 (paper 500), lr 5e-4 for LoRA and g_phi (paper 1e-4: we see ~1/200 of its samples).
   5. Validation on --n-eval items (greedy), not 4,000.
