@@ -109,25 +109,28 @@ class TextHints(nn.Module):
         self.pool, self.max_new_tokens, self.cache = pool, max_new_tokens, {}
 
     @torch.no_grad()
-    def hints_for(self, question):
-        """Eq. 12 for one question; greedy, so cached. Each hint is cut at max_new_tokens expert tokens."""
-        if question not in self.cache:
-            from experts import expert_text, is_encoder
-            parts = []
-            for name, (model, tok) in zip(self.pool.names, self.pool.models):
+    def write_hints(self, questions):
+        """Eq. 12 for a batch: each decoder expert writes one hint per question (greedy, so cached), cut at
+        max_new_tokens expert tokens. One left-padded generate call per expert serves the whole batch."""
+        from experts import expert_text, is_encoder
+        todo = list(dict.fromkeys(q for q in questions if q not in self.cache))
+        if todo:
+            parts = [[] for _ in todo]
+            for model, tok in self.pool.models:
                 if is_encoder(model):
                     continue
-                text = expert_text(tok, HINT_INSTRUCTION + question)
-                enc = tok(text, return_tensors="pt", add_special_tokens=not tok.chat_template).to(model.device)
+                tok.padding_side = "left"  # every prompt ends at the last column, so new tokens line up
+                enc = tok([expert_text(tok, HINT_INSTRUCTION + q) for q in todo], return_tensors="pt",
+                          padding=True, add_special_tokens=not tok.chat_template).to(model.device)
                 out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
                                      pad_token_id=tok.pad_token_id)
-                hint = tok.decode(out[0, enc["input_ids"].shape[1]:], skip_special_tokens=True).strip()
-                parts.append(f"Expert {len(parts) + 1}: {hint}")
-            self.cache[question] = "\n\n[Expert Hints]\n" + "\n".join(parts)
-        return self.cache[question]
+                for p, row in zip(parts, out[:, enc["input_ids"].shape[1]:]):
+                    p.append(f"Expert {len(p) + 1}: {tok.decode(row, skip_special_tokens=True).strip()}")
+            self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p) for q, p in zip(todo, parts)})
+        return [self.cache[q] for q in questions]
 
     def forward(self, questions, reuse=None):
-        return {"C": None, "A": None, "hints": [self.hints_for(q) for q in questions]}
+        return {"C": None, "A": None, "hints": self.write_hints(questions)}
 
 
 def output_collab(team, out_dim, args, device, dtype):

@@ -61,9 +61,11 @@ def test_no_xattn_is_ffn_of_stacked_states():
 
 def test_output_collab_hint_block_within_budget():
     """Eq. 12: one hint per decoder expert (the BERT encoder cannot write), greedy, at most the generation
-    budget of new tokens each, in an [Expert Hints] block; the policy side adds no trainable parameters."""
+    budget of new tokens each, in an [Expert Hints] block; the policy side adds no trainable parameters.
+    Each decoder expert writes the hints of a whole batch in one generate call, and a question asked again
+    comes from the cache."""
     m = build("output_collab")
-    new_tokens = []
+    calls = []
     for model, _ in m.pool.models:
         if model.config.model_type == "bert":
             continue
@@ -71,15 +73,23 @@ def test_output_collab_hint_block_within_budget():
 
         def spy(*a, _generate=generate, **kw):
             out = _generate(*a, **kw)
-            new_tokens.append(out.shape[1] - kw["input_ids"].shape[1])
+            calls.append((out.shape[0], out.shape[1] - kw["input_ids"].shape[1]))
             return out
         model.generate = spy
     hints = m(QS[:2])["hints"]
-    assert len(new_tokens) == 2 * 2 and max(new_tokens) <= ARGS.max_new_tokens
+    assert [rows for rows, _ in calls] == [2, 2] and max(new for _, new in calls) <= ARGS.max_new_tokens
     for h in hints:
         assert h.startswith("\n\n[Expert Hints]\nExpert 1: ") and "\nExpert 2: " in h and "Expert 3" not in h
-    assert m(QS[:2])["hints"] == hints and len(new_tokens) == 4  # greedy, so cached: no new generation
+    assert m(QS[1::-1])["hints"] == hints[::-1] and len(calls) == 2  # cached: no new generate call
     assert m(QS[:1])["C"] is None and not list(m.parameters())
+
+
+def test_output_collab_batched_hints_equal_one_question_at_a_time():
+    """Left padding and the attention mask make a batched greedy hint the same text as the hint written for
+    the question alone (questions of different lengths, so the padding is real)."""
+    batched = build("output_collab")(QS)["hints"]
+    alone = build("output_collab")
+    assert batched == [alone([q])["hints"][0] for q in QS]
 
 
 def test_single_has_no_context_and_no_parameters():
