@@ -114,6 +114,11 @@ def read_metrics(run):
         return [json.loads(line) for line in f if line.strip()]
 
 
+def finished(cfg, metrics):
+    """A run whose training reached its last step (runs still training stay out of rho and the curves)."""
+    return bool(metrics) and metrics[-1]["step"] >= cfg.get("steps", 0)
+
+
 def find_runs(folders):
     runs = []
     for folder in folders:
@@ -121,38 +126,51 @@ def find_runs(folders):
     return runs
 
 
+def method_key(cfg):
+    """A table row: the method, and the team when it is not the usual one (e.g. `ours (pocket-naive)`)."""
+    return cfg["method"] + ("" if cfg["team"] in ("default", "pocket", "tiny") else f" ({cfg['team']})")
+
+
 def summarize(folders, out):
-    """Table 1-style Markdown (method x task, mean +- std over seeds), Spearman rho per run and its mean."""
+    """Table 1-style Markdown (method x task, mean +- std over seeds; with a zero-context column when runs were
+    also evaluated with C = 0), Spearman rho(reward, H) per run, per method and their mean."""
     os.makedirs(out, exist_ok=True)
-    cells, rhos = {}, {}
+    cells, zero_c, rhos, rho_method = {}, {}, {}, {}
     for run in find_runs(folders):
         cfg = json.load(open(os.path.join(run, "config.json")))
-        key = (cfg["method"] + ("" if cfg["team"] in ("default", "pocket", "tiny") else f" ({cfg['team']})"),
-               cfg["task"])
-        ev = os.path.join(run, "eval.json")
-        if os.path.exists(ev):
-            cells.setdefault(key, []).append(json.load(open(ev)))
+        key = (method_key(cfg), cfg["task"])
+        for name, into in (("eval.json", cells), ("eval_no_context.json", zero_c)):
+            if os.path.exists(os.path.join(run, name)):
+                into.setdefault(key, []).append(json.load(open(os.path.join(run, name))))
         m = [r for r in read_metrics(run) if "entropy" in r]
-        if len(m) >= 3:
+        if len(m) >= 3 and finished(cfg, m):
             rhos[run] = spearman([r["reward"] for r in m], [r["entropy"] for r in m])
+            rho_method.setdefault(key[0], []).append(rhos[run])
     for path in glob.glob(os.path.join(out, "untrained-*.json")):
         ev = json.load(open(path))
         cells.setdefault(("untrained", ev["task"]), []).append(ev)
+
+    def cell(evs, k):
+        if not evs:
+            return "–"
+        m, s = mean_std([e[k] for e in evs])
+        return f"{100 * m:.1f}" if len(evs) == 1 else f"{100 * m:.1f} ± {100 * s:.1f}"
+
     tasks = sorted({t for _, t in cells})
-    lines = ["| method | " + " | ".join(f"{t} score | {t} solved" for t in tasks) + " | seeds |",
-             "|---|" + "---|---|" * len(tasks) + "---|"]
+    cols = [(t, "score", cells) for t in tasks] + [(t, "solve_rate", cells) for t in tasks]
+    cols += [(t, "score", zero_c) for t in tasks if any(k[1] == t for k in zero_c)]
+    title = {("score", 0): "score", ("solve_rate", 0): "solved", ("score", 1): "score, C = 0"}
+    lines = ["| method | " + " | ".join(f"{t} {title[k, src is zero_c]}" for t, k, src in cols) + " | seeds |",
+             "|---|" + "---|" * len(cols) + "---|"]
     for meth in sorted({m for m, _ in cells}):
-        row, seeds = [], 0
-        for t in tasks:
-            evs = cells.get((meth, t), [])
-            seeds = max(seeds, len(evs))
-            for k in ("score", "solve_rate"):
-                m, s = mean_std([e[k] for e in evs]) if evs else (None, None)
-                row.append("–" if m is None else f"{100 * m:.1f}" if len(evs) == 1 else f"{100 * m:.1f} ± {100 * s:.1f}")
+        seeds = max(len(cells.get((meth, t), [])) for t in tasks)
+        row = [cell(src.get((meth, t), []), k) for t, k, src in cols]
         lines.append(f"| {meth} | " + " | ".join(row) + f" | {seeds} |")
     table = "\n".join(lines) + "\n"
     finite = [v for v in rhos.values() if np.isfinite(v)]
-    rho = {"per_run": rhos, "mean": float(np.mean(finite)) if finite else None}
+    by_method = {meth: {"mean": float(np.mean(v)), "std": mean_std(v)[1], "runs": len(v)}
+                 for meth, v in sorted(rho_method.items()) if np.all(np.isfinite(v))}
+    rho = {"per_run": rhos, "by_method": by_method, "mean": float(np.mean(finite)) if finite else None}
     with open(os.path.join(out, "table.md"), "w") as f:
         f.write(table)
     with open(os.path.join(out, "spearman.json"), "w") as f:
@@ -165,8 +183,9 @@ def summarize(folders, out):
 
 
 def plot_runs(folders, out):
-    """fig4_<task>.png per task: utilisation per expert (mean and band across seeds), entropy and reward of
-    `ours` runs; fig5.png: validation score with vs without C; fig6.png: score vs number of latents m."""
+    """fig4_<task>_<team>.png: utilisation per expert (mean and band across seeds), entropy and reward of
+    `ours` runs; fig5.png: validation score with vs without C per method; reward_<task>.png: training reward
+    of every method; fig6.png: score vs number of latents m."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -174,10 +193,11 @@ def plot_runs(folders, out):
     except ImportError:
         print("matplotlib is not installed: pip install matplotlib to draw the figures", file=sys.stderr)
         return []
+    os.makedirs(out, exist_ok=True)
     written, by_task = [], {}
     for run in find_runs(folders):
         cfg = json.load(open(os.path.join(run, "config.json")))
-        if cfg["method"] == "ours":
+        if cfg["method"] == "ours" and finished(cfg, read_metrics(run)):
             by_task.setdefault((cfg["task"], cfg["team"]), []).append((cfg, read_metrics(run), run))
     for (task, team), runs in sorted(by_task.items()):
         T = min(len(m) for _, m, _ in runs)
@@ -205,21 +225,50 @@ def plot_runs(folders, out):
         path = os.path.join(out, f"fig4_{task}_{team}.png")
         fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
         written.append(path)
-    pairs = []  # Fig. 5: eval.json vs eval_no_context.json of the same run
+    # Fig. 5: validation score with C and with C = 0 (eval.json vs eval_no_context.json), per method: the bar is
+    # the mean over seeds, each dot one seed
+    pairs = {}
     for run in find_runs(folders):
         a, b = os.path.join(run, "eval.json"), os.path.join(run, "eval_no_context.json")
         if os.path.exists(a) and os.path.exists(b):
-            pairs.append((os.path.basename(run), json.load(open(a))["score"], json.load(open(b))["score"]))
+            key = method_key(json.load(open(os.path.join(run, "config.json"))))
+            pairs.setdefault(key, []).append((json.load(open(a))["score"], json.load(open(b))["score"]))
     if pairs:
-        fig, ax = plt.subplots(figsize=(max(5, len(pairs) * 0.9), 4))
-        x = np.arange(len(pairs))
-        ax.bar(x - 0.2, [100 * p[1] for p in pairs], 0.4, label="with C")
-        ax.bar(x + 0.2, [100 * p[2] for p in pairs], 0.4, label="zero context")
-        ax.set_xticks(x, [p[0] for p in pairs], rotation=30, ha="right", fontsize=7)
-        ax.set_ylabel("validation score (%)"), ax.set_title("Fig. 5: with vs without context tokens")
-        ax.set_ylim(0, 1.3 * max(100 * max(p[1], p[2]) for p in pairs) + 1)  # head-room: the legend covers no bar
+        keys = sorted(pairs)
+        fig, ax = plt.subplots(figsize=(max(5, len(keys) * 1.4), 4))
+        for j, (label, dx) in enumerate((("with C", -0.2), ("C = 0", 0.2))):
+            vals = [100 * np.array([p[j] for p in pairs[k]]) for k in keys]
+            ax.bar(np.arange(len(keys)) + dx, [v.mean() for v in vals], 0.4, label=label, alpha=0.8)
+            for x, v in enumerate(vals):
+                ax.plot(np.full(len(v), x + dx), v, "k.", ms=4)
+        names = [f"{k}\n({len(pairs[k])} seed{'s' * (len(pairs[k]) > 1)})" for k in keys]
+        ax.set_xticks(np.arange(len(keys)), names, fontsize=8)
+        ax.set_ylabel("validation score (%)"), ax.set_title("Fig. 5: with vs without context tokens (dots: seeds)")
+        top = max(100 * max(p) for v in pairs.values() for p in v)
+        ax.set_ylim(0, 1.3 * top + 1)  # head-room: the legend covers no bar
         ax.legend(loc="upper center", ncol=2)
         path = os.path.join(out, "fig5.png")
+        fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
+        written.append(path)
+    # training reward over steps for every method (5-step moving average; mean and band across seeds)
+    curves = {}
+    for run in find_runs(folders):
+        cfg, m = json.load(open(os.path.join(run, "config.json"))), read_metrics(run)
+        if finished(cfg, m):
+            curves.setdefault(cfg["task"], {}).setdefault(method_key(cfg), []).append([r["reward"] for r in m])
+    for task, by_method in sorted(curves.items()):
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for key, Y in sorted(by_method.items()):
+            T = min(len(y) for y in Y)
+            k = min(5, T)
+            Y = np.array([np.convolve(y[:T], np.ones(k) / k, mode="valid") for y in Y])
+            steps = np.arange(k, T + 1)
+            ax.plot(steps, Y.mean(0), label=f"{key} ({len(Y)})")
+            ax.fill_between(steps, Y.min(0), Y.max(0), alpha=0.12)
+        ax.set_xlabel("step"), ax.set_ylabel(f"training reward ({k}-step moving average)")
+        ax.set_title(f"{task}: training reward per method (line: mean over seeds, band: min-max)", fontsize=9)
+        ax.legend(fontsize=7)
+        path = os.path.join(out, f"reward_{task}.png")
         fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
         written.append(path)
     by_m = {}

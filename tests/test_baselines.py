@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baselines import METHODS, straight_through_gumbel
-from evaluate import mean_std, ranks, spearman, summarize
+from evaluate import mean_std, plot_runs, ranks, spearman, summarize
 from experts import TEAMS
 
 ARGS = SimpleNamespace(pooling="last", seed=0, latent_dim=32, num_latents=4, num_heads=4, max_new_tokens=12)
@@ -117,11 +117,41 @@ def test_summarize_builds_the_table(tmp_path):
     for seed, score in enumerate([0.5, 0.7, 0.9]):
         run = tmp_path / f"ours-s{seed}"
         os.makedirs(run)
-        json.dump({"method": "ours", "task": "chain_sum", "team": "tiny"}, open(run / "config.json", "w"))
+        json.dump({"method": "ours", "task": "chain_sum", "team": "tiny", "steps": 3}, open(run / "config.json", "w"))
         json.dump({"score": score, "solve_rate": score / 2}, open(run / "eval.json", "w"))
+        json.dump({"score": score - 0.1, "solve_rate": 0.0}, open(run / "eval_no_context.json", "w"))
         with open(run / "metrics.jsonl", "w") as f:
             for step, (r, h) in enumerate([(0.1, 1.0), (0.2, 0.9), (0.3, 0.8)]):
                 f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
+    naive = tmp_path / "naive-s0"  # another team, still training: a row of its own, no eval, no rho yet
+    os.makedirs(naive)
+    json.dump({"method": "ours", "task": "chain_sum", "team": "pocket-naive", "steps": 30}, open(naive / "config.json", "w"))
+    with open(naive / "metrics.jsonl", "w") as f:
+        for step, (r, h) in enumerate([(0.1, 0.8), (0.2, 0.9), (0.3, 1.0)]):
+            f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
     table, rho = summarize([str(tmp_path)], str(tmp_path / "out"))
-    assert "| ours | 70.0 ± 20.0 | 35.0 ± 10.0 | 3 |" in table
+    assert table.splitlines()[0] == "| method | chain_sum score | chain_sum solved | chain_sum score, C = 0 | seeds |"
+    assert "| ours | 70.0 ± 20.0 | 35.0 ± 10.0 | 60.0 ± 20.0 | 3 |" in table and "pocket-naive" not in table
     assert rho["mean"] == pytest.approx(-1.0) and len(rho["per_run"]) == 3
+    assert rho["by_method"] == {"ours": {"mean": pytest.approx(-1.0), "std": 0.0, "runs": 3}}
+
+
+def test_plot_runs_draws_every_figure_from_finished_runs(tmp_path):
+    pytest.importorskip("matplotlib")
+    for method, seed, steps in [("ours", 0, 6), ("ours", 1, 6), ("single", 0, 6), ("ours", 2, 30)]:
+        run = tmp_path / f"{method}-s{seed}"
+        os.makedirs(run)
+        json.dump({"method": method, "task": "chain_sum", "team": "tiny", "steps": steps, "num_latents": 4,
+                   "team_models": {"experts": ["a", "b"]}}, open(run / "config.json", "w"))
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in range(1, 7):  # the third ours run stopped at step 6 of 30: left out of the curves
+                row = {"step": step, "reward": step / 10, "entropy": 0.69 - step / 100, "utilization": [0.6, 0.4]}
+                f.write(json.dumps(row if method == "ours" else {"step": step, "reward": 0.1}) + "\n")
+        if method == "ours" and seed < 2:
+            json.dump({"score": 0.5}, open(run / "eval.json", "w"))
+            json.dump({"score": 0.4}, open(run / "eval_no_context.json", "w"))
+    written = plot_runs([str(tmp_path)], str(tmp_path / "out"))
+    names = sorted(os.path.basename(p) for p in written)
+    assert names == ["fig4_chain_sum_tiny.png", "fig5.png", "reward_chain_sum.png"]
+    for p in written:
+        assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
