@@ -75,7 +75,8 @@ def main():
                 run(["train.py", *TASK, *PROMPT, *hyper, "--team", team, "--method", method, "--seed", str(seed),
                      "--out", out, *resume], log)
             run(["evaluate.py", "--run", out, "--n", str(a.n_eval)], log)
-        if method in ("ours", "no_xattn", "hard_routing") and not os.path.exists(os.path.join(out, "eval_no_context.json")):
+        has_context = method in ("ours", "no_xattn", "hard_routing")
+        if has_context and not os.path.exists(os.path.join(out, "eval_no_context.json")):
             run(["evaluate.py", "--run", out, "--n", str(a.n_eval), "--no-context"], log)
     run(["evaluate.py", "--summarize", a.out, "--out", a.results], log)
     print(open(os.path.join(a.results, "table.md")).read())

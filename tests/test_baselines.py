@@ -125,7 +125,8 @@ def test_summarize_builds_the_table(tmp_path):
                 f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
     naive = tmp_path / "naive-s0"  # another team, still training: a row of its own, no eval, no rho yet
     os.makedirs(naive)
-    json.dump({"method": "ours", "task": "chain_sum", "team": "pocket-naive", "steps": 30}, open(naive / "config.json", "w"))
+    json.dump({"method": "ours", "task": "chain_sum", "team": "pocket-naive", "steps": 30},
+              open(naive / "config.json", "w"))
     with open(naive / "metrics.jsonl", "w") as f:
         for step, (r, h) in enumerate([(0.1, 0.8), (0.2, 0.9), (0.3, 1.0)]):
             f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
