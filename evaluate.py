@@ -18,6 +18,7 @@ Choices the paper leaves open:
   4. std is the sample standard deviation (ddof = 1) across seeds.
 """
 import glob
+import itertools
 import json
 import os
 import sys
@@ -109,6 +110,20 @@ def mean_std(values):
     return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
 
 
+def permutation_p(a, b):
+    """Exact two-sided permutation test of mean(a) - mean(b): the share of all ways to split the pooled values
+    into groups of len(a) and len(b) whose mean difference is at least as large in size as the observed one.
+    With 3 seeds against 3 there are only 20 splits, so p can never fall below 2/20 = 0.1."""
+    pooled, k = np.asarray(list(a) + list(b), dtype=float), len(a)
+    observed = abs(np.mean(a) - np.mean(b))
+    diffs = []
+    for idx in itertools.combinations(range(len(pooled)), k):
+        inside = np.zeros(len(pooled), bool)
+        inside[list(idx)] = True
+        diffs.append(abs(pooled[inside].mean() - pooled[~inside].mean()))
+    return float(np.mean(np.asarray(diffs) >= observed - 1e-12))
+
+
 def read_metrics(run):
     with open(os.path.join(run, "metrics.jsonl")) as f:
         return [json.loads(line) for line in f if line.strip()]
@@ -133,7 +148,8 @@ def method_key(cfg):
 
 def summarize(folders, out):
     """Table 1-style Markdown (method x task, mean +- std over seeds; with a zero-context column when runs were
-    also evaluated with C = 0), Spearman rho(reward, H) per run, per method and their mean."""
+    also evaluated with C = 0, and each method's score minus single's with an exact permutation p over seeds
+    when single has several seeds), Spearman rho(reward, H) per run, per method and their mean."""
     os.makedirs(out, exist_ok=True)
     cells, zero_c, rhos, rho_method = {}, {}, {}, {}
     for run in find_runs(folders):
@@ -160,11 +176,20 @@ def summarize(folders, out):
     cols = [(t, "score", cells) for t in tasks] + [(t, "solve_rate", cells) for t in tasks]
     cols += [(t, "score", zero_c) for t in tasks if any(k[1] == t for k in zero_c)]
     title = {("score", 0): "score", ("solve_rate", 0): "solved", ("score", 1): "score, C = 0"}
-    lines = ["| method | " + " | ".join(f"{t} {title[k, src is zero_c]}" for t, k, src in cols) + " | seeds |",
-             "|---|" + "---|" * len(cols) + "---|"]
+    versus = [t for t in tasks if len(cells.get(("single", t), [])) > 1]  # score minus single's, with p
+
+    def delta(meth, t):
+        a, b = [e["score"] for e in cells.get((meth, t), [])], [e["score"] for e in cells[("single", t)]]
+        if meth in ("single", "untrained") or len(a) < 2:
+            return "–"
+        return f"{100 * (np.mean(a) - np.mean(b)):+.1f} (p = {permutation_p(a, b):.2f})"
+
+    lines = ["| method | " + " | ".join(f"{t} {title[k, src is zero_c]}" for t, k, src in cols)
+             + "".join(f" | {t} score − single's" for t in versus) + " | seeds |",
+             "|---|" + "---|" * (len(cols) + len(versus)) + "---|"]
     for meth in sorted({m for m, _ in cells}):
         seeds = max(len(cells.get((meth, t), [])) for t in tasks)
-        row = [cell(src.get((meth, t), []), k) for t, k, src in cols]
+        row = [cell(src.get((meth, t), []), k) for t, k, src in cols] + [delta(meth, t) for t in versus]
         lines.append(f"| {meth} | " + " | ".join(row) + f" | {seeds} |")
     table = "\n".join(lines) + "\n"
     finite = [v for v in rhos.values() if np.isfinite(v)]

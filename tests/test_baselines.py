@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from baselines import METHODS, straight_through_gumbel
-from evaluate import mean_std, plot_runs, ranks, spearman, summarize
+from evaluate import mean_std, permutation_p, plot_runs, ranks, spearman, summarize
 from experts import TEAMS
 
 ARGS = SimpleNamespace(pooling="last", seed=0, latent_dim=32, num_latents=4, num_heads=4, max_new_tokens=12)
@@ -123,6 +123,12 @@ def test_summarize_builds_the_table(tmp_path):
         with open(run / "metrics.jsonl", "w") as f:
             for step, (r, h) in enumerate([(0.1, 1.0), (0.2, 0.9), (0.3, 0.8)]):
                 f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
+    for seed, score in enumerate([0.3, 0.5]):
+        run = tmp_path / f"single-s{seed}"
+        os.makedirs(run)
+        json.dump({"method": "single", "task": "chain_sum", "team": "tiny", "steps": 3}, open(run / "config.json", "w"))
+        json.dump({"score": score, "solve_rate": score}, open(run / "eval.json", "w"))
+        open(run / "metrics.jsonl", "w").write(json.dumps({"step": 3, "reward": 0.0}) + "\n")
     naive = tmp_path / "naive-s0"  # another team, still training: a row of its own, no eval, no rho yet
     os.makedirs(naive)
     json.dump({"method": "ours", "task": "chain_sum", "team": "pocket-naive", "steps": 30},
@@ -131,10 +137,19 @@ def test_summarize_builds_the_table(tmp_path):
         for step, (r, h) in enumerate([(0.1, 0.8), (0.2, 0.9), (0.3, 1.0)]):
             f.write(json.dumps({"step": step + 1, "reward": r, "entropy": h}) + "\n")
     table, rho = summarize([str(tmp_path)], str(tmp_path / "out"))
-    assert table.splitlines()[0] == "| method | chain_sum score | chain_sum solved | chain_sum score, C = 0 | seeds |"
-    assert "| ours | 70.0 ± 20.0 | 35.0 ± 10.0 | 60.0 ± 20.0 | 3 |" in table and "pocket-naive" not in table
+    assert table.splitlines()[0] == ("| method | chain_sum score | chain_sum solved | chain_sum score, C = 0 | "
+                                     "chain_sum score − single's | seeds |")
+    # 0.7 - 0.4; by hand, 3 of the 10 ways to split {.5 .7 .9 .3 .5} into 3 + 2 differ by 0.3 or more
+    assert "| ours | 70.0 ± 20.0 | 35.0 ± 10.0 | 60.0 ± 20.0 | +30.0 (p = 0.30) | 3 |" in table
+    assert "| single | 40.0 ± 14.1 | 40.0 ± 14.1 | – | – | 2 |" in table and "pocket-naive" not in table
     assert rho["mean"] == pytest.approx(-1.0) and len(rho["per_run"]) == 3
     assert rho["by_method"] == {"ours": {"mean": pytest.approx(-1.0), "std": 0.0, "runs": 3}}
+
+
+def test_permutation_p_by_hand():
+    assert permutation_p([1, 2, 3], [4, 5, 6]) == pytest.approx(0.1)  # only the observed split and its mirror
+    assert permutation_p([1], [2, 3]) == pytest.approx(2 / 3)  # |1 - 2.5| = |3 - 1.5| = 1.5 >= 1.5, |2 - 2| = 0
+    assert permutation_p([0.5, 0.5], [0.5, 0.5]) == 1.0
 
 
 def test_plot_runs_draws_every_figure_from_finished_runs(tmp_path):
