@@ -4,7 +4,7 @@ Evaluate runs and turn a folder of runs into the paper's table and figures.
     python evaluate.py --run runs/arith-pocket-ours-s0 --n 200        # validation score of one run
     python evaluate.py --run runs/arith-pocket-ours-s0 --no-context   # the same policy fed zero context (Fig. 5)
     python evaluate.py --untrained --task chain_sum --team pocket      # the policy before training
-    python evaluate.py --summarize runs/ --out results/               # table.md, spearman.json, fig4/fig5 PNGs
+    python evaluate.py --summarize runs/ --out results/               # table.md, spearman.json, PNG figures
 
 Paper: Table 1 (mean +- std over 3 seeds), §4.3 (Spearman rho between the reward and routing-entropy series of
 each run, then averaged: -0.48), Fig. 4 (utilisation per expert, entropy and reward over steps), Fig. 5 (with vs
@@ -16,6 +16,8 @@ Choices the paper leaves open:
      is reported beside it.
   3. "Without C" feeds zero tokens at the positions of C: exactly what the reference policy sees.
   4. std is the sample standard deviation (ddof = 1) across seeds.
+  5. Each method is compared with `single` by an exact permutation test over seeds (the table's last column),
+     which says plainly how little 3 seeds can show: p >= 0.1.
 """
 import glob
 import itertools
