@@ -224,8 +224,9 @@ def plot_runs(folders, out):
     written, by_task = [], {}
     for run in find_runs(folders):
         cfg = json.load(open(os.path.join(run, "config.json")))
-        if cfg["method"] == "ours" and finished(cfg, read_metrics(run)):
-            by_task.setdefault((cfg["task"], cfg["team"]), []).append((cfg, read_metrics(run), run))
+        m = read_metrics(run) if cfg["method"] == "ours" else []
+        if finished(cfg, m):
+            by_task.setdefault((cfg["task"], cfg["team"]), []).append((cfg, m, run))
     for (task, team), runs in sorted(by_task.items()):
         T = min(len(m) for _, m, _ in runs)
         if T == 0:
