@@ -77,8 +77,9 @@ class PerceiverAdapter(nn.Module):
         self.ffn = FFN(d)                                                                # Eq. 16
         self.out = OutputProjection(d, out_dim, out_init_std)                            # Eq. 11
 
-    def forward(self, hidden_states):
-        """hidden_states: list of n tensors [B, d_i]. Returns C [B, m, out_dim] and A [B, m, n]."""
+    def forward(self, hidden_states, return_heads=False):
+        """hidden_states: list of n tensors [B, d_i]. Returns C [B, m, out_dim] and A [B, m, n] (the mean over
+        heads); with return_heads also the per-head attention [B, heads, m, n]."""
         dtype = self.latents.dtype
         V = torch.stack([W(h.to(dtype)) for W, h in zip(self.proj, hidden_states)], dim=1)  # (B, n, d)
         B, n, d = V.shape
@@ -89,34 +90,20 @@ class PerceiverAdapter(nn.Module):
         att = F.softmax(Q @ K.transpose(-2, -1) / hs ** 0.5, dim=-1)          # (B, nh, m, n)
         mixed = (att @ Vp).transpose(1, 2).reshape(B, m, d)                   # (B, m, d), heads concatenated
         C_prime = self.ffn(self.latents + mixed)                              # Eq. 10, residual on Q_lat
-        return self.out(C_prime), att.mean(dim=1)                             # C (B, m, out), A (B, m, n)
-
-
-class ExpertContext(nn.Module):
-    """g_phi for `--method ours`: frozen experts -> pooled states -> PerceiverAdapter -> (C, A).
-    Every method in baselines.py has this forward: questions -> {"C", "A", "hints"}."""
-
-    def __init__(self, pool, adapter):
-        super().__init__()
-        self.pool, self.adapter = pool, adapter  # pool is not an nn.Module: experts are never trained or saved
-
-    def forward(self, questions, reuse=None):
-        C, A = self.adapter(self.pool.encode(questions))
-        return {"C": C, "A": A, "hints": [None] * len(questions)}
-
-
-def ours(team, out_dim, args, device, dtype):
-    """The paper's method (§3). Same signature as every function in baselines.py."""
-    from experts import ExpertPool
-    pool = ExpertPool(team["experts"], device, dtype, args.pooling, args.seed)
-    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents, args.num_heads)
-    return ExpertContext(pool, adapter.to(device))
+        C, A = self.out(C_prime), att.mean(dim=1)                             # C (B, m, out), A (B, m, n)
+        return (C, A, att) if return_heads else (C, A)
 
 
 def routing_stats(A):
     """Eq. 15 from A [B, m, n]: entropy H (mean over latents and batch) and utilisation u_i [n]."""
-    H = -(A * A.clamp_min(1e-12).log()).sum(-1).mean()
-    return H.item(), A.mean(dim=(0, 1)).tolist()
+    return entropy(A).mean().item(), A.mean(dim=(0, 1)).tolist()
+
+
+def entropy(A):
+    """-sum_i A_i log A_i over the last (expert) axis: [..., n] -> [...]. For per-head routing entropy pass the
+    per-head attention [B, heads, m, n] and average over (0, 2). The head average of A hides heads that route
+    sharply to different experts (its entropy is higher than the mean of the heads' entropies)."""
+    return -(A * A.clamp_min(1e-12).log()).sum(-1)
 
 
 # ----------------------------------------------------------------------------------------------------------

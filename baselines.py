@@ -1,10 +1,15 @@
 """
-The paper's baselines (§4.1), side by side: four ways to build the context g(x) for the same policy.
+Every way to build the context g(x) for the same policy, side by side: the paper's method, its baselines
+(§4.1) and two controls that tell the experts apart from the trainable interface.
 
-Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward maps a list
-of questions to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None, "hints": list of str or None}.
-`--method NAME` picks one from METHODS; only what a method returns differs, the GRPO loop is shared.
+Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward maps
+(questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
+"hints": list of str or None, ...}. `--method NAME` picks one from METHODS; only what a method returns
+differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle experts (a diagnostic,
+experts.py). `reuse` is the rollout's output for the same questions: the loss pass passes it back so that
+the gradient is taken under the C the completions were sampled with (same pooled states, same routing draw).
 
+  ours           Eq. 6–11: pooled expert states -> PerceiverAdapter (adapter.py) -> C.
   single         no experts, no context tokens: plain single-model RLVR.
   output_collab  Eq. 12  g(x) = tau_pi([decode_i(LM_i(tau_i(x)))]_i): each expert writes a hint (greedy, the
                  same 128-token budget, its own chat template); the hints go verbatim into an
@@ -15,7 +20,15 @@ of questions to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None, "hints": 
                  chosen expert runs; one memory token.
   no_xattn       Eq. 14  g(x) = FFN(V): the FFN on the n projected expert states, no latent queries and no
                  cross-attention; n context tokens.
-  ours           Eq. 6–11, in adapter.py.
+
+Controls (not in the paper; C2C, a system that fuses a frozen model's KV cache into another through a trained
+fuser, found that most of its gain came from the trainable interface, not from the other model: its receiver
+fine-tuned alone scored 36.8 on MMLU, fused with *itself* 42.2, with another model 42.9):
+  identical      ours with the policy's own frozen base model as the only expert: the interface without any
+                 knowledge the policy lacks.
+  soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the same for
+                 every prompt, built by the same layers as ours (so the same learning dynamics). What C
+                 amounts to if it carries nothing about the prompt.
 
 Deviations / choices: (1) the FFN output goes through the same near-zero output projection W_out as ours, so
 every method starts as the reference policy; (2) encoders cannot write hints, so output_collab uses only
@@ -30,13 +43,66 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adapter import FFN, OutputProjection, ours
+from adapter import FFN, OutputProjection, PerceiverAdapter
 
 HINT_INSTRUCTION = "Give a short hint or solution for this problem.\n\n"
 
 
+def expert_pool(names, args, device, dtype):
+    from experts import ExpertPool
+    return ExpertPool(names, device, dtype, args.pooling, args.seed)
+
+
+def pooled_states(pool, questions, answers, reuse):
+    """The experts' pooled states h_i (Eq. 5), or the rollout's own when the loss pass passes them back
+    (`--pooling random_token` / `random_layer` would otherwise draw another token or layer)."""
+    return reuse["states"] if reuse else pool.encode(questions, answers=answers)
+
+
+class ExpertContext(nn.Module):
+    """g_phi of `ours`: frozen experts -> pooled states -> PerceiverAdapter -> (C, A)."""
+
+    def __init__(self, pool, adapter):
+        super().__init__()
+        self.pool, self.adapter = pool, adapter  # pool is not an nn.Module: experts are never trained or saved
+
+    def forward(self, questions, answers=None, reuse=None):
+        states = pooled_states(self.pool, questions, answers, reuse)
+        C, A, A_heads = self.adapter(states, return_heads=True)
+        return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions), "states": states}
+
+
+def ours(team, out_dim, args, device, dtype):
+    """The paper's method (§3)."""
+    pool = expert_pool(team["experts"], args, device, dtype)
+    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents, args.num_heads)
+    return ExpertContext(pool, adapter.to(device))  # g_phi stays float32 whatever the frozen weights are
+
+
+def identical(team, out_dim, args, device, dtype):
+    """Control: ours with the policy's own frozen base as the only expert (C2C's "identical" arm)."""
+    return ours({**team, "experts": [team["policy"]]}, out_dim, args, device, dtype)
+
+
+class SoftPrompt(nn.Module):
+    """Control: C = FFN(Q_lat) W_out + b_out, the same m tokens for every prompt, no experts."""
+
+    def __init__(self, out_dim, d, m):
+        super().__init__()
+        self.latents = nn.Parameter(torch.randn(m, d) * d ** -0.5)                      # as ours' Q_lat
+        self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
+
+    def forward(self, questions, answers=None, reuse=None):
+        C = self.out(self.ffn(self.latents))                                             # (m, out_dim)
+        return {"C": C.expand(len(questions), *C.shape), "A": None, "hints": [None] * len(questions)}
+
+
+def soft_prompt(team, out_dim, args, device, dtype):
+    return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device)
+
+
 class NoContext(nn.Module):
-    def forward(self, questions, reuse=None):
+    def forward(self, questions, answers=None, reuse=None):
         return {"C": None, "A": None, "hints": [None] * len(questions)}
 
 
@@ -51,15 +117,14 @@ class StackedFFN(nn.Module):
         self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in pool.dims])  # W_i, Eq. 6
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
 
-    def forward(self, questions, reuse=None):
-        V = torch.stack([W(h) for W, h in zip(self.proj, self.pool.encode(questions))], 1)  # (B, n, d)
-        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions)}
+    def forward(self, questions, answers=None, reuse=None):
+        states = pooled_states(self.pool, questions, answers, reuse)
+        V = torch.stack([W(h) for W, h in zip(self.proj, states)], 1)                  # (B, n, d)
+        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions), "states": states}
 
 
 def no_xattn(team, out_dim, args, device, dtype):
-    from experts import ExpertPool
-    pool = ExpertPool(team["experts"], device, dtype, args.pooling, args.seed)
-    return StackedFFN(pool, out_dim, args.latent_dim).to(device)
+    return StackedFFN(expert_pool(team["experts"], args, device, dtype), out_dim, args.latent_dim).to(device)
 
 
 def straight_through_gumbel(logits, noise, tau=1.0):
@@ -78,7 +143,7 @@ class HardRouter(nn.Module):
         self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in pool.dims])  # W_i
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
 
-    def forward(self, questions, reuse=None):
+    def forward(self, questions, answers=None, reuse=None):
         logits = self.head(self.encoder.encode(questions)[0])                            # (B, n)
         if self.training:
             noise = reuse["noise"] if reuse else -torch.empty_like(logits).exponential_().log()  # Gumbel(0, 1)
@@ -87,18 +152,25 @@ class HardRouter(nn.Module):
             noise, R = None, F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
         chosen = R.argmax(-1)
         z = logits.new_zeros(len(questions), self.ffn.w1.in_features)
+        states = {}                                                                      # expert -> its rows' h
         for i in chosen.unique().tolist():  # selective execution: only the chosen expert runs, per prompt
             rows = (chosen == i).nonzero().squeeze(-1)
-            h = self.pool.encode([questions[r] for r in rows.tolist()], experts=[i])[0]
+            if reuse:
+                h = reuse["states"][i]
+            else:
+                pick = rows.tolist()
+                h = self.pool.encode([questions[r] for r in pick], experts=[i],
+                                     answers=None if answers is None else [answers[r] for r in pick])[0]
+            states[i] = h
             z = z.index_add(0, rows, R[rows, i:i + 1] * self.proj[i](h))                 # R_i W_i h_i
         C = self.out(self.ffn(z)).unsqueeze(1)                                           # (B, 1, out_dim)
         A = F.softmax(logits, -1).unsqueeze(1)                                           # (B, 1, n)
-        return {"C": C, "A": A, "hints": [None] * len(questions), "noise": noise}
+        return {"C": C, "A": A, "hints": [None] * len(questions), "noise": noise, "states": states}
 
 
 def hard_routing(team, out_dim, args, device, dtype):
     from experts import ExpertPool
-    pool = ExpertPool(team["experts"], device, dtype, args.pooling, args.seed)
+    pool = expert_pool(team["experts"], args, device, dtype)
     encoder = ExpertPool([team["router"]], device, dtype, pooling="mean")
     return HardRouter(pool, encoder, out_dim, args.latent_dim).to(device)
 
@@ -129,14 +201,13 @@ class TextHints(nn.Module):
             self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p) for q, p in zip(todo, parts)})
         return [self.cache[q] for q in questions]
 
-    def forward(self, questions, reuse=None):
+    def forward(self, questions, answers=None, reuse=None):
         return {"C": None, "A": None, "hints": self.write_hints(questions)}
 
 
 def output_collab(team, out_dim, args, device, dtype):
-    from experts import ExpertPool
-    return TextHints(ExpertPool(team["experts"], device, dtype, args.pooling, args.seed), args.max_new_tokens)
+    return TextHints(expert_pool(team["experts"], args, device, dtype), args.max_new_tokens)
 
 
 METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn}
+           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt}

@@ -17,6 +17,9 @@ What is here:
                  pretrained models shipped in PyPI packages, offline on CPU) and `tiny` (random-init models
                  built from configs, for hermetic tests)
   load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME` or `tiny:NAME`
+  oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}." (ORACLE_TEXT), so
+                 its state holds the gold answer; it tests whether the channel experts -> C -> policy can
+                 carry item information at all. No real system has one.
   ExpertPool     the frozen experts: batching, chat templates, pooling, a cache of pooled states
 
 Deviations / choices the paper leaves open:
@@ -59,10 +62,19 @@ TEAMS = {
                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
                                  "pocket:all-minilm-l6-v2", "tiny:gpt2"],
                      "router": "pocket:all-minilm-l6-v2"},
+    # A DIAGNOSTIC team, not a method: pocket + an oracle (an expert that reads the question *and its gold
+    # answer*, which no real system has) + the random GPT-2. If C carries item information, the policy must
+    # learn to read the oracle and ignore the GPT-2; if it does not, the channel is broken.
+    "pocket-oracle": {"policy": "pocket:smollm2-135m-instruct",
+                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
+                                  "oracle:pocket:smollm2-135m-instruct", "tiny:gpt2"],
+                      "router": "pocket:all-minilm-l6-v2"},
     # Random-init few-layer models built from configs: no download, seconds. For tests and smoke runs.
     "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"], "router": "tiny:bert"},
 }
 
+ORACLE = "oracle:"
+ORACLE_TEXT = "{question} The answer is {answer}."  # what an oracle expert reads
 POOLINGS = ("last", "first_token", "first_layer", "random_token", "random_layer")
 ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta", "deberta-v2",
                  "albert", "modernbert"}
@@ -75,6 +87,7 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "elect
 def load_model(spec, device="cpu", dtype=torch.float32):
     """Return (model, tokenizer) in eval mode, frozen. Causal LMs come with their LM head (the
     output-collaboration baseline generates from experts); encoders come as the bare encoder."""
+    spec = spec.removeprefix(ORACLE)  # an oracle is an ordinary model that reads another text
     if spec.startswith("tiny:"):
         model, tok = tiny_model(spec[5:])
     elif spec.startswith("pocket:"):
@@ -122,6 +135,7 @@ def check_models(specs):
     exist or, offline, a hub id that is not in the cache: a bad flag fails in a second, before anything loads
     (online, huggingface_hub would retry an unreachable hub for half a minute per file)."""
     for spec, flag in specs:
+        spec = spec.removeprefix(ORACLE)
         if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
             continue
         if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
@@ -231,6 +245,7 @@ class ExpertPool:
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
         self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
         self.models = [load_model(n, device, dtype) for n in self.names]
+        self.oracle = [n.startswith(ORACLE) for n in self.names]
         self.dims = [m.config.hidden_size for m, _ in self.models]
         self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
         self.cache, self.cache_size = {}, cache_size           # (expert index, text) -> pooled vector
@@ -239,13 +254,18 @@ class ExpertPool:
     def __len__(self):
         return len(self.models)
 
-    def encode(self, questions, experts=None):
-        """Pooled states for each question; `experts` restricts to some indices (hard routing)."""
+    def encode(self, questions, experts=None, answers=None):
+        """Pooled states for each question: a list of [B, d_i], one per expert. `experts` restricts to some
+        indices (hard routing); `answers` (gold answers, one per question) only oracle experts read."""
         experts = range(len(self.models)) if experts is None else experts
-        return [self.encode_one(i, questions) for i in experts]
+        return [self.encode_one(i, questions, answers) for i in experts]
 
     @torch.no_grad()
-    def encode_one(self, i, questions):
+    def encode_one(self, i, questions, answers=None):
+        if self.oracle[i]:
+            if answers is None:
+                raise ValueError(f"expert {self.names[i]} is an oracle: it needs the gold answers")
+            questions = [ORACLE_TEXT.format(question=q, answer=a) for q, a in zip(questions, answers)]
         cacheable = not self.pooling.startswith("random")
         keys = [(i, q) for q in questions]
         todo = [q for k, q in zip(keys, questions) if not (cacheable and k in self.cache)]

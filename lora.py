@@ -46,9 +46,11 @@ class LoRALinear(nn.Module):
         self.base = base
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
-        dev, dt = base.weight.device, base.weight.dtype
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=dev, dtype=dt))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev, dtype=dt))
+        # float32 whatever the frozen weight is: an Adam step of 3e-5 on a weight of 0.02 rounds to nothing in
+        # bfloat16 (8 bits of mantissa, spacing 1.2e-4 there), so a bf16 LoRA would silently stop learning
+        dev = base.weight.device
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=dev, dtype=torch.float32))
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev, dtype=torch.float32))
         # Same init as the LoRA paper's reference code and PEFT: A ~ Kaiming-uniform, B = 0 (update is zero).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.enabled = True   # lora_disabled() flips this to get the base (reference) model

@@ -73,12 +73,18 @@ def parse_args(argv=None):
     a("--weight-decay", type=float, default=1e-2, help="AdamW weight decay")
     a("--adam-eps", type=float, default=1e-6, help="AdamW epsilon")
     a("--grad-clip", type=float, default=1.0, help="max global gradient norm")
+    a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
+      "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
     a("--beta", type=float, default=0.04, help="KL coefficient beta (Eq. 4)")
     a("--clip-eps", type=float, default=0.2, help="PPO clip epsilon")
     a("--inner-epochs", type=int, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
     a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
+    a("--reward", default="task", choices=["task", "random"], help="task: the task's own scorer; random: a "
+      "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
+      "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
     a("--lora-rank", type=int, default=8, help="LoRA rank r")
     a("--lora-alpha", type=float, default=16.0, help="LoRA alpha (scaling alpha / r)")
     a("--latent-dim", type=int, default=512, help="adapter latent width d")
@@ -250,7 +256,7 @@ def build_run(args, device):
     team = team_models(args)
     train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path,
                                        args.task_config)
-    dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
+    dtype = frozen_dtype(args.dtype, device)
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
     policy, tok = load_model(team["policy"], device, dtype)
     method = METHODS[args.method](team, policy.config.hidden_size, args, device, dtype)
@@ -259,17 +265,44 @@ def build_run(args, device):
         for p in policy.parameters():
             p.requires_grad_(False)
     policy.train()  # no dropout in these models; train() only marks intent
-    groups = []
+    groups = []  # named, so that probes and --clip-per-group can tell them apart
     if not args.freeze_policy:
-        groups.append({"params": [p for p in policy.parameters() if p.requires_grad], "lr": args.lr})
+        groups.append({"name": "lora", "params": [p for p in policy.parameters() if p.requires_grad],
+                       "lr": args.lr})
     if any(p.requires_grad for p in method.parameters()):
-        groups.append({"params": [p for p in method.parameters() if p.requires_grad], "lr": args.router_lr})
+        groups.append({"name": "g_phi", "params": [p for p in method.parameters() if p.requires_grad],
+                       "lr": args.router_lr})
+    # An Adam step of 3e-5 on a weight of 0.02 rounds to nothing in bfloat16 (8 bits of mantissa): whatever the
+    # frozen weights are, what trains and its optimiser state must be float32 (tests/test_lora.py).
+    assert all(p.dtype == torch.float32 for g in groups for p in g["params"]), "trainable parameters must be fp32"
     if not groups:
         raise ValueError(f"--freeze-policy with --method {args.method}: nothing left to train")
     optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
     eos_ids = grpo.eos_token_ids(policy, tok)
+    embed_rms = policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
     return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer, train_items=train_items,
-                eos_ids=eos_ids, device=device, pool=getattr(method, "pool", None))
+                eos_ids=eos_ids, device=device, pool=getattr(method, "pool", None), embed_rms=embed_rms)
+
+
+def policy_prompts(tok, questions, hints, args):
+    """The policy's input text x for each question (hints: output_collab's expert hints, else None). Training
+    and evaluation both call this, so a fork that changes the prompt changes it in both."""
+    import rewards
+    return [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
+                                 args.response_prefix) for q, h in zip(questions, hints)]
+
+
+def frozen_dtype(name, device):
+    """--dtype: the frozen weights' dtype; auto = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
+
+
+def coin_rewards(seed, step, micro, n):
+    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch), so a resumed
+    run draws the same ones. The text is never read."""
+    return np.random.default_rng([seed, step, micro, 7]).integers(0, 2, n).astype(float).tolist()
 
 
 def grpo_step(step, run, args, score_batch):
@@ -285,12 +318,11 @@ def grpo_step(step, run, args, score_batch):
     for micro in range(args.grad_accum):
         items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
                                                               len(run["train_items"]), args.seed)]
-        questions = [it["question"] for it in items]
+        questions, answers = [it["question"] for it in items], [it["answer"] for it in items]
         method.train()  # training behaviour in the rollout too: hard routing draws its Gumbel expert here
         with torch.no_grad():
-            ctx = method(questions)
-        prompts = [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
-                                        args.response_prefix) for q, h in zip(questions, ctx["hints"])]
+            ctx = method(questions, answers)  # answers: read only by oracle experts (a diagnostic)
+        prompts = policy_prompts(tok, questions, ctx["hints"], args)
         ids, mask = grpo.encode_prompts(tok, prompts, device)
         comp = grpo.sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
                       tok.pad_token_id, args.context_position)
@@ -298,7 +330,10 @@ def grpo_step(step, run, args, score_batch):
         comp_mask = completion_mask(comp, eos_ids)
         texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
         # ---- reward: untrusted text, scored with a time limit (rewards.py) ------------------------------------
-        r, counts = score_batch([it for it in items for _ in range(G)], texts)
+        if args.reward == "random":  # the control: a coin that ignores the text
+            r, counts = coin_rewards(args.seed, step, micro, len(texts)), {}
+        else:
+            r, counts = score_batch([it for it in items for _ in range(G)], texts)
         r = torch.tensor(r, dtype=torch.float32, device=device)
         # ---- advantage: group-relative, one group per prompt -------------------------------------------------
         adv = group_advantages(r, G, scale=not args.no_scale_rewards)
@@ -315,7 +350,7 @@ def grpo_step(step, run, args, score_batch):
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
         for b in batches:
-            ctx = method(b["questions"], reuse=b["ctx"])  # same routing noise as in the rollout
+            ctx = method(b["questions"], reuse=b["ctx"])  # the rollout's pooled states and routing draw
             logp = grpo.completion_logprobs(policy, b["ids"], b["mask"], ctx["C"], b["comp"], b["comp_mask"],
                                        args.temperature, args.context_position)
             if epoch == 0:  # the weights have not moved yet: logp_old = logp, detached (no extra forward)
@@ -324,8 +359,7 @@ def grpo_step(step, run, args, score_batch):
                                 args.beta, args.loss_aggregation)
             (loss / args.grad_accum).backward()
             losses.append(loss.item()), stats.append(m)
-        params = [p for g in optimizer.param_groups for p in g["params"]]
-        grad_norm = torch.nn.utils.clip_grad_norm_(params, args.grad_clip).item()
+        grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
         if finite:  # a non-finite loss or gradient skips the update: the weights stay as they were
             optimizer.step()
@@ -346,12 +380,51 @@ def grpo_step(step, run, args, score_batch):
            "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
            "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
            "skipped_update": skipped}
-    A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
-    if A:
-        from adapter import routing_stats
-        rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
+    rec.update({f"grad_norm_{k}": v for k, v in group_norms.items()})
+    rec.update(probes(batches, run["embed_rms"]))
     rec["seconds"] = time.time() - t0
     return rec, batches
+
+
+def clip_gradients(param_groups, max_norm, per_group=False):
+    """Clip to max_norm, jointly (one global norm, the usual) or per group (--clip-per-group). Returns the
+    global norm and each group's norm, both before clipping."""
+    norms = {g["name"]: torch.nn.utils.clip_grad_norm_(g["params"], float("inf")).item() for g in param_groups}
+    if per_group:
+        for g in param_groups:
+            torch.nn.utils.clip_grad_norm_(g["params"], max_norm)
+        return float(np.sqrt(sum(v ** 2 for v in norms.values()))), norms
+    params = [p for g in param_groups for p in g["params"]]
+    return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), norms
+
+
+def varying_fraction(X):
+    """Share of the energy of X [N, ...] that varies across its N rows: sum Var_N(X) / sum mean_N(X^2), in
+    [0, 1]; 0 for rows that are all the same (C is then a soft prompt), NaN when X is all zeros."""
+    X = X.flatten(1).double()
+    return (X.var(0, unbiased=False).sum() / X.pow(2).mean(0).sum()).item()
+
+
+@torch.no_grad()
+def probes(batches, embed_rms):
+    """What C does, per step (README "Metrics"): its scale against the policy's token embeddings, how much of
+    it depends on the prompt, the same for each expert's pooled states, and routing per attention head."""
+    from adapter import entropy, routing_stats
+    rec = {}
+    C = [b["ctx"]["C"] for b in batches if b["ctx"]["C"] is not None]
+    if C:
+        C = torch.cat(C).float()                                               # (prompts, m, D)
+        rec.update(c_rms=C.pow(2).mean().sqrt().item(), embed_rms=embed_rms, c_varying=varying_fraction(C))
+    states = [b["ctx"]["states"] for b in batches if isinstance(b["ctx"].get("states"), list)]
+    if states:  # one list of n [B, d_i] per micro-batch
+        rec["state_varying"] = [varying_fraction(torch.cat(h)) for h in zip(*states)]
+    A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
+    if A:
+        rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
+    heads = [b["ctx"]["A_heads"] for b in batches if b["ctx"].get("A_heads") is not None]
+    if heads:
+        rec["entropy_heads"] = entropy(torch.cat(heads)).mean(dim=(0, 2)).tolist()  # (heads,)
+    return rec
 
 
 def main(argv=None, score_batch=None):

@@ -3,6 +3,7 @@ import json
 import os
 from types import SimpleNamespace
 
+import numpy as np
 import pytest
 import torch
 
@@ -143,7 +144,34 @@ def test_summarize_builds_the_table(tmp_path):
     assert "| ours | 70.0 ± 20.0 | 35.0 ± 10.0 | 60.0 ± 20.0 | +30.0 (p = 0.30) | 3 |" in table
     assert "| single | 40.0 ± 14.1 | 40.0 ± 14.1 | – | – | 2 |" in table and "pocket-naive" not in table
     assert rho["mean"] == pytest.approx(-1.0) and len(rho["per_run"]) == 3
-    assert rho["by_method"] == {"ours": {"mean": pytest.approx(-1.0), "std": 0.0, "runs": 3}}
+    assert rho["by_method"]["ours"]["reward_H"] == {"mean": pytest.approx(-1.0), "std": 0.0, "runs": 3}
+    assert rho["by_method"]["ours"]["step_H"]["mean"] == pytest.approx(-1.0)
+    assert rho["by_method"]["ours"]["reward_H_given_step"] is None  # reward = step here: nothing is left
+
+
+def test_summarize_shows_paired_columns(tmp_path):
+    for seed, (d, p) in enumerate([(0.10, 0.01), (0.20, 0.2)]):
+        run = tmp_path / f"ours-s{seed}"
+        os.makedirs(run)
+        json.dump({"method": "ours", "task": "chain_sum", "team": "tiny", "steps": 3}, open(run / "config.json", "w"))
+        json.dump({"score": 0.5, "solve_rate": 0.5}, open(run / "eval.json", "w"))
+        cmp = {"score": {"diff": d, "p_sign": p}, "gold_logprob": {"diff": 1.0, "p_sign": p}}
+        json.dump({"paired": {"with_C - zero_C": cmp, "with_C - shuffled_C": cmp}}, open(run / "eval_paired.json", "w"))
+        open(run / "metrics.jsonl", "w").write(json.dumps({"step": 3, "reward": 0.0}) + "\n")
+    table, _ = summarize([str(tmp_path)], str(tmp_path / "out"))
+    assert "chain_sum with C − C = 0 (paired) | chain_sum with C − shuffled C (paired)" in table.splitlines()[0]
+    assert "| +15.0 ± 7.1 (p < 0.05 in 1/2) | +15.0 ± 7.1 (p < 0.05 in 1/2) |" in table
+
+
+def test_partial_spearman_equals_the_correlation_of_rank_residuals():
+    """Independent reference: regress the ranks of x and of y on the ranks of z, correlate the residuals."""
+    from evaluate import partial_spearman, ranks
+    rng = np.random.default_rng(0)
+    z = np.arange(30.0)
+    x, y = z + rng.normal(0, 8, 30), -z + rng.normal(0, 8, 30)
+    Z = np.stack([np.ones(30), ranks(z)], 1)
+    res = [r - Z @ np.linalg.lstsq(Z, r, rcond=None)[0] for r in (ranks(x), ranks(y))]
+    assert partial_spearman(x, y, z) == pytest.approx(np.corrcoef(*res)[0, 1], abs=1e-12)
 
 
 def test_permutation_p_by_hand():
@@ -161,13 +189,15 @@ def test_plot_runs_draws_every_figure_from_finished_runs(tmp_path):
                    "team_models": {"experts": ["a", "b"]}}, open(run / "config.json", "w"))
         with open(run / "metrics.jsonl", "w") as f:
             for step in range(1, 7):  # the third ours run stopped at step 6 of 30: left out of the curves
-                row = {"step": step, "reward": step / 10, "entropy": 0.69 - step / 100, "utilization": [0.6, 0.4]}
+                row = {"step": step, "reward": step / 10, "entropy": 0.69 - step / 100, "utilization": [0.6, 0.4],
+                       "c_rms": step / 100, "embed_rms": 0.05, "c_varying": 0.01, "grad_norm_g_phi": 2.0,
+                       "grad_norm_lora": 0.1, "entropy_heads": [0.6, 0.69]}
                 f.write(json.dumps(row if method == "ours" else {"step": step, "reward": 0.1}) + "\n")
         if method == "ours" and seed < 2:
             json.dump({"score": 0.5}, open(run / "eval.json", "w"))
             json.dump({"score": 0.4}, open(run / "eval_no_context.json", "w"))
     written = plot_runs([str(tmp_path)], str(tmp_path / "out"))
     names = sorted(os.path.basename(p) for p in written)
-    assert names == ["fig4_chain_sum_tiny.png", "fig5.png", "reward_chain_sum.png"]
+    assert names == ["fig4_chain_sum_tiny.png", "fig5.png", "probes_chain_sum_tiny.png", "reward_chain_sum.png"]
     for p in written:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"

@@ -28,11 +28,12 @@ def train_and_score(out, extra):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-@pytest.mark.parametrize("method", ["single", "ours", "no_xattn", "hard_routing", "output_collab"])
+@pytest.mark.parametrize("method", ["single", "ours", "no_xattn", "hard_routing", "output_collab", "identical",
+                                    "soft_prompt"])
 def test_every_method_trains_and_evaluates(tmp_path, method):
     ms = train_and_score(str(tmp_path / method), ["--team", "tiny", "--method", method])
     assert [m["step"] for m in ms] == [1, 2]
-    assert ("entropy" in ms[0]) == (method in ("ours", "hard_routing"))
+    assert ("entropy" in ms[0]) == (method in ("ours", "hard_routing", "identical"))
 
 
 @pytest.mark.parametrize("pooling", ["first_token", "first_layer", "random_token", "random_layer"])

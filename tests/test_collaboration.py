@@ -1,0 +1,194 @@
+"""Measuring whether C carries expert information: the two bugs that corrupted the measurement (each test fails on
+the code before its fix), the probes logged per step, the paired statistics of `evaluate.py --paired` against
+hand-computed values, the oracle expert and the two controls (identical, soft_prompt), the random reward."""
+import json
+import os
+
+import numpy as np
+import pytest
+import torch
+
+from baselines import METHODS
+from evaluate import derangement, paired_bootstrap_ci, paired_comparison, sign_test_p
+from experts import TEAMS, ExpertPool
+from train import clip_gradients, coin_rewards, main, parse_args, varying_fraction
+
+TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
+        "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
+QUESTIONS = ["What is 17 + 25?", "Add 3 and 4.", "Compute 10 + 91."]
+
+
+def build(method, *flags):
+    torch.manual_seed(0)
+    args = parse_args(TINY + ["--method", method, *flags])
+    return METHODS[method](TEAMS["tiny"], 64, args, "cpu", torch.float32)
+
+
+def randomise_output(g):
+    """W_out = 0 makes C = 0 whatever the states: give it values so that C shows what the states were."""
+    with torch.no_grad():
+        for name, p in g.named_parameters():
+            if name.split(".")[-2:-1] == ["out"]:
+                p.normal_(0, 0.5)
+
+
+# ---- bug 1: random pooling must not draw again in the loss pass -------------------------------------------------
+
+@pytest.mark.parametrize("method", ["ours", "no_xattn", "hard_routing"])
+@pytest.mark.parametrize("pooling", ["random_token", "random_layer"])
+def test_loss_pass_reuses_the_rollouts_pooled_states(method, pooling):
+    """The story: with --pooling random_token / random_layer the loss pass drew another token or layer, so the
+    gradient was taken under a C the completions were never sampled with (paper Table 2's ablations). The
+    rollout's states now go back in with `reuse`. Without reuse the draw differs (so this test can fail)."""
+    g = build(method, "--pooling", pooling)
+    g.train(), randomise_output(g)
+    torch.manual_seed(1)
+    rollout = g(QUESTIONS * 3)
+    again = g(QUESTIONS * 3)                                   # a fresh call draws new tokens / layers
+    assert not torch.equal(rollout["C"], again["C"])
+    loss_pass = g(QUESTIONS * 3, reuse=rollout)
+    assert torch.equal(rollout["C"], loss_pass["C"])
+
+
+# ---- bug 2: trainable parameters and optimiser state are float32 whatever the frozen weights are --------------
+
+def test_lora_on_a_bfloat16_model_is_float32_and_a_small_adam_step_moves_it():
+    """The story: LoRA's A and B took the frozen weight's dtype, bf16 on CUDA, where an Adam step of 3e-5 on a
+    weight of 0.02 rounds to nothing (bf16 spacing at 0.02 is 1.2e-4): LoRA silently stopped learning."""
+    from lora import LoRALinear
+    layer = LoRALinear(torch.nn.Linear(16, 16).to(torch.bfloat16), rank=4)
+    assert layer.lora_A.dtype == layer.lora_B.dtype == torch.float32
+    with torch.no_grad():
+        layer.lora_B.fill_(0.02)
+    before = layer.lora_B.detach().clone()
+    opt = torch.optim.AdamW([layer.lora_A, layer.lora_B], lr=3e-5, weight_decay=0)
+    y = layer(torch.randn(8, 16, dtype=torch.bfloat16))
+    assert y.dtype == torch.bfloat16                           # the forward stays in the frozen dtype
+    y.float().pow(2).sum().backward()
+    opt.step()
+    assert (layer.lora_B != before).float().mean() > 0.9       # in bf16: 0 of 64 entries move
+
+
+def test_train_with_bfloat16_frozen_weights_keeps_trainables_and_adam_state_float32(tmp_path):
+    out = str(tmp_path / "bf16")
+    main(TINY + ["--dtype", "bfloat16", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size",
+                 "2", "--max-new-tokens", "4", "--out", out])
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert {t.dtype for t in state["lora"].values()} == {torch.float32}
+    assert {t.dtype for t in state["method"].values() if t.is_floating_point()} == {torch.float32}
+    adam = [t for s in state["optimizer"]["state"].values() for k, t in s.items() if k != "step"]
+    assert adam and {t.dtype for t in adam} == {torch.float32}
+
+
+# ---- probes --------------------------------------------------------------------------------------------------
+
+def test_varying_fraction_by_hand():
+    assert varying_fraction(torch.ones(4, 2, 3)) == 0                      # a soft prompt: nothing varies
+    X = torch.tensor([[1.0, 3.0], [3.0, 3.0]])                             # column 1 varies: var 1, mean sq 5
+    assert varying_fraction(X) == pytest.approx(1 / (5 + 9))
+    assert varying_fraction(torch.tensor([[1.0], [-1.0]])) == pytest.approx(1.0)  # zero-mean: all varies
+
+
+def test_clip_gradients_jointly_and_per_group_by_hand():
+    def groups():
+        a, b = torch.zeros(1, requires_grad=True), torch.zeros(1, requires_grad=True)
+        a.grad, b.grad = torch.tensor([3.0]), torch.tensor([4.0])
+        return [{"name": "lora", "params": [a]}, {"name": "g_phi", "params": [b]}]
+    g = groups()
+    total, norms = clip_gradients(g, 1.0)
+    assert total == pytest.approx(5) and norms == pytest.approx({"lora": 3, "g_phi": 4})
+    assert g[0]["params"][0].grad.item() == pytest.approx(0.6) and g[1]["params"][0].grad.item() == pytest.approx(0.8)
+    g = groups()
+    total, _ = clip_gradients(g, 1.0, per_group=True)
+    assert total == pytest.approx(5)
+    assert g[0]["params"][0].grad.item() == pytest.approx(1) and g[1]["params"][0].grad.item() == pytest.approx(1)
+
+
+def test_metrics_have_the_probe_fields(tmp_path):
+    out = str(tmp_path / "probes")
+    main(TINY + ["--steps", "2", "--batch-size", "2", "--grad-accum", "2", "--group-size", "2", "--max-new-tokens",
+                 "4", "--lr", "3e-2", "--router-lr", "3e-2", "--clip-per-group", "--out", out])
+    rec = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    assert rec[0]["c_rms"] == 0 and rec[0]["c_varying"] is None           # W_out = 0: C = 0 at step 1
+    for k in ("c_rms", "embed_rms", "grad_norm_lora", "grad_norm_g_phi", "entropy", "utilization"):
+        assert isinstance(rec[1][k], (float, list)), k
+    assert len(rec[1]["state_varying"]) == 3 and len(rec[1]["entropy_heads"]) == 4
+    assert min(rec[1]["entropy_heads"]) <= rec[1]["entropy"] + 1e-6          # the head mean hides sharp heads
+
+
+# ---- paired statistics ---------------------------------------------------------------------------------------
+
+def test_sign_test_by_hand():
+    assert sign_test_p(5, 0) == pytest.approx(2 / 32)          # 2 * P[Bin(5, 1/2) <= 0]
+    assert sign_test_p(3, 1) == pytest.approx(2 * 5 / 16)      # 2 * (1 + 4) / 16
+    assert sign_test_p(0, 0) == 1 and sign_test_p(2, 2) == 1
+    assert sign_test_p(10, 2) == pytest.approx(2 * (1 + 12 + 66) / 4096)
+
+
+def test_paired_comparison_by_hand():
+    r = paired_comparison([1, 1, 0, 1, 0.5], [0, 1, 0, 0, 1])
+    assert r["diff"] == pytest.approx((1 + 0 + 0 + 1 - 0.5) / 5)
+    assert (r["better"], r["worse"], r["n"]) == (2, 1, 5) and r["p_sign"] == pytest.approx(1.0)
+    assert r["ci95"][0] <= r["diff"] <= r["ci95"][1]
+
+
+def test_bootstrap_interval_matches_the_t_interval_on_a_large_sample():
+    d = np.random.default_rng(0).normal(0.3, 1.0, 2000)
+    lo, hi = paired_bootstrap_ci(d)
+    half = 1.96 * d.std(ddof=1) / np.sqrt(len(d))             # the normal-theory 95 % half-width
+    assert lo == pytest.approx(d.mean() - half, abs=0.01) and hi == pytest.approx(d.mean() + half, abs=0.01)
+    assert paired_bootstrap_ci([0.25] * 7) == [0.25, 0.25]
+
+
+def test_shuffled_C_never_gives_an_item_its_own_C():
+    for n in (2, 3, 10, 100):
+        assert not (derangement(n, seed=n) == np.arange(n)).any()
+    assert sorted(derangement(10)) == list(range(10))
+
+
+def test_paired_evaluation_scores_the_same_items_three_ways(tmp_path):
+    """with_C and zero_C agree at init (W_out = 0): the paired difference is exactly 0, as it must be."""
+    from types import SimpleNamespace
+    from evaluate import evaluate
+    out = str(tmp_path / "run")
+    main(TINY + ["--steps", "1", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
+                 "--max-new-tokens", "4", "--out", out])
+    cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
+    g = METHODS["ours"](cfg.team_models, 64, cfg, "cpu", torch.float32).state_dict()  # W_out = 0
+    r = evaluate(cfg, 5, 2, None, g, conditions=("with_C", "zero_C", "shuffled_C"))
+    assert set(r["per_item"]) == {"with_C", "zero_C", "shuffled_C"}
+    assert all(len(v["score"]) == len(v["gold_logprob"]) == 5 for v in r["per_item"].values())
+    assert r["per_item"]["with_C"] == r["per_item"]["zero_C"]
+    assert r["paired"]["with_C - zero_C"]["gold_logprob"]["diff"] == 0
+
+
+# ---- oracle and controls -------------------------------------------------------------------------------------
+
+def test_oracle_expert_reads_the_gold_answer():
+    pool = ExpertPool(["oracle:tiny:qwen2", "tiny:qwen2"])
+    a = pool.encode(QUESTIONS, answers=["42", "7", "101"])
+    b = pool.encode(QUESTIONS, answers=["41", "7", "100"])
+    assert not torch.equal(a[0][0], b[0][0]) and torch.equal(a[0][1], b[0][1])  # the oracle sees the answer
+    assert torch.equal(a[1], b[1])                                             # the plain expert does not
+    with pytest.raises(ValueError, match="oracle"):
+        pool.encode(QUESTIONS)
+
+
+def test_identical_control_has_the_policy_as_its_only_expert():
+    g = build("identical")
+    assert g.pool.names == [TEAMS["tiny"]["policy"]]
+
+
+def test_soft_prompt_is_the_same_for_every_prompt_and_zero_at_init():
+    g = build("soft_prompt")
+    C = g(QUESTIONS)["C"]
+    assert C.shape == (3, 4, 64) and torch.equal(C, torch.zeros_like(C))
+    randomise_output(g)
+    C = g(QUESTIONS)["C"]
+    assert C.abs().sum() > 0 and torch.equal(C[0], C[1]) and torch.equal(C[0], C[2])
+
+
+def test_random_reward_is_a_seeded_coin_that_ignores_the_text():
+    a = coin_rewards(0, 3, 1, 4000)
+    assert a == coin_rewards(0, 3, 1, 4000) and a != coin_rewards(0, 4, 1, 4000)   # pure function of the step
+    assert set(a) == {0.0, 1.0} and abs(np.mean(a) - 0.5) < 0.03
