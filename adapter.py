@@ -99,6 +99,14 @@ def routing_stats(A):
     return entropy(A).mean().item(), A.mean(dim=(0, 1)).tolist()
 
 
+def varying_fraction(X):
+    """Share of the energy of X [N, ...] that varies across its N rows: sum Var_N(X) / sum mean_N(X^2), in
+    [0, 1]. 0 when every row is the same (C is then a soft prompt: it carries nothing about the prompt), NaN
+    when X is all zeros (C at step 1, W_out = 0)."""
+    X = X.flatten(1).double()
+    return (X.var(0, unbiased=False).sum() / X.pow(2).mean(0).sum()).item()
+
+
 def entropy(A):
     """-sum_i A_i log A_i over the last (expert) axis: [..., n] -> [...]. For per-head routing entropy pass the
     per-head attention [B, heads, m, n] and average over (0, 2). The head average of A hides heads that route

@@ -135,9 +135,6 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
             "kl": _aggregate(kl, mask, aggregation).item(),            # same aggregation as the loss
             "clip_fraction": (clipped.sum() / n_tok).item(),           # token mean over masked tokens
             "ratio_mean": (torch.where(mask, ratio, zero).sum() / n_tok).item(),
-            "adv_mean": adv.mean().item(),                             # over the N completions
-            "zero_adv_fraction": (adv == 0).float().mean().item(),     # completions in equal-reward groups
-            "completion_len": mask.sum(dim=1).float().mean().item(),   # mean tokens per completion
         }
     return loss, metrics
 

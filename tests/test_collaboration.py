@@ -11,7 +11,8 @@ import torch
 from baselines import METHODS
 from evaluate import derangement, paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
-from train import clip_gradients, coin_rewards, main, parse_args, varying_fraction
+from adapter import varying_fraction
+from train import clip_gradients, coin_rewards, main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]

@@ -104,7 +104,6 @@ def test_grpo_loss_by_hand_with_clipping(aggregation):
     assert m["clip_fraction"] == pytest.approx(N_CLIPPED / 7)
     ratios = [e(D[0][0]), e(D[0][1]), e(D[0][2]), e(D[1][0]), e(D[1][1]), e(D[1][2]), 1.0]
     assert m["ratio_mean"] == pytest.approx(sum(ratios) / 7, abs=1e-6)
-    assert m["adv_mean"] == 0.0 and m["completion_len"] == 3.5
     assert m["pg_loss"] == pytest.approx(expected(aggregation, beta=0.0)[0], abs=1e-5)
     assert all(isinstance(v, float) for v in m.values())
 
@@ -156,7 +155,7 @@ def test_equal_rewards_and_no_kl_give_zero_gradient(aggregation):
     loss, m = grpo_loss(logp, logp_old, -torch.rand(8, 6), adv, mask, beta=0.0, aggregation=aggregation)
     loss.backward()
     assert torch.equal(logp.grad, torch.zeros(8, 6))
-    assert m["zero_adv_fraction"] == 1.0 and m["clip_fraction"] == 0.0
+    assert m["clip_fraction"] == 0.0
 
 
 def test_kl_is_zero_when_policy_equals_reference():
@@ -184,7 +183,7 @@ def test_padding_does_not_change_loss_or_gradients(aggregation):
     assert torch.allclose(logp_p.grad[:, :4], logp.grad, atol=1e-8)
     assert torch.equal(logp_p.grad[:, 4:], torch.zeros(2, 3)) and logp_p.grad[0, 3] == 0
     for k in m:
-        assert m_p[k] == pytest.approx(m[k], abs=1e-7) or k == "completion_len"
+        assert m_p[k] == pytest.approx(m[k], abs=1e-7)
 
 
 def test_empty_completion_is_finite():

@@ -1,7 +1,7 @@
 """Hardening (issue 6) of train.py and evaluate.py on the tiny team:
   1. bad input fails at once with one line on stderr naming the flag, exit code 2, no traceback, and --out
      exactly as it was (one table, BAD_INPUT);
-  2. a run killed with SIGKILL (mid-rollout, mid-checkpoint) resumes to the very numbers of a run never killed,
+  2. a run killed with SIGKILL (after an update, before its log and checkpoint; mid-checkpoint) resumes to the very numbers of a run never killed,
      and a resumed run refuses flags that change the maths;
   3. a non-finite loss or gradient skips the update (weights bit-identical), is counted and logged, and
      --max-bad-steps of them in a row stop the run (exit code 3) with a usable checkpoint.
@@ -20,6 +20,7 @@ import time
 import pytest
 import torch
 
+import checkpoint
 import evaluate
 import train
 
@@ -69,8 +70,8 @@ def snapshot(path):
 
 
 def same_math(a, b):
-    """The config keys a resumed run must keep (everything but train.RESUME_MAY_CHANGE and the folder)."""
-    keys = (set(a) | set(b)) - train.RESUME_MAY_CHANGE
+    """The config keys a resumed run must keep (everything but checkpoint.RESUME_MAY_CHANGE and the folder)."""
+    keys = (set(a) | set(b)) - checkpoint.RESUME_MAY_CHANGE
     return {k: a.get(k) for k in keys} == {k: b.get(k) for k in keys}
 
 
@@ -113,7 +114,7 @@ def started(tmp_path_factory):
     reproduce, and the finished run that bad-input cases try to damage (each its own copy)."""
     tmp = tmp_path_factory.mktemp("hardening")
     crash = str(tmp / "crash")
-    started = {"crash": (start_training(crash, kill_at="rollout:3"), crash)}
+    started = {"crash": (start_training(crash, kill_at="step:3"), crash)}
 
     def launch(cases):
         for case in cases:
