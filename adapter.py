@@ -14,7 +14,8 @@ Paper §3 (equation numbers are the paper's):
 and how C reaches the policy (Eq. 3, pi(y | [x || C])): `policy_inputs` splices C into the prompt's
 embeddings, after the prompt (Eq. 3, the default) or in front of it, behind its first token (prefix tuning,
 [x_0 || C || x_1..]), and builds the attention mask and position ids that rollout and scoring must share
-(DESIGN trap 1).
+(positions that differ between the two are a small error for RoPE models, a large one for GPT-2's
+learned positions).
 
 Deviations / choices the paper leaves open:
   1. Attention has 8 heads (paper §4.1) and scales each head by sqrt(d / heads), the standard multi-head
@@ -23,8 +24,8 @@ Deviations / choices the paper leaves open:
      output projection.
   2. "Near-zero" W_out is exactly zero (b_out too), so C = 0 and step 0 is the reference policy bit for bit
      (tests/test_adapter.py). Small random values are not a no-op: the policy's RMSNorm divides by
-     sqrt(mean(x^2) + eps), which amplifies a tiny token by up to 1/sqrt(eps), layer after layer (DESIGN
-     trap 3). Measured on the tiny policy, max |log-prob - reference log-prob| for W_out ~ N(0, std^2):
+     sqrt(mean(x^2) + eps), which amplifies a tiny token by up to 1/sqrt(eps), layer after
+     layer. Measured on the tiny policy, max |log-prob - reference log-prob| for W_out ~ N(0, std^2):
          std     1e-6     1e-7     1e-8     1e-9     0
          after   4.1e-3   4.1e-4   3.9e-5   1.9e-6   0
          before  6.5e-1   6.1e-1   1.4e-1   2.0e-3   0
@@ -156,7 +157,8 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
 
 
 def position_ids(mask):
-    """Positions that skip padding: (mask.cumsum - 1) clamped at 0 (DESIGN trap 1). Use for every forward."""
+    """Positions that skip padding: (mask.cumsum - 1) clamped at 0. Use it for every forward:
+    a KV-cached rollout and a one-pass scorer that count left padding differently score different sequences."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 

@@ -12,7 +12,7 @@ without context tokens), Fig. 6 (accuracy vs number of latents m).
 
 Choices the paper leaves open:
   1. Validation decodes greedily (one completion per item), with the training prompt and generation budget.
-  2. Accuracy is the mean reasoning-gym score (partial credit, DESIGN §2); the exact-solve rate (score == 1)
+  2. Accuracy is the mean reasoning-gym score (partial credit: reasoning-gym's score_answer is not binary); the exact-solve rate (score == 1)
      is reported beside it.
   3. "Without C" feeds zero tokens at the positions of C: exactly what the reference policy sees.
   4. std is the sample standard deviation (ddof = 1) across seeds.

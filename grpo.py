@@ -143,7 +143,7 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
 def completion_mask(completion_ids, eos_token_id):
     """completion_ids [N, T] -> bool [N, T]: True up to and including the first EOS, False after it.
     eos_token_id: an int or a list of ints (several EOS ids). Never pass pad_token_id: when pad == eos a
-    pad-derived mask drops the EOS itself and the policy never learns to stop (DESIGN.md trap 4)."""
+    pad-derived mask drops the EOS itself and the policy never learns to stop."""
     if completion_ids.dim() != 2:
         raise ValueError(f"completion_ids must be [N, T], got shape {tuple(completion_ids.shape)}")
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
@@ -179,7 +179,8 @@ def token_logprobs(logits, tokens, temperature=1.0):
 
 
 # ----------------------------------------------------------------------------- rollout and scoring
-# The two places the policy runs; they must build the same inputs and positions (DESIGN trap 1).
+# The two places the policy runs; they must build the same inputs and positions, or the
+# log-probs of the scoring pass are not those of the policy that sampled.
 
 
 def draw(logits, temperature):
@@ -288,7 +289,7 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
          completions flows back through the cache into LoRA and C; the prefix's activations are stored once.
       2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no [P, V]
          log-softmax over the prompt is ever built.
-    The positions continue the prefix's, skipping padding, exactly as in `sample` (DESIGN trap 1)."""
+    The positions continue the prefix's, skipping padding, exactly as in `sample`."""
     from adapter import policy_inputs
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:

@@ -10,7 +10,7 @@ A starts random and B starts at zero, so the wrapped layer is an exact no-op at 
 starts as the reference policy (paper Eq. 4, pi_ref = the frozen initial policy).
 
 What is here:
-  LoRALinear          one wrapped nn.Linear (enable/disable, merge/unmerge)
+  LoRALinear          one wrapped nn.Linear
   apply_lora          freeze a model and wrap the named linear layers, returns the wrapped names
   lora_disabled       context manager: the base model (used for the reference log-probs)
   lora_merged         context manager: updates folded into copies of the weights (fast rollout)
@@ -54,7 +54,7 @@ class LoRALinear(nn.Module):
         # Same init as the LoRA paper's reference code and PEFT: A ~ Kaiming-uniform, B = 0 (update is zero).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.enabled = True   # lora_disabled() flips this to get the base (reference) model
-        self.merged = False   # after merge() the update lives inside base.weight
+        self.merged = False   # inside lora_merged() the update lives in (a copy of) base.weight
 
     def forward(self, x):
         y = self.base(x)
@@ -65,19 +65,6 @@ class LoRALinear(nn.Module):
 
     def delta_weight(self):
         return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
-
-    @torch.no_grad()
-    def merge(self):
-        """Fold the update into the frozen weight (for export / fast inference). Inverse: unmerge()."""
-        if not self.merged:
-            self.base.weight += self.delta_weight().to(self.base.weight.dtype)
-            self.merged = True
-
-    @torch.no_grad()
-    def unmerge(self):
-        if self.merged:
-            self.base.weight -= self.delta_weight().to(self.base.weight.dtype)
-            self.merged = False
 
 
 def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, target_modules=DEFAULT_TARGETS) -> list:
@@ -121,8 +108,8 @@ def lora_disabled(model: nn.Module):
 @contextlib.contextmanager
 def lora_merged(model: nn.Module):
     """Run with each enabled update folded into its weight, W' = W + (alpha/r) B A: one matmul per layer
-    instead of three, ~15 % faster decoding for the rollout (no gradient is needed there). Unlike merge(),
-    the frozen W is never modified: W' is a new tensor and W's own storage comes back on exit, bit for bit
+    instead of three, ~15 % faster decoding for the rollout (no gradient is needed there). The frozen W
+    is never modified: W' is a new tensor and W's own storage comes back on exit, bit for bit
     (W + D - D is not W in floating point, and the reference model must not drift). Costs one extra copy of
     the wrapped weights while inside. No gradient flows through W'."""
     layers = [m for _, m in lora_layers(model) if m.enabled and not m.merged]
@@ -161,16 +148,6 @@ def load_lora_state_dict(model: nn.Module, state: dict):
             raise ValueError(f"LoRA checkpoint tensor {k} has shape {tuple(state[k].shape)}, "
                              f"model expects {tuple(p.shape)} (different rank or model?)")
         p.copy_(state[k])
-
-
-def merge_lora(model: nn.Module):
-    for _, m in lora_layers(model):
-        m.merge()
-
-
-def unmerge_lora(model: nn.Module):
-    for _, m in lora_layers(model):
-        m.unmerge()
 
 
 def save_peft(model: nn.Module, folder: str, base_model_name_or_path: str = ""):

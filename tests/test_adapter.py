@@ -107,11 +107,11 @@ def test_step0_policy_equals_zero_context_reference(lora_policy, position):
         with lora_disabled(model):
             ref = completion_logprobs(model, ids, mask, torch.zeros_like(C), comp, cmask, 1.0, position)
         no_ctx = completion_logprobs(model, ids, mask, None, comp, cmask, 1.0, position)
-        nn.init.normal_(ad.out.weight, std=1e-7)  # a "near-zero" random W_out is NOT a no-op (trap 3)
+        nn.init.normal_(ad.out.weight, std=1e-7)  # a "near-zero" random W_out is NOT a no-op: RMSNorm scales tiny tokens up
         tiny = completion_logprobs(model, ids, mask, ad(states(B=2))[0], comp, cmask, 1.0, position)
     assert torch.equal(logp, ref)
     assert (tiny - ref).abs().max() > 1e-5  # a 1e-7 perturbation moves log-probs ~1e-4: RMSNorm amplifies it
-    assert (no_ctx - ref).abs().max() > 1e-3  # zero tokens are not neutral either (DESIGN trap 2)
+    assert (no_ctx - ref).abs().max() > 1e-3  # zero tokens are not neutral either: they take attention
 
 
 def test_zero_context_in_front_of_a_deep_policy_has_a_finite_gradient():
@@ -164,7 +164,7 @@ def test_left_padding_does_not_change_logprobs(lora_policy, position):
 
 @pytest.mark.parametrize("position", ["after", "before"])
 def test_rollout_and_scoring_see_the_same_positions(lora_policy, position):
-    """DESIGN trap 1: the KV-cached sampler and the one-pass scorer must give the same log-probs."""
+    """Positions: the KV-cached sampler and the one-pass scorer must give the same log-probs."""
     model, tok = lora_policy
     torch.manual_seed(1)
     C = torch.randn(2, 3, model.config.hidden_size) * 0.02

@@ -33,7 +33,7 @@ def test_padding_does_not_change_pooled_state(pooling):
 
 
 def test_first_token_is_a_prompt_invariant_signature():
-    """DESIGN trap 6: a causal expert whose chat template starts with a fixed token ('<|im_start|>') has the
+    """First-token pooling: a causal expert whose chat template starts with a fixed token ('<|im_start|>') has the
     same first-token state for every prompt. The bidirectional encoder (BERT) is the counter-example."""
     pool = ExpertPool(TEAMS["tiny"]["experts"], pooling="first_token")
     qwen, gpt2, bert = pool.encode(QS)

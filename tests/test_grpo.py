@@ -136,7 +136,7 @@ def test_mu_1_ratio_is_one_and_gradient_is_policy_gradient(aggregation):
 
 
 def test_mu_1_loss_is_near_zero_with_group_advantages():
-    # DESIGN.md trap 5: with ratio 1 and beta = 0 the "sequence" loss is -mean(A) = 0 for group advantages.
+    # mu = 1: with ratio 1 and beta = 0 the "sequence" loss is -mean(A) = 0 for group advantages.
     torch.manual_seed(0)
     adv = group_advantages(torch.tensor([1., 0, 0, 0, 1, 1, 0, 1]), 4)
     logp = -torch.rand(8, 5)

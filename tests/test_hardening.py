@@ -1,4 +1,4 @@
-"""Hardening (issue 6) of train.py and evaluate.py on the tiny team:
+"""Hardening of train.py and evaluate.py on the tiny team:
   1. bad input fails at once with one line on stderr naming the flag, exit code 2, no traceback, and --out
      exactly as it was (one table, BAD_INPUT);
   2. a run killed with SIGKILL (after an update, before its log and checkpoint; mid-checkpoint) resumes to the very numbers of a run never killed,

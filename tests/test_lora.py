@@ -5,8 +5,7 @@ import pytest
 import torch
 import torch.nn as nn
 
-from lora import (LoRALinear, apply_lora, load_lora_state_dict, lora_disabled, lora_state_dict, merge_lora,
-                  save_peft, unmerge_lora)
+from lora import LoRALinear, apply_lora, load_lora_state_dict, lora_disabled, lora_state_dict, save_peft
 
 
 def randomise_lora(model, seed=0):
@@ -83,18 +82,6 @@ def test_peft_export_loads_with_peft(tiny_policy, tmp_path):
     save_peft(ours, str(tmp_path / "adapter"), "tiny:llama")
     loaded = peft.PeftModel.from_pretrained(copy.deepcopy(tiny_policy[0]), str(tmp_path / "adapter"))
     torch.testing.assert_close(logits(loaded, IDS), logits(ours, IDS), rtol=1e-5, atol=1e-5)
-
-
-def test_merge_unmerge(tiny_policy):
-    model = copy.deepcopy(tiny_policy[0])
-    apply_lora(model)
-    randomise_lora(model, seed=2)
-    w0 = model.model.layers[0].self_attn.q_proj.base.weight.clone()
-    adapted = logits(model, IDS)
-    merge_lora(model)
-    torch.testing.assert_close(logits(model, IDS), adapted, rtol=1e-5, atol=1e-5)
-    unmerge_lora(model)
-    torch.testing.assert_close(model.model.layers[0].self_attn.q_proj.base.weight, w0)
 
 
 def test_state_dict_roundtrip_and_mismatch(tiny_policy):

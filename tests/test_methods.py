@@ -1,4 +1,4 @@
-"""Every method and every pooling mode trains 2 steps and is scored by evaluate.py (issue: baselines), on the
+"""Every method and every pooling mode trains 2 steps and is scored by evaluate.py, on the
 tiny team; one pocket run checks the same path with the real pretrained models."""
 import json
 import os
