@@ -136,11 +136,11 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     result = summary(np.array(first), sources)
     result.update({"task": args.task, "method": "untrained" if untrained else args.method, "n": len(items),
                    "no_context": no_context, "scorer_status": status})
+    result["per_item"] = per_item  # every item's score, in item order: runs of one seed share items (paired)
     if len(conditions) > 1:
         result["conditions"] = {c: {**summary(np.array(v["score"]), sources, per_dataset=False),
                                     "gold_logprob": float(np.mean(v["gold_logprob"]))} for c, v in per_item.items()}
         result["paired"] = paired_comparisons(per_item)
-        result["per_item"] = per_item
     return result
 
 
@@ -251,6 +251,14 @@ def permutation_p(a, b):
         inside[list(idx)] = True
         diffs.append(abs(pooled[inside].mean() - pooled[~inside].mean()))
     return float(np.mean(np.asarray(diffs) >= observed - 1e-12))
+
+
+def write_json(path, obj):
+    """Atomically: a reader sees the old file or the new one, never half of one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 def read_json(path):
@@ -586,8 +594,8 @@ def main(argv=None):
         except Exception as e:
             fail(f"--run {a.run}: unreadable config.json or checkpoint.pt ({type(e).__name__}: "
                  f"{(str(e).splitlines() or [''])[0][:160]})")
-        models = [(m, f"--run {a.run}") for m in [team["policy"]] + (team["experts"] if cfg["method"] != "single"
-                                                                    else [])]
+        experts = team["experts"] if cfg["method"] not in ("single", "soft_prompt", "identical") else []
+        models = [(m, f"--run {a.run}") for m in [team["policy"]] + experts]
         name = "eval_paired.json" if a.paired else "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)
     try:
@@ -599,10 +607,11 @@ def main(argv=None):
         fail(str(e))
     if step is not None:
         result["step"] = step
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(result, f, indent=2)
-    os.replace(path + ".tmp", path)
+    write_json(path, result)
+    if a.paired:  # eval.json too: the with-C scores are the run's validation score
+        write_json(os.path.join(os.path.dirname(path), "eval.json"),
+                   {**{k: v for k, v in result.items() if k not in ("conditions", "paired", "per_item")},
+                    "per_item": {"with_C": result["per_item"]["with_C"]}})
     print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "
           f"solved {100 * result['solve_rate']:.1f} | n {result['n']} -> {path}")
     if "paired" in result:

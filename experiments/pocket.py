@@ -1,9 +1,11 @@
 """
 The pocket reproduction: the paper's Table 1 and Fig. 4 in miniature, on a 2-core CPU, from nothing.
 
-    python experiments/pocket.py                 # everything: untrained baseline, 5 methods x 3 seeds, naive team,
-                                                 # evaluation with and without C, results/pocket/{table.md, *.png}
+    python experiments/pocket.py                 # everything: untrained baseline, every method x 5 seeds, the naive
+                                                 # and oracle teams, the random-reward control; paired evaluation
+                                                 # (with C, C = 0, shuffled C); results/pocket/{table.md, *.png}
     python experiments/pocket.py --seeds 0 --methods single ours --teams pocket   # a smaller slice
+    python experiments/pocket.py --seeds 0 1 2 --methods single --teams pocket pocket-oracle   # the oracle test
 
 It is resumable: a finished run (eval.json present) is skipped, an interrupted one continues with --resume.
 Stop it at any time and run the same command again.
@@ -19,6 +21,13 @@ Deviations from the paper's protocol (all forced by a 2-core CPU; the GPU recipe
   5. Validation on --n-eval items (greedy), not 4,000.
   6. Two cores: run one process per core with disjoint --seeds (each pinned to its core with
      OMP_NUM_THREADS=1 taskset -c K); every run is a separate folder, so they never collide.
+
+The controls (what could produce the same number without the experts): `identical` (the policy's own frozen
+base as the only expert), `soft_prompt` (free context tokens, no experts), the random-reward run of `ours`
+(for rho(reward, H) against rho(step, H)), and every method with C scored on the same items with C, with C = 0
+and with C shuffled across items (evaluate.py --paired). Every method of one seed is scored on the same 100
+validation items, so methods can be compared item by item too. The oracle team (pocket + an expert that reads
+the gold answer + a random GPT-2) is a diagnostic: it tells whether the channel can carry item information.
 """
 import argparse
 import json
@@ -43,15 +52,19 @@ def run(cmd, log):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--methods", nargs="+", default=["single", "ours", "no_xattn", "hard_routing", "output_collab"],
-                   help="methods to compare")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="seeds per method")
+    p.add_argument("--methods", nargs="+", default=["single", "ours", "identical", "soft_prompt", "no_xattn",
+                                                    "hard_routing", "output_collab"], help="methods to compare")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds per method")
     p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
     p.add_argument("--lr", type=float, default=5e-4, help="learning rate of LoRA and g_phi (paper: 1e-4 over "
                    "500 steps of 256 completions; here far fewer samples)")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run")
-    p.add_argument("--teams", nargs="+", default=["pocket", "pocket-naive"], choices=["pocket", "pocket-naive"],
-                   help="pocket-naive (pocket + a random-init GPT-2, Fig. 4) trains `ours` only")
+    p.add_argument("--teams", nargs="+", default=["pocket", "pocket-naive", "pocket-oracle"],
+                   choices=["pocket", "pocket-naive", "pocket-oracle"], help="pocket-naive (pocket + a random-init "
+                   "GPT-2, Fig. 4) and pocket-oracle (the diagnostic oracle team) train `ours` only")
+    p.add_argument("--random-reward", action=argparse.BooleanOptionalAction, default=True,
+                   help="also train `ours` on the pocket team with --reward random (the control for rho)")
+    p.add_argument("--train-flags", default="", help="extra train.py flags for every run, e.g. a channel option")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "pocket"), help="folder for the runs")
     p.add_argument("--results", default=os.path.join(ROOT, "results", "pocket"), help="folder for table and plots")
     a = p.parse_args()
@@ -64,23 +77,25 @@ def main():
     if not os.path.exists(untrained):
         run(["evaluate.py", "--untrained", "--team", "pocket", "--n", str(a.n_eval), "--out", a.results,
              *TASK, *PROMPT], log)
-    jobs = [(m, s, team) for team in a.teams for s in a.seeds
+    jobs = [(m, s, team, []) for s in a.seeds for team in a.teams
             for m in (a.methods if team == "pocket" else ["ours"])]
-    for method, seed, team in jobs:
-        out = os.path.join(a.out, f"{team}-{method}-s{seed}")
-        if not os.path.exists(os.path.join(out, "eval.json")):
+    if a.random_reward:
+        jobs += [("ours", s, "pocket", ["--reward", "random"]) for s in a.seeds]
+    extra = a.train_flags.split()
+    for method, seed, team, flags in jobs:
+        out = os.path.join(a.out, f"{team}-{method}{'-random-reward' if flags else ''}-s{seed}")
+        has_context = method not in ("single", "output_collab")
+        if not os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
             resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []  # started before
             done = os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
             if not done:
-                run(["train.py", *TASK, *PROMPT, *hyper, "--team", team, "--method", method, "--seed", str(seed),
-                     "--out", out, *resume], log)
-            run(["evaluate.py", "--run", out, "--n", str(a.n_eval)], log)
-        has_context = method in ("ours", "no_xattn", "hard_routing")
-        if has_context and not os.path.exists(os.path.join(out, "eval_no_context.json")):
-            run(["evaluate.py", "--run", out, "--n", str(a.n_eval), "--no-context"], log)
+                run(["train.py", *TASK, *PROMPT, *hyper, *extra, *flags, "--team", team, "--method", method,
+                     "--seed", str(seed), "--out", out, *resume], log)
+            run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
     run(["evaluate.py", "--summarize", a.out, "--out", a.results], log)
     print(open(os.path.join(a.results, "table.md")).read())
-    print(json.load(open(os.path.join(a.results, "spearman.json")))["mean"])
+    with open(os.path.join(a.results, "spearman.json")) as f:
+        print(json.dumps(json.load(f)["by_method"], indent=1))
 
 
 if __name__ == "__main__":
