@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baselines import METHODS, straight_through_gumbel
-from evaluate import mean_std, permutation_p, plot_runs, ranks, spearman, summarize
+from report import mean_std, permutation_p, plot_runs, ranks, spearman, summarize
 from experts import TEAMS
 
 ARGS = SimpleNamespace(pooling="last", seed=0, latent_dim=32, num_latents=4, num_heads=4, max_new_tokens=12)
@@ -165,7 +165,7 @@ def test_summarize_shows_paired_columns(tmp_path):
 
 def test_partial_spearman_equals_the_correlation_of_rank_residuals():
     """Independent reference: regress the ranks of x and of y on the ranks of z, correlate the residuals."""
-    from evaluate import partial_spearman, ranks
+    from report import partial_spearman, ranks
     rng = np.random.default_rng(0)
     z = np.arange(30.0)
     x, y = z + rng.normal(0, 8, 30), -z + rng.normal(0, 8, 30)
