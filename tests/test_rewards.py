@@ -1,4 +1,5 @@
-"""Tests of rewards.py: the task lists, splits, prompts, answer extraction, scoring, and scoring hostile output.
+"""Tests of rewards.py and safe_scoring.py: the task lists, splits, prompts, answer extraction, scoring, and
+scoring hostile output.
 CPU only, no network (GSM8K from ../shared/data/gsm8k), about 30 s:  python -m pytest tests/test_rewards.py -q
 """
 
@@ -12,6 +13,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewards  # noqa: E402
+import safe_scoring  # noqa: E402
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
@@ -48,7 +50,7 @@ def test_families_are_the_paper_listings():
         "logic": {n: {} for n in ["aiw", "circuit_logic", "knights_knaves", "propositional_logic",
                                   "self_reference", "syllogism", "zebra_puzzles"]},
     }
-    assert set(rewards.SCORERS) == set(ALL_DATASETS) | {"gsm8k"}, "every scorer the tasks use is surveyed"
+    assert set(safe_scoring.SCORERS) == set(ALL_DATASETS) | {"gsm8k"}, "every scorer the tasks use is surveyed"
 
 
 def test_system_prompt_names_are_reasoning_gyms():
@@ -209,10 +211,10 @@ def test_guards_pass_gold_answers():
     """A whitelist must not refuse correct answers: the gold of many items passes every guard."""
     for name in ["intermediate_integration", "polynomial_multiplication", "binary_matrix", "complex_arithmetic",
                  "propositional_logic", "jugs"]:
-        kind = rewards.SCORERS[name][0]
+        kind = safe_scoring.SCORERS[name][0]
         size = 30 if name == "intermediate_integration" else 100
         for entry in reasoning_gym.create_dataset(name, seed=3, size=size, **rewards.dataset_config(name)):
-            assert rewards.GUARDS[kind](gold(entry), entry) is None, (name, gold(entry))
+            assert safe_scoring.GUARDS[kind](gold(entry), entry) is None, (name, gold(entry))
 
 
 def test_missing_answer_and_malformed_entry():
@@ -222,7 +224,7 @@ def test_missing_answer_and_malformed_entry():
     assert counts == {"ok": 1, "refused": 0, "error": 2, "timeout": 0, "no_answer": 1}
 
 
-# ----------------------------------------------------------------------------- untrusted output (DESIGN §4 trap 7)
+# ----------------------------------------------------------------------------- untrusted output (safe_scoring.py)
 
 def touch(path):
     return f"__import__('pathlib').Path('{path}').touch()"
@@ -257,7 +259,7 @@ def hostile_answers(marker):
 
 
 def expected_status(scorer_kind, answer_kind):
-    if scorer_kind in rewards.IN_PROCESS_KINDS:
+    if scorer_kind in safe_scoring.IN_PROCESS_KINDS:
         return "ok"  # plain string comparisons: harmless on anything
     if answer_kind in ("nesting", "lists", "megabyte"):
         return "refused"  # longer than any real answer
@@ -279,8 +281,9 @@ def test_hostile_answers_on_every_dataset(tmp_path):
             start = time.time()
             reward, status = rewards.safe_score(entry, completion, timeout=timeout)
             assert time.time() - start < timeout + 0.5, (name, answer_kind)
-            assert 0.0 <= reward <= 1.0 and status in rewards.STATUSES and status != "error", (name, answer_kind)
-            assert status == (expected_status(rewards.SCORERS[name][0], answer_kind) or status), (name, answer_kind)
+            assert 0.0 <= reward <= 1.0 and status in safe_scoring.STATUSES and status != "error", (name, answer_kind)
+            kind = safe_scoring.SCORERS[name][0]
+            assert status == (expected_status(kind, answer_kind) or status), (name, answer_kind)
             entries.append(entry)
             completions.append(completion)
     start = time.time()
@@ -297,8 +300,8 @@ def test_a_hanging_scorer_times_out_and_the_worker_recovers():
     assert rewards.safe_score(entry, "<answer>9**9**9**9</answer>", timeout=1.0) == (0.0, "timeout")
     assert time.time() - start < 1.5
     assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")
-    rewards._WORKER.proc.kill()  # a worker that died between batches (e.g. killed by the OS) is replaced
-    rewards._WORKER.proc.join()
+    safe_scoring._WORKER.proc.kill()  # a worker that died between batches (e.g. killed by the OS) is replaced
+    safe_scoring._WORKER.proc.join()
     assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")
 
 
@@ -316,4 +319,4 @@ def test_property_extract_and_score_never_raise(text, index):
     assert answer is None or isinstance(answer, str)
     entry = PROPERTY_ENTRIES[index] if index < len(PROPERTY_ENTRIES) else gsm8k_entry()
     reward, status = rewards.safe_score(entry, text, timeout=2.0)
-    assert 0.0 <= reward <= 1.0 and status in rewards.STATUSES
+    assert 0.0 <= reward <= 1.0 and status in safe_scoring.STATUSES
