@@ -76,11 +76,6 @@ def question_split(question):
     return SPLITS[hashlib.sha256(question.encode("utf-8", "replace")).digest()[0] & 1]
 
 
-def shared_questions(entries_a, entries_b):
-    """The questions two lists of entries have in common (tests assert that train and val share none)."""
-    return {e["question"] for e in entries_a} & {e["question"] for e in entries_b}
-
-
 def load_entries(task, split, size, seed=0, data_path=None, config=None):
     """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one reasoning-gym dataset;
     metadata['source_dataset'] names the dataset that scores the entry. GSM8K: at most its whole split."""

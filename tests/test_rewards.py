@@ -34,6 +34,11 @@ def gsm8k_entry(answer="18"):
     return {"question": "q", "answer": answer, "metadata": {"source_dataset": "gsm8k"}}
 
 
+def shared_questions(entries_a, entries_b):
+    """The questions two lists of entries have in common."""
+    return {e["question"] for e in entries_a} & {e["question"] for e in entries_b}
+
+
 # ----------------------------------------------------------------------------- task lists and splits
 
 def test_families_are_the_paper_listings():
@@ -64,7 +69,7 @@ def test_family_train_and_val_share_no_question(family):
     train = rewards.load_entries(family, "train", 30, seed=0)
     val = rewards.load_entries(family, "val", 30, seed=0)
     assert len(train) == len(val) == 30
-    assert rewards.shared_questions(train, val) == set()
+    assert shared_questions(train, val) == set()
     for entry in [*train, *val]:
         assert {"question", "answer", "metadata"} <= set(entry)
         assert entry["metadata"]["source_dataset"] in rewards.FAMILIES[family]
@@ -78,7 +83,7 @@ def test_disjoint_seeds_alone_would_share_questions():
     assert questions(rewards.split_seed(0, "train")) & questions(rewards.split_seed(0, "val")), "premise of the fix"
     train = rewards.load_entries("self_reference", "train", 300)
     val = rewards.load_entries("self_reference", "val", 300)
-    assert rewards.shared_questions(train, val) == set()
+    assert shared_questions(train, val) == set()
 
 
 def test_splits_are_deterministic_and_seeded():
