@@ -154,7 +154,8 @@ def _load_gsm8k(split, size, seed, data_path):
             rows = [dict(row) for row in datasets.load_dataset("openai/gsm8k", "main", split=hub_split)]
         except Exception as err:
             raise ValueError(f"could not load openai/gsm8k from the hub ({type(err).__name__}); "
-                             "pass --data-path to a local jsonl, e.g. ../shared/data/gsm8k") from err
+                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} object per line, "
+                             "the answer ending in '#### N') or a folder with train.jsonl and test.jsonl") from err
     rows = list(enumerate(rows))
     if split == "train":
         random.Random(seed).shuffle(rows)

@@ -1,8 +1,8 @@
 """Tests of rewards.py and safe_scoring.py: the task lists, splits, prompts, answer extraction, scoring, and
-scoring hostile output.
-CPU only, no network (GSM8K from ../shared/data/gsm8k), about 30 s:  python -m pytest tests/test_rewards.py -q
+scoring hostile output. CPU only, no network (GSM8K from a small file the test writes), about 30 s:
+    python -m pytest tests/test_rewards.py -q
 """
-
+import json
 import sys
 import time
 from pathlib import Path
@@ -16,7 +16,6 @@ import rewards  # noqa: E402
 import safe_scoring  # noqa: E402
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 ALL_DATASETS = [name for family in rewards.FAMILIES.values() for name in family]
 
 
@@ -98,16 +97,39 @@ def test_unknown_task_names_the_flag():
     assert "\n" not in message and all(name in message for name in ["arithmetic", "algorithmic", "logic", "gsm8k"])
 
 
-def test_gsm8k_from_a_local_folder_or_file():
-    val = rewards.load_entries("gsm8k", "val", None, data_path=GSM8K)
-    assert len(val) == 1319 and val[0]["answer"] == "18" and val[0]["metadata"]["source_dataset"] == "gsm8k"
-    assert rewards.load_entries("gsm8k", "val", 5, data_path=GSM8K / "test.jsonl") == val[:5]
-    train = [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=0, data_path=GSM8K)]
-    assert train != [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=1, data_path=GSM8K)]
+@pytest.fixture
+def gsm8k_folder(tmp_path):
+    """A GSM8K-format folder: train.jsonl (60 rows) and test.jsonl (20 rows), one {"question", "answer"} object
+    per line, the worked solution ending in "#### N" as in openai/gsm8k. The first test row is GSM8K's first."""
+    def row(i):
+        a, b = 17 * i + 3, 1000 * (i % 3) + i
+        return {"question": f"Item {i}: what is {a} + {b}?", "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n"
+                f"#### {a + b:,}"}  # a gold of 1,000 or more with a comma: it must still match "1,021" and "1021"
+
+    first = {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes "
+             "muffins for her friends every day with four. She sells the remainder at the farmers' market daily "
+             "for $2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?",
+             "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 "
+             "every day at the farmer's market.\n#### 18"}
+    for name, rows in [("train.jsonl", [row(i) for i in range(100, 160)]),
+                       ("test.jsonl", [first] + [row(i) for i in range(1, 20)])]:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n", encoding="utf-8")
+    return tmp_path
+
+
+def test_gsm8k_from_a_local_folder_or_file(gsm8k_folder):
+    val = rewards.load_entries("gsm8k", "val", None, data_path=gsm8k_folder)
+    assert len(val) == 20 and val[0]["answer"] == "18" and val[0]["metadata"]["source_dataset"] == "gsm8k"
+    assert val[1]["answer"] == "1,021" and val[1]["metadata"]["solution"].endswith("1021\n#### 1,021")
+    assert rewards.load_entries("gsm8k", "val", 5, data_path=gsm8k_folder / "test.jsonl") == val[:5]
+    train = [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=0, data_path=gsm8k_folder)]
+    assert train != [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=1,
+                                                                 data_path=gsm8k_folder)]
     assert not set(train) & {e["question"] for e in val}
-    rewards_, counts = rewards.score_batch(val[:50], [f"<answer>{e['answer']}</answer>" for e in val[:50]])
-    assert rewards_ == [1.0] * 50 and counts["ok"] == 50
-    assert len(rewards.load_entries("gsm8k", "val", 4000, data_path=GSM8K)) == 1319  # the paper's 1,319 items
+    rewards_, counts = rewards.score_batch(val, [f"<answer>{e['answer']}</answer>" for e in val])
+    assert rewards_ == [1.0] * 20 and counts["ok"] == 20
+    assert rewards.score(val[1], "<answer>1021</answer>") == 1.0
+    assert len(rewards.load_entries("gsm8k", "val", 4000, data_path=gsm8k_folder)) == 20  # the whole split, no more
 
 
 def test_gsm8k_without_network_asks_for_data_path(monkeypatch):
@@ -119,7 +141,7 @@ def test_gsm8k_without_network_asks_for_data_path(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", NoHub)
     with pytest.raises(ValueError, match="--data-path") as err:
         rewards.load_entries("gsm8k", "train", 10)
-    assert "\n" not in str(err.value) and "shared/data/gsm8k" in str(err.value)
+    assert "\n" not in str(err.value) and "jsonl" in str(err.value)
 
 
 # ----------------------------------------------------------------------------- prompt
