@@ -15,10 +15,10 @@ Deviations from the paper (which only names the datasets):
 3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>"). Same
    result on well-formed text; with nested tags we take the innermost last block.
 4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked example, a
-   response prefix such as "<think>". With the paper's prompt SmolLM2-135M-Instruct wrote the answer tags in
-   0 of 64 completions (reward always 0, no GRPO signal); with a worked example and "<think>" in 23 %. A
-   template that rejects the system role gets the system text before the question; a tokenizer without a
-   template gets "System: ...\n\nUser: ...\n\nAssistant: ".
+   response prefix such as "<think>". Measured on 2-term chain_sum, 16 prompts x 4 samples: with the paper's
+   prompt SmolLM2-135M-Instruct wrote the answer tags in 0 of 64 completions (every reward 0, no GRPO signal);
+   with a worked example and "<think>", in 23 %. A template that rejects the system role gets the system text
+   before the question; a tokenizer without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
 5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####" numerically, else 0.
    Val = the 1,319 test items in file order; train is shuffled with the seed. The splits are fixed, so a larger
    `size` (the default 4,000 validation items, 16,000 training items) gets the whole split: one epoch.
