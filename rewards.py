@@ -2,25 +2,22 @@
 
 `load_entries` draws the paper's Reasoning Gym families (arithmetic, algorithmic, logic; paper §8, Listings
 2-4, every dataset weight 1) or GSM8K. `build_prompt` is the policy's input x: reasoning-gym's "DeepSeekZero"
-system prompt and the question through the chat template (§8). `extract_answer` takes the last
-<answer>...</answer> block and `score` turns it into the reward r in [0, 1] of the GRPO objective (Eq. 4) with
-the dataset's own `score_answer`.
-
-Model outputs are untrusted input (DESIGN §4, trap 7): two reasoning-gym scorers hand the answer to
-`sympy.parse_expr`, which is `eval`, one calls `eval` itself, some hang on crafted input, and complex_arithmetic
-gives "nan" full marks. So each scorer kind has a whitelist (SCORERS is the survey), and every scorer that is
-not a plain string comparison runs in a worker process, killed and restarted when an answer takes > `timeout`.
+system prompt and the question through the chat template (paper §8). `extract_answer` takes the last
+<answer>...</answer> block and `score_batch` turns each answer into the reward r in [0, 1] of the GRPO
+objective (Eq. 4) with the dataset's own `score_answer`. Model outputs are untrusted input (some scorers `eval`
+them), so the scorers run in safe_scoring.py, which never executes model text and never blocks.
 
 Deviations from the paper (which only names the datasets):
 1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and each
    split draws from its own seed range (`split_seed`). Seeds alone are not enough: with disjoint seeds 51 of
    300 self_reference and 81 of 300 jugs questions still recur in both splits. The price: about 2x generation.
-2. Refused (whitelist) and timed-out answers score 0, and so does "nan" on complex_arithmetic. A refusal can,
-   rarely, zero a correct answer written in an unusual form (e.g. "1e3" in a sympy task).
+2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic (safe_scoring.py).
 3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>"). Same
    result on well-formed text; with nested tags we take the innermost last block.
-4. Prompt options for the small "pocket" policy (DESIGN §3), off by default: another system prompt, a worked
-   example, a response prefix such as "<think>". A template that rejects the system role gets the system text
+4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked example, a
+   response prefix such as "<think>". Measured on 2-term chain_sum, 16 prompts x 4 samples: with the paper's
+   prompt SmolLM2-135M-Instruct wrote the answer tags in 0 of 64 completions (every reward 0, no GRPO signal);
+   with a worked example and "<think>", in 23 %. A template that rejects the system role gets the system text
    before the question; a tokenizer without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
 5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####" numerically, else 0.
    Val = the 1,319 test items in file order; train is shuffled with the seed. The splits are fixed, so a larger
@@ -32,17 +29,14 @@ Try it on CPU (about 5 s, no network):
 """
 
 import hashlib
-from collections.abc import Sequence
 import json
-import math
-import multiprocessing as mp
-import os
 import random
 import re
-import sys
-import types
+from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
+
+from safe_scoring import STATUSES, score_answers
 
 # -----------------------------------------------------------------------------
 # Tasks: paper §8, Listings 2-4 (reasoning-gym defaults plus these configs)
@@ -80,11 +74,6 @@ def split_seed(seed, split):
 def question_split(question):
     """'train' or 'val', fixed by the question text alone (sha256): no question can be in both splits."""
     return SPLITS[hashlib.sha256(question.encode("utf-8", "replace")).digest()[0] & 1]
-
-
-def shared_questions(entries_a, entries_b):
-    """The questions two lists of entries have in common (tests assert that train and val share none)."""
-    return {e["question"] for e in entries_a} & {e["question"] for e in entries_b}
 
 
 def load_entries(task, split, size, seed=0, data_path=None, config=None):
@@ -165,7 +154,8 @@ def _load_gsm8k(split, size, seed, data_path):
             rows = [dict(row) for row in datasets.load_dataset("openai/gsm8k", "main", split=hub_split)]
         except Exception as err:
             raise ValueError(f"could not load openai/gsm8k from the hub ({type(err).__name__}); "
-                             "pass --data-path to a local jsonl, e.g. ../shared/data/gsm8k") from err
+                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} object per line, "
+                             "the answer ending in '#### N') or a folder with train.jsonl and test.jsonl") from err
     rows = list(enumerate(rows))
     if split == "train":
         random.Random(seed).shuffle(rows)
@@ -221,283 +211,43 @@ def extract_answer(text):
     return text[start:text.find("</answer>", start)].strip()
 
 
-def score(entry, completion):
-    """Reward in [0, 1] of one completion (through safe_score: model text never runs, never blocks)."""
-    return safe_score(entry, completion)[0]
-
-
 _GSM8K_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 
 
 def _parse_number(text):
-    """'1,234', '$18', '18.0', ' 18 ', '18.' -> Decimal; anything else -> None."""
+    """'1,234', '$18', '18.0', ' 18 ', '18.' -> Decimal; anything else -> None. At most 64 characters reach
+    the regex and Decimal, so a hostile answer costs nothing (GSM8K is scored in the trainer's own process)."""
     if len(text) > 1000:
         return None
     text = re.sub(r"[\s,$]", "", text).rstrip(".")
     return Decimal(text) if len(text) <= 64 and _GSM8K_NUMBER.fullmatch(text) else None
 
 
-def _score_gsm8k(answer, entry):
+def score_gsm8k(answer, entry):
+    """GSM8K's reward (deviation 5): 1 if the answer equals the gold number numerically, else 0."""
     gold = _parse_number(entry["answer"])
     return float(gold is not None and _parse_number(answer) == gold)
 
 
-# -----------------------------------------------------------------------------
-# Safe scoring (DESIGN §4 trap 7). Survey of every scorer of the three families and GSM8K, read in the
-# reasoning-gym 0.1.25 source: dataset -> (kind, what its score_answer does with the answer text). The kind
-# picks the guard (GUARDS) and where the scorer runs. Not used: reasoning_gym.utils.extract_answer (deviation 3).
-
-DEFAULT = "default: 1.0 on exact match, else len(gold)/len(answer) if the gold is a substring"
-SCORERS = {
-    "complex_arithmetic": ("complex", "strips outer brackets in an O(n^2) loop, complex(); 'nan' scores 1.0"),
-    "intermediate_integration": ("sympy", "sympy.parse_expr = eval (runs code), then diff and simplify"),
-    "polynomial_equations": ("number", "float() of each comma-separated part; nan/inf score 0"),
-    "polynomial_multiplication": ("sympy", "sympy.parse_expr = eval (runs code), structural =="),
-    "bitwise_arithmetic": ("number", "int(text, 0); eval() only of the item's own problem (trusted)"),
-    "chain_sum": ("number", "Decimal() without commas, else substring credit"),
-    "decimal_arithmetic": ("number", "Decimal() within a tolerance; NaN raises inside its try: 0"),
-    "decimal_chain_sum": ("number", "Decimal() equality"),
-    "binary_matrix": ("eval", "Python eval() of the text (runs code) when it is not an exact match"),
-    "cryptarithm": ("number", "split on ',' and '=', int() of each digit"),
-    "jugs": ("json", "json.loads (deep nesting -> RecursionError, caught), then replays the moves"),
-    "propositional_logic": ("logic", "own recursive parser (O(n^2); RecursionError not caught), then a "
-                                     "truth table over every distinct atom: 2^atoms dicts in one list"),
-    "ab": ("string", "exact match"),
-    "self_reference": ("string", "exact match"),
-    "circuit_logic": ("string", "exact match, or match after strip()"),
-    "zebra_puzzles": ("string", "exact match after lower()"),
-    "knights_knaves": ("string", "lower/replace/split into (name, role) pairs: linear"),
-    **{name: ("string", DEFAULT) for name in ["simple_geometry", "base_conversion", "binary_alternation", "aiw",
-                                              "caesar_cipher", "isomorphic_strings", "rotate_matrix",
-                                              "string_manipulation", "syllogism"]},
-    "gsm8k": ("gsm8k", "this file: a regex and Decimal on at most 64 characters"),
-}
-STATUSES = ("ok", "refused", "error", "timeout")
-IN_PROCESS_KINDS = ("string", "gsm8k")  # verified linear-time string work: scored here, no worker round trip
-MAX_ANSWER_CHARS = 10_000  # for the worker kinds; no real answer of these tasks comes near it
-MAX_FORMULA_CHARS = 1_000  # sympy and propositional logic: their parsers are quadratic or recursive
-_SYMPY_CHARS = frozenset("0123456789+-*/^()., \t\nabcdefghijklmnopqrstuvwxyzABCDEFGHIJKLMNOPQRSTUVWXYZ")
-_SYMPY_NAMES = frozenset("C E I pi oo sqrt exp log ln sin cos tan cot sec csc asin acos atan acot sinh cosh "
-                         "tanh asinh acosh atanh Abs Integral".split())  # all names in 2,000 gold answers and more
-_COMPLEX_CHARS = frozenset("0123456789.+-eEiIjJ() \t")  # no letters for 'nan' or 'inf'
-_LIST_CHARS = frozenset("0123456789[], \t\n")  # a list of lists of non-negative ints, nothing else
-_DENY = re.compile(r"__|\b(?:import|lambda|eval|exec|open|compile|getattr|globals|os|sys|subprocess)\b")
-
-
-def _guard_sympy(answer, entry):
-    """parse_expr is eval: digits, operators, brackets and whitelisted maths names only. No '_', quotes, '[',
-    '=', or '.' before a letter (attribute access): no dunders, strings, subscripts, keywords or calls of
-    anything but maths functions."""
-    meta = entry["metadata"]
-    names = _SYMPY_NAMES | set(meta.get("variables", [])) | {meta.get("variable", "x")}
-    if len(answer) > MAX_FORMULA_CHARS or not set(answer) <= _SYMPY_CHARS:  # deep nesting: a SyntaxError
-        return "not a short formula"
-    if re.search(r"\.\s*[A-Za-z]", answer) or not set(re.findall(r"[A-Za-z]+", answer)) <= names:
-        return "name outside the maths whitelist"
-    return None
-
-
-def _guard_logic(answer, entry):
-    """Formulas over the item's own variables only: every atom is one variable, so the truth table has at most
-    2^len(variables) rows, and the nesting stays far below the recursion limit."""
-    variables, text = set(entry["metadata"]["variables"]), "".join(answer.split())
-    if len(text) > MAX_FORMULA_CHARS or any(len(v) != 1 for v in variables):
-        return "too long"
-    depth, prev = 0, "op"  # what came before: 'op' (start, '(', '¬', binary operator) or 'term' (var, ')')
-    for char in text:
-        if char in variables or char in "¬(":
-            ok, new = prev == "op", ("term" if char in variables else "op")
-        elif char in ")∧∨→↔":
-            ok, new = prev == "term", ("term" if char == ")" else "op")
-        else:
-            return "character outside the formula grammar"
-        depth += (char == "(") - (char == ")")
-        if not ok or not 0 <= depth <= 30:
-            return "not a formula"
-        prev = new
-    return None if depth == 0 and prev == "term" else "not a formula"
-
-
-GUARDS = {  # kind -> function(answer, entry): None if the answer may be scored, else why it is refused
-    "number": lambda answer, entry: "too long" if len(answer) > MAX_ANSWER_CHARS else None,
-    "json": lambda answer, entry: "too long" if len(answer) > MAX_ANSWER_CHARS else None,  # json runs no code
-    "complex": lambda answer, entry: None if len(answer) <= MAX_ANSWER_CHARS and set(answer) <= _COMPLEX_CHARS
-    else "not a complex number",
-    "eval": lambda answer, entry: None if len(answer) <= MAX_ANSWER_CHARS and set(answer) <= _LIST_CHARS
-    else "not a list of integers",
-    "sympy": _guard_sympy,
-    "logic": _guard_logic,
-    # a dataset nobody surveyed: a deny-list is weaker than a whitelist, but the worker still bounds the time
-    "unknown": lambda answer, entry: "too long or code-like" if len(answer) > MAX_ANSWER_CHARS
-    or _DENY.search(answer) else None,
-}
-
-
-def _kind(name):
-    if name in SCORERS:
-        return SCORERS[name][0]
-    from reasoning_gym.dataset import ProceduralDataset
-    from reasoning_gym.factory import DATASETS
-
-    return "string" if DATASETS[name][0].score_answer is ProceduralDataset.score_answer else "unknown"
-
-
-def _make_scorer(name):
-    """score_answer of the dataset built with its paper config, as in the composite that made the entry."""
-    if name == "gsm8k":
-        return _score_gsm8k
-    from reasoning_gym import create_dataset
-
-    return create_dataset(name, **dataset_config(name)).score_answer
-
-
-def _call_scorer(cache, name, entry, answer):
-    """(reward, status) of one answer that passed its guard; any exception scores 0 with 'error'."""
-    try:
-        if name not in cache:
-            cache[name] = _make_scorer(name)
-        reward = float(cache[name](answer, entry))
-        return (0.0 if math.isnan(reward) else min(1.0, max(0.0, reward))), "ok"
-    except Exception:  # includes RecursionError and MemoryError
-        return 0.0, "error"
-
-
-_LOCAL_SCORERS = {}  # scorers of the in-process kinds, built once per process
-
-
-def _score_here(entry, answer):
-    """(result, None) when the answer is scored, refused or broken here; (None, job) when the worker must."""
-    try:
-        name = entry["metadata"]["source_dataset"]
-        if answer is None:
-            return (0.0, "ok"), None
-        answer = answer.encode("utf-8", "replace").decode("utf-8")  # lone surrogates -> '?'
-        kind = _kind(name)
-        if kind in IN_PROCESS_KINDS:
-            return _call_scorer(_LOCAL_SCORERS, name, entry, answer), None
-        if GUARDS[kind](answer, entry) is not None:
-            return (0.0, "refused"), None
-        return None, (name, entry, answer)
-    except Exception:  # a malformed entry or an unregistered source_dataset
-        return (0.0, "error"), None
-
-
-def _worker_main(conn):
-    """Worker process: receive a list of jobs, send one (reward, status) per job, in order."""
-    import reasoning_gym  # noqa: F401  (preloaded by the forkserver; else imported here, before "ready")
-
-    try:  # cap memory at start + 1 GiB (Linux): a memory bomb raises MemoryError instead of swapping the host
-        import resource
-
-        with open("/proc/self/statm") as f:
-            limit = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE") + (1 << 30)
-        resource.setrlimit(resource.RLIMIT_AS, (limit, resource.getrlimit(resource.RLIMIT_AS)[1]))
-    except (ImportError, OSError):
-        pass  # elsewhere only the timeout bounds a bomb
-    conn.send("ready")
-    scorers = {}
-    while True:
-        try:
-            jobs = conn.recv()
-        except EOFError:
-            return
-        for name, entry, answer in jobs:
-            conn.send(_call_scorer(scorers, name, entry, answer))
-
-
-class _Worker:
-    """One scoring process, killed and restarted when a single answer takes longer than `timeout`. forkserver
-    is a clean process with reasoning-gym preloaded (not a fork of the torch trainer), so a restart costs
-    ~10 ms instead of the 3.5 s import. The first start is not counted against any timeout."""
-
-    def __init__(self):
-        self.proc, self.conn = None, None
-
-    def _start(self):
-        method = "forkserver" if "forkserver" in mp.get_all_start_methods() else "spawn"  # spawn: Windows
-        ctx = mp.get_context(method)
-        if method == "forkserver":
-            ctx.set_forkserver_preload(["reasoning_gym"])
-        self.conn, child_conn = ctx.Pipe()
-        self.proc = ctx.Process(target=_worker_main, args=(child_conn,), daemon=True, name="rewards-worker")
-        main, sys.modules["__main__"] = sys.modules["__main__"], types.ModuleType("__main__")
-        try:  # multiprocessing would re-run the caller's script in the child to rebuild __main__ (slow, and
-            self.proc.start()  # fails for stdin or scripts without a main guard); the worker needs none of it
-        finally:
-            sys.modules["__main__"] = main
-        child_conn.close()
-        try:
-            ready = self.conn.poll(120) and self.conn.recv() == "ready"
-        except EOFError:
-            ready = False
-        if not ready:
-            self.stop()
-            raise RuntimeError("the reward worker process did not start (its error is printed above)")
-
-    def stop(self):
-        if self.proc is not None:
-            self.proc.kill()
-            self.proc.join()
-            self.conn.close()
-        self.proc, self.conn = None, None
-
-    def run(self, jobs, timeout):
-        """Results of all jobs: one round trip, plus one more after each answer that timed out."""
-        results = []
-        while len(results) < len(jobs):
-            if self.proc is None or not self.proc.is_alive():
-                self.stop()
-                self._start()
-            pending = jobs[len(results):]
-            try:
-                self.conn.send(pending)
-            except OSError:  # it died since the check: give up on one job so that the loop always ends
-                results.append((0.0, "error"))
-                self.stop()
-                continue
-            for _ in pending:
-                results.append(self._receive(timeout))
-                if self.proc is None:  # killed: send the rest to a fresh worker
-                    break
-        return results
-
-    def _receive(self, timeout):
-        try:
-            if self.conn.poll(timeout):
-                return self.conn.recv()
-            status = "timeout"
-        except (EOFError, OSError):  # the worker died, e.g. killed by the OS
-            status = "error"
-        self.stop()
-        return 0.0, status
-
-
-_WORKER = _Worker()  # started on first use, not on import
-
-
 def score_batch(entries, completions, timeout=2.0):
-    """Rewards of a batch and counts {status: n, 'no_answer': n}. The answers the worker must score go in one
-    round trip; no single answer takes more than `timeout` seconds."""
+    """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers are scored by
+    safe_scoring.score_answers: model text never runs, and no single answer takes more than `timeout` seconds."""
     assert len(entries) == len(completions), f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
-    results, jobs, job_index = [], [], []
-    for i, (entry, answer) in enumerate(zip(entries, answers)):
-        result, job = _score_here(entry, answer)
-        results.append(result)
-        if job is not None:
-            jobs.append(job)
-            job_index.append(i)
-    for i, result in zip(job_index, _WORKER.run(jobs, timeout) if jobs else []):
-        results[i] = result
+    results = score_answers(entries, answers, timeout)
     counts = {status: sum(s == status for _, s in results) for status in STATUSES}
     counts["no_answer"] = sum(a is None for a in answers)
     return [r for r, _ in results], counts
 
 
 def safe_score(entry, completion, timeout=2.0):
-    """(reward in [0, 1], status in STATUSES) of one completion; model text never runs, never blocks."""
-    rewards, counts = score_batch([entry], [completion], timeout)
-    return rewards[0], next(status for status in STATUSES if counts[status])
+    """(reward in [0, 1], status in STATUSES) of one completion."""
+    return score_answers([entry], [extract_answer(completion)], timeout)[0]
+
+
+def score(entry, completion):
+    """Reward in [0, 1] of one completion: the reward r of the GRPO objective (Eq. 4)."""
+    return safe_score(entry, completion)[0]
 
 
 if __name__ == "__main__":
@@ -509,8 +259,6 @@ if __name__ == "__main__":
     parser.add_argument("--data-path", default=None, help="gsm8k only: a local jsonl or a folder with them")
     args = parser.parse_args()
     assert args.n > 0, "--n must be positive"
-    from rewards import load_entries, safe_score  # the importable module: the worker finds its code by name
-
     for entry in load_entries(args.task, "val", args.n, data_path=args.data_path):
         gold = entry["metadata"].get("example_answer", entry["answer"])  # propositional_logic has no gold
         print(f"[{entry['metadata']['source_dataset']}] {entry['question'][-150:]!r}")

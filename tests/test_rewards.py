@@ -1,7 +1,8 @@
-"""Tests of rewards.py: the task lists, splits, prompts, answer extraction, scoring, and scoring hostile output.
-CPU only, no network (GSM8K from ../shared/data/gsm8k), about 30 s:  python -m pytest tests/test_rewards.py -q
+"""Tests of rewards.py and safe_scoring.py: the task lists, splits, prompts, answer extraction, scoring, and
+scoring hostile output. CPU only, no network (GSM8K from a small file the test writes), about 30 s:
+    python -m pytest tests/test_rewards.py -q
 """
-
+import json
 import sys
 import time
 from pathlib import Path
@@ -12,9 +13,9 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewards  # noqa: E402
+import safe_scoring  # noqa: E402
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
-GSM8K = Path(__file__).resolve().parents[2] / "shared" / "data" / "gsm8k"
 ALL_DATASETS = [name for family in rewards.FAMILIES.values() for name in family]
 
 
@@ -30,6 +31,11 @@ def gold(entry):
 
 def gsm8k_entry(answer="18"):
     return {"question": "q", "answer": answer, "metadata": {"source_dataset": "gsm8k"}}
+
+
+def shared_questions(entries_a, entries_b):
+    """The questions two lists of entries have in common."""
+    return {e["question"] for e in entries_a} & {e["question"] for e in entries_b}
 
 
 # ----------------------------------------------------------------------------- task lists and splits
@@ -48,7 +54,7 @@ def test_families_are_the_paper_listings():
         "logic": {n: {} for n in ["aiw", "circuit_logic", "knights_knaves", "propositional_logic",
                                   "self_reference", "syllogism", "zebra_puzzles"]},
     }
-    assert set(rewards.SCORERS) == set(ALL_DATASETS) | {"gsm8k"}, "every scorer the tasks use is surveyed"
+    assert set(safe_scoring.SCORERS) == set(ALL_DATASETS) | {"gsm8k"}, "every scorer the tasks use is surveyed"
 
 
 def test_system_prompt_names_are_reasoning_gyms():
@@ -62,7 +68,7 @@ def test_family_train_and_val_share_no_question(family):
     train = rewards.load_entries(family, "train", 30, seed=0)
     val = rewards.load_entries(family, "val", 30, seed=0)
     assert len(train) == len(val) == 30
-    assert rewards.shared_questions(train, val) == set()
+    assert shared_questions(train, val) == set()
     for entry in [*train, *val]:
         assert {"question", "answer", "metadata"} <= set(entry)
         assert entry["metadata"]["source_dataset"] in rewards.FAMILIES[family]
@@ -76,7 +82,7 @@ def test_disjoint_seeds_alone_would_share_questions():
     assert questions(rewards.split_seed(0, "train")) & questions(rewards.split_seed(0, "val")), "premise of the fix"
     train = rewards.load_entries("self_reference", "train", 300)
     val = rewards.load_entries("self_reference", "val", 300)
-    assert rewards.shared_questions(train, val) == set()
+    assert shared_questions(train, val) == set()
 
 
 def test_splits_are_deterministic_and_seeded():
@@ -91,16 +97,39 @@ def test_unknown_task_names_the_flag():
     assert "\n" not in message and all(name in message for name in ["arithmetic", "algorithmic", "logic", "gsm8k"])
 
 
-def test_gsm8k_from_a_local_folder_or_file():
-    val = rewards.load_entries("gsm8k", "val", None, data_path=GSM8K)
-    assert len(val) == 1319 and val[0]["answer"] == "18" and val[0]["metadata"]["source_dataset"] == "gsm8k"
-    assert rewards.load_entries("gsm8k", "val", 5, data_path=GSM8K / "test.jsonl") == val[:5]
-    train = [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=0, data_path=GSM8K)]
-    assert train != [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=1, data_path=GSM8K)]
+@pytest.fixture
+def gsm8k_folder(tmp_path):
+    """A GSM8K-format folder: train.jsonl (60 rows) and test.jsonl (20 rows), one {"question", "answer"} object
+    per line, the worked solution ending in "#### N" as in openai/gsm8k. The first test row is GSM8K's first."""
+    def row(i):
+        a, b = 17 * i + 3, 1000 * (i % 3) + i
+        return {"question": f"Item {i}: what is {a} + {b}?", "answer": f"{a} + {b} = <<{a}+{b}={a + b}>>{a + b}\n"
+                f"#### {a + b:,}"}  # a gold of 1,000 or more with a comma: it must still match "1,021" and "1021"
+
+    first = {"question": "Janet's ducks lay 16 eggs per day. She eats three for breakfast every morning and bakes "
+             "muffins for her friends every day with four. She sells the remainder at the farmers' market daily "
+             "for $2 per fresh duck egg. How much in dollars does she make every day at the farmers' market?",
+             "answer": "Janet sells 16 - 3 - 4 = <<16-3-4=9>>9 duck eggs a day.\nShe makes 9 * 2 = $<<9*2=18>>18 "
+             "every day at the farmer's market.\n#### 18"}
+    for name, rows in [("train.jsonl", [row(i) for i in range(100, 160)]),
+                       ("test.jsonl", [first] + [row(i) for i in range(1, 20)])]:
+        (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows) + "\n", encoding="utf-8")
+    return tmp_path
+
+
+def test_gsm8k_from_a_local_folder_or_file(gsm8k_folder):
+    val = rewards.load_entries("gsm8k", "val", None, data_path=gsm8k_folder)
+    assert len(val) == 20 and val[0]["answer"] == "18" and val[0]["metadata"]["source_dataset"] == "gsm8k"
+    assert val[1]["answer"] == "1,021" and val[1]["metadata"]["solution"].endswith("1021\n#### 1,021")
+    assert rewards.load_entries("gsm8k", "val", 5, data_path=gsm8k_folder / "test.jsonl") == val[:5]
+    train = [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=0, data_path=gsm8k_folder)]
+    assert train != [e["question"] for e in rewards.load_entries("gsm8k", "train", 50, seed=1,
+                                                                 data_path=gsm8k_folder)]
     assert not set(train) & {e["question"] for e in val}
-    rewards_, counts = rewards.score_batch(val[:50], [f"<answer>{e['answer']}</answer>" for e in val[:50]])
-    assert rewards_ == [1.0] * 50 and counts["ok"] == 50
-    assert len(rewards.load_entries("gsm8k", "val", 4000, data_path=GSM8K)) == 1319  # the paper's 1,319 items
+    rewards_, counts = rewards.score_batch(val, [f"<answer>{e['answer']}</answer>" for e in val])
+    assert rewards_ == [1.0] * 20 and counts["ok"] == 20
+    assert rewards.score(val[1], "<answer>1021</answer>") == 1.0
+    assert len(rewards.load_entries("gsm8k", "val", 4000, data_path=gsm8k_folder)) == 20  # the whole split, no more
 
 
 def test_gsm8k_without_network_asks_for_data_path(monkeypatch):
@@ -112,7 +141,7 @@ def test_gsm8k_without_network_asks_for_data_path(monkeypatch):
     monkeypatch.setitem(sys.modules, "datasets", NoHub)
     with pytest.raises(ValueError, match="--data-path") as err:
         rewards.load_entries("gsm8k", "train", 10)
-    assert "\n" not in str(err.value) and "shared/data/gsm8k" in str(err.value)
+    assert "\n" not in str(err.value) and "jsonl" in str(err.value)
 
 
 # ----------------------------------------------------------------------------- prompt
@@ -209,10 +238,10 @@ def test_guards_pass_gold_answers():
     """A whitelist must not refuse correct answers: the gold of many items passes every guard."""
     for name in ["intermediate_integration", "polynomial_multiplication", "binary_matrix", "complex_arithmetic",
                  "propositional_logic", "jugs"]:
-        kind = rewards.SCORERS[name][0]
+        kind = safe_scoring.SCORERS[name][0]
         size = 30 if name == "intermediate_integration" else 100
         for entry in reasoning_gym.create_dataset(name, seed=3, size=size, **rewards.dataset_config(name)):
-            assert rewards.GUARDS[kind](gold(entry), entry) is None, (name, gold(entry))
+            assert safe_scoring.GUARDS[kind](gold(entry), entry) is None, (name, gold(entry))
 
 
 def test_missing_answer_and_malformed_entry():
@@ -222,7 +251,7 @@ def test_missing_answer_and_malformed_entry():
     assert counts == {"ok": 1, "refused": 0, "error": 2, "timeout": 0, "no_answer": 1}
 
 
-# ----------------------------------------------------------------------------- untrusted output (DESIGN §4 trap 7)
+# ----------------------------------------------------------------------------- untrusted output (safe_scoring.py)
 
 def touch(path):
     return f"__import__('pathlib').Path('{path}').touch()"
@@ -257,7 +286,7 @@ def hostile_answers(marker):
 
 
 def expected_status(scorer_kind, answer_kind):
-    if scorer_kind in rewards.IN_PROCESS_KINDS:
+    if scorer_kind in safe_scoring.IN_PROCESS_KINDS:
         return "ok"  # plain string comparisons: harmless on anything
     if answer_kind in ("nesting", "lists", "megabyte"):
         return "refused"  # longer than any real answer
@@ -279,8 +308,9 @@ def test_hostile_answers_on_every_dataset(tmp_path):
             start = time.time()
             reward, status = rewards.safe_score(entry, completion, timeout=timeout)
             assert time.time() - start < timeout + 0.5, (name, answer_kind)
-            assert 0.0 <= reward <= 1.0 and status in rewards.STATUSES and status != "error", (name, answer_kind)
-            assert status == (expected_status(rewards.SCORERS[name][0], answer_kind) or status), (name, answer_kind)
+            assert 0.0 <= reward <= 1.0 and status in safe_scoring.STATUSES and status != "error", (name, answer_kind)
+            kind = safe_scoring.SCORERS[name][0]
+            assert status == (expected_status(kind, answer_kind) or status), (name, answer_kind)
             entries.append(entry)
             completions.append(completion)
     start = time.time()
@@ -297,8 +327,8 @@ def test_a_hanging_scorer_times_out_and_the_worker_recovers():
     assert rewards.safe_score(entry, "<answer>9**9**9**9</answer>", timeout=1.0) == (0.0, "timeout")
     assert time.time() - start < 1.5
     assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")
-    rewards._WORKER.proc.kill()  # a worker that died between batches (e.g. killed by the OS) is replaced
-    rewards._WORKER.proc.join()
+    safe_scoring._WORKER.proc.kill()  # a worker that died between batches (e.g. killed by the OS) is replaced
+    safe_scoring._WORKER.proc.join()
     assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")
 
 
@@ -316,4 +346,4 @@ def test_property_extract_and_score_never_raise(text, index):
     assert answer is None or isinstance(answer, str)
     entry = PROPERTY_ENTRIES[index] if index < len(PROPERTY_ENTRIES) else gsm8k_entry()
     reward, status = rewards.safe_score(entry, text, timeout=2.0)
-    assert 0.0 <= reward <= 1.0 and status in rewards.STATUSES
+    assert 0.0 <= reward <= 1.0 and status in safe_scoring.STATUSES

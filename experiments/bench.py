@@ -1,9 +1,9 @@
 """
-Speed benchmark (issue 5): one GRPO optimiser step of this project vs TRL's GRPOTrainer vs the compute floor.
+Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs the compute floor.
 
-    pip install -r requirements-bench.txt       # TRL + PEFT: benchmark-only dependencies, never needed to train
-    HF_HUB_OFFLINE=1 python bench.py            # ~20 min on 2 CPU cores -> results/bench.json and bench.md
-    HF_HUB_OFFLINE=1 python bench.py --quick    # 1 measured step, no scaling runs: a fast check
+    pip install -r requirements-bench.txt                   # TRL + PEFT: benchmark-only, never needed to train
+    HF_HUB_OFFLINE=1 python experiments/bench.py            # ~20 min on 2 CPU cores -> results/bench.{json,md}
+    HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
 q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 64 new tokens (T = 1, no top-k/p);
@@ -35,7 +35,7 @@ EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-min
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
 DATASET_SIZE, SEED = 256, 0
-HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, rewards.py, ...
 
 
 def step_items(items, step, prompts):
@@ -213,7 +213,7 @@ class Worker:
                "OMP_NUM_THREADS": str(opts["threads"])}
         self.proc = subprocess.Popen([sys.executable, os.path.abspath(__file__), "--worker", kind, "--opts",
                                       json.dumps(opts)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                     stderr=self.log, text=True, env=env, cwd=HERE)
+                                     stderr=self.log, text=True, env=env, cwd=ROOT)
 
     def recv(self):
         line = self.proc.stdout.readline()
@@ -260,7 +260,7 @@ def environment(threads):
     cpuinfo = [ln.split(":", 1) for ln in open("/proc/cpuinfo").read().split("\n\n")[0].splitlines() if ":" in ln]
     info = {k.strip(): v.strip() for k, v in cpuinfo}
     cpu, flags = info["model name"], info["flags"].split()
-    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True).stdout.strip()  # noqa: E731
+    git = lambda *a: subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()  # noqa: E731
     return dict(torch=torch.__version__, transformers=transformers.__version__, trl=trl.__version__,
                 peft=peft.__version__, python=platform.python_version(), cpu=cpu, cores=os.cpu_count(),
                 bf16_hardware=[f for f in ("avx512_bf16", "amx_bf16") if f in flags],
@@ -280,7 +280,8 @@ def main():
     p.add_argument("--natural-eos", action="store_true", help="let generation stop at EOS (unequal work)")
     p.add_argument("--no-scaling", action="store_true", help="skip the G and number-of-experts scaling runs")
     p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
-    p.add_argument("--out", default="results/bench.json", help="JSON output; the Markdown table goes beside it")
+    p.add_argument("--out", default=os.path.join(ROOT, "results", "bench.json"),
+                   help="JSON output; the Markdown table goes beside it")
     p.add_argument("--worker", help=argparse.SUPPRESS)
     p.add_argument("--opts", help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -363,7 +364,7 @@ def markdown(r):
     out = [f"One GRPO step, SmolLM2-135M-Instruct + LoRA r8, {s['prompts']} prompt x G={s['G']} x {s['new_tokens']} "
            f"tokens, beta {s['beta']}; {env['cpu']}, {env['cores']} cores, {env['threads_per_worker']} thread(s) per "
            f"process; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}, PEFT {env['peft']}. "
-           f"Median of {s['steps']} alternated steps after {s['warmup']} warm-up (`python bench.py`).", "",
+           f"Median of {s['steps']} alternated steps after {s['warmup']} warm-up (`python experiments/bench.py`).", "",
            "| contender | s/step (median) | min – max | tokens/s | peak RSS |", "|---|---|---|---|---|"]
     out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | {v['tokens_per_second']:.1f} | "
             f"{v['peak_rss_mb'] / 1024:.1f} GB |" for k, v in r["contenders"].items()]
@@ -382,4 +383,5 @@ def markdown(r):
 
 
 if __name__ == "__main__":
+    sys.path.insert(0, ROOT)  # the project's modules, imported by the workers (this file is the worker's script too)
     main()
