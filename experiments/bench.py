@@ -53,13 +53,15 @@ def phase_timers(run, times):
     import torch
     import grpo
     import rewards
+    import train
     patched = []
     for owner, name, key in [
             (grpo, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
             (grpo, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
             (rewards, "score_batch", "reward scoring"), (rewards, "build_prompt", "prompt + tokenise"),
             (grpo, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
-            (torch.nn.utils, "clip_grad_norm_", "grad clip")] + ([] if run["pool"] is None else [
+            (torch.nn.utils, "clip_grad_norm_", "grad clip"), (train, "probes", "probes of C")] + (
+            [] if run["pool"] is None else [
             (run["pool"], "encode", "experts (frozen forwards)"), (run["method"].adapter, "forward", "adapter")]):
         def timed(*a, _f=getattr(owner, name), _key=key, **k):
             t0 = time.perf_counter()
@@ -280,6 +282,8 @@ def main():
     p.add_argument("--natural-eos", action="store_true", help="let generation stop at EOS (unequal work)")
     p.add_argument("--no-scaling", action="store_true", help="skip the G and number-of-experts scaling runs")
     p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
+    p.add_argument("--profile-only", action="store_true", help="only the phase profile of `ours` (loads one worker): "
+                   "where a step's time goes, e.g. what the probes of C cost")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench.json"),
                    help="JSON output; the Markdown table goes beside it")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -297,6 +301,16 @@ def main():
              n_steps=a.warmup + a.steps, n_experts=3)
     log(f"worker logs in {log_dir}")
     env = environment(a.threads)  # at the start: the commit whose code the workers import
+
+    if a.profile_only:  # one worker, a warm-up step, then profiled steps on prompts new to it
+        w = Worker("ours", "ours", o, log_dir)
+        w.recv()
+        [w.run(step=DATASET_SIZE - 1 - k) for k in range(a.warmup)]
+        for k in range(a.steps):
+            v = w.run(step=k, profile=True)
+            log(f"profile ours {v['seconds']:.1f} s: " + ", ".join(f"{ph} {x:.3f}" for ph, x in sorted(
+                v["phases"].items(), key=lambda x: -x[1])))
+        return w.close()
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
     W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "trl_default", "trl_no_gc", "floor"]}
