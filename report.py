@@ -16,6 +16,8 @@ Choices the paper leaves open:
      a negative rho(reward, H) alone can be a shared drift (the random-reward control, train.py --reward random).
   4. Paired columns (evaluate.py --paired): each seed's with-C score minus its C = 0 / shuffled-C score on the
      same items, mean +- std over seeds, and in how many seeds the sign test gave p < 0.05.
+  5. The last column compares each method with `single` item by item: a seed's runs share their validation
+     items, so the difference is taken per item, averaged, and given a two-level bootstrap interval.
 
 Try it on CPU:  python -m pytest tests/test_baselines.py -q -k "summarize or plot"
 """
@@ -106,6 +108,16 @@ def method_key(cfg):
             + (" [random reward]" if cfg.get("reward") == "random" else ""))
 
 
+def hierarchical_bootstrap_ci(diffs_by_seed, level=0.95, n_boot=10_000, seed=0):
+    """Percentile interval of the mean over seeds of each seed's mean difference, resampling seeds and then
+    items within each drawn seed: the training seed and the item are both sources of variance."""
+    rng = np.random.default_rng(seed)
+    d = [np.asarray(x, dtype=float) for x in diffs_by_seed]
+    means = [np.mean([d[s][rng.integers(0, len(d[s]), len(d[s]))].mean() for s in rng.integers(0, len(d), len(d))])
+             for _ in range(n_boot)]
+    return [float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, (1 + level) / 2))]
+
+
 def partial_spearman(x, y, z):
     """Spearman correlation of x and y with z held fixed: the partial correlation of the ranks,
     (r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2)). With z = the step, it removes the part of
@@ -126,7 +138,8 @@ def summarize(folders, out):
         key = (method_key(cfg), cfg["task"])
         for name, into in (("eval", cells), ("eval_no_context", zero_c), ("eval_paired", paired)):
             if name in run:
-                into.setdefault(key, []).append(run[name]["paired"] if name == "eval_paired" else run[name])
+                into.setdefault(key, []).append(run[name]["paired"] if name == "eval_paired"
+                                                else {**run[name], "seed": cfg.get("seed")})
         m = [r for r in run["metrics"] if "entropy" in r]
         if len(m) >= 3 and run["finished"]:
             reward, H, step = ([r[k] for r in m] for k in ("reward", "entropy", "step"))
@@ -165,16 +178,30 @@ def summarize(folders, out):
         return (f"{m:+.1f}" + (f" ± {sd:.1f}" if len(d) > 1 else "")
                 + f" (p < 0.05 in {sum(p['p_sign'] < 0.05 for p in ps)}/{len(ps)})")
 
+    def items_vs_single(meth, t):
+        """Mean over seeds of the method's score minus single's on the same items, with a 95 % interval from
+        a two-level bootstrap (seeds, then items within a seed): a paired comparison that uses every item."""
+        runs = {e["seed"]: e["per_item"]["with_C"]["score"] for e in cells.get((meth, t), []) if "per_item" in e}
+        base = {e["seed"]: e["per_item"]["with_C"]["score"] for e in cells.get(("single", t), []) if "per_item" in e}
+        seeds = [s for s in sorted(set(runs) & set(base)) if len(runs[s]) == len(base[s])]
+        if meth in ("single", "untrained") or not seeds:
+            return "–"
+        diffs = [np.subtract(runs[s], base[s]) for s in seeds]
+        lo, hi = hierarchical_bootstrap_ci(diffs)
+        return f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+    item_cols = [t for t in tasks if any("per_item" in e for e in cells.get(("single", t), []))]
     pair_cols = [(t, o) for t in tasks for o in ("zero_C", "shuffled_C") if any(k[1] == t for k in paired)]
     pair_title = {"zero_C": "with C − C = 0 (paired)", "shuffled_C": "with C − shuffled C (paired)"}
     lines = ["| method | " + " | ".join(f"{t} {title[k, src is zero_c]}" for t, k, src in cols)
              + "".join(f" | {t} {pair_title[o]}" for t, o in pair_cols)
-             + "".join(f" | {t} score − single's" for t in versus) + " | seeds |",
-             "|---|" + "---|" * (len(cols) + len(pair_cols) + len(versus)) + "---|"]
+             + "".join(f" | {t} score − single's" for t in versus)
+             + "".join(f" | {t} − single's, same items [95 % CI]" for t in item_cols) + " | seeds |",
+             "|---|" + "---|" * (len(cols) + len(pair_cols) + len(versus) + len(item_cols)) + "---|"]
     for meth in sorted({m for m, _ in cells}):
         seeds = max(len(cells.get((meth, t), [])) for t in tasks)
         row = ([cell(src.get((meth, t), []), k) for t, k, src in cols] + [paired_cell(meth, t, o) for t, o in pair_cols]
-               + [delta(meth, t) for t in versus])
+               + [delta(meth, t) for t in versus] + [items_vs_single(meth, t) for t in item_cols])
         lines.append(f"| {meth} | " + " | ".join(row) + f" | {seeds} |")
     table = "\n".join(lines) + "\n"
 

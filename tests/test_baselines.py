@@ -201,3 +201,36 @@ def test_plot_runs_draws_every_figure_from_finished_runs(tmp_path):
     assert names == ["fig4_chain_sum_tiny.png", "fig5.png", "probes_chain_sum_tiny.png", "reward_chain_sum.png"]
     for p in written:
         assert open(p, "rb").read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_hierarchical_bootstrap_sees_the_spread_between_seeds():
+    """Two seeds that disagree completely: each item bootstrap alone would be a point, the seed level is not."""
+    from report import hierarchical_bootstrap_ci
+    assert hierarchical_bootstrap_ci([np.ones(50), -np.ones(50)]) == [-1.0, 1.0]  # seed draws AA, AB/BA, BB
+    assert hierarchical_bootstrap_ci([np.full(20, 0.25), np.full(30, 0.25)]) == [0.25, 0.25]
+
+
+def test_summarize_compares_with_single_on_the_same_items(tmp_path):
+    rng = np.random.default_rng(0)
+    for seed in range(2):
+        base = rng.integers(0, 2, 40).astype(float)
+        for method, scores in (("single", base), ("ours", np.minimum(base + (np.arange(40) < 8), 1))):
+            run = tmp_path / f"{method}-s{seed}"
+            os.makedirs(run)
+            json.dump({"method": method, "task": "chain_sum", "team": "tiny", "steps": 3, "seed": seed},
+                      open(run / "config.json", "w"))
+            json.dump({"score": scores.mean(), "solve_rate": scores.mean(),
+                       "per_item": {"with_C": {"score": scores.tolist()}}}, open(run / "eval.json", "w"))
+            open(run / "metrics.jsonl", "w").write(json.dumps({"step": 3, "reward": 0.0}) + "\n")
+    table, _ = summarize([str(tmp_path)], str(tmp_path / "out"))
+    row = next(line for line in table.splitlines() if line.startswith("| ours |"))
+    cells = [c.strip() for c in row.split("|")]
+    # by hand: ours = single + 1 on the first 8 items where single had 0
+    gains = []
+    rng = np.random.default_rng(0)
+    for seed in range(2):
+        base = rng.integers(0, 2, 40)
+        gains.append(((base[:8] == 0).sum()) / 40)
+    assert cells[-3].startswith(f"{100 * np.mean(gains):+.1f} [")
+    lo, hi = (float(x) for x in cells[-3].split("[")[1].rstrip("]").split(","))
+    assert lo <= 100 * np.mean(gains) <= hi
