@@ -230,3 +230,17 @@ def test_train_with_state_norm_and_a_middle_layer(tmp_path):
                  "--batch-size", "2", "--grad-accum", "1", "--group-size", "2", "--max-new-tokens", "4", "--out", out])
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["method"]
     assert not torch.equal(state["norm.std0"], torch.ones_like(state["norm.std0"]))
+
+
+def test_an_oracle_team_trains_and_is_scored_three_ways(tmp_path):
+    """The channel test's path end to end on the tiny team: the oracle reads the gold answers in the rollout
+    and in evaluation (train.py and evaluate.py pass them), the loss pass reuses the rollout's states."""
+    from types import SimpleNamespace
+    from evaluate import evaluate
+    out = str(tmp_path / "oracle")
+    main(TINY + ["--experts", "oracle:tiny:qwen2,tiny:gpt2", "--steps", "2", "--batch-size", "2", "--grad-accum",
+                 "1", "--group-size", "2", "--max-new-tokens", "4", "--out", out])
+    cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    r = evaluate(cfg, 4, 2, state["lora"], state["method"], conditions=("with_C", "zero_C", "shuffled_C"))
+    assert set(r["paired"]) == {"with_C - zero_C", "with_C - shuffled_C"}
