@@ -30,9 +30,10 @@ import torch
 import rewards
 from baselines import METHODS
 from experts import check_models, load_model, pick_device, team_models
-from grpo import completion_logprobs, completion_mask, encode_prompts, eos_token_ids, sample
+from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
 from report import plot_runs, summarize
+from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
 from train import ArgumentParser, fail, frozen_dtype, parse_args, policy_prompts
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def answer_bridge(response_prefix):
 def gold_logprobs(policy, tok, prompts, golds, C, args, device):
     """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's tokens, per item:
     sees a change in how likely the right answer is even where greedy accuracy does not move. Uses the
-    training's own scoring pass (grpo.completion_logprobs), so positions are those of the rollout."""
+    training's own scoring pass (rollout.completion_logprobs), so positions are those of the rollout."""
     ids, mask = encode_prompts(tok, [p + answer_bridge(args.response_prefix) for p in prompts], device)
     tok.padding_side = "right"  # completions start right after the prompt's last column
     ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True, add_special_tokens=False)
