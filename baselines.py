@@ -43,14 +43,14 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from adapter import FFN, OutputProjection, PerceiverAdapter
+from adapter import FFN, OutputProjection, PerceiverAdapter, StateNorm
 
 HINT_INSTRUCTION = "Give a short hint or solution for this problem.\n\n"
 
 
 def expert_pool(names, args, device, dtype):
     from experts import ExpertPool
-    return ExpertPool(names, device, dtype, args.pooling, args.seed)
+    return ExpertPool(names, device, dtype, args.pooling, args.seed, depth=getattr(args, "expert_depth", 1.0))
 
 
 def pooled_states(pool, questions, answers, reuse):
@@ -60,15 +60,19 @@ def pooled_states(pool, questions, answers, reuse):
 
 
 class ExpertContext(nn.Module):
-    """g_phi of `ours`: frozen experts -> pooled states -> PerceiverAdapter -> (C, A)."""
+    """g_phi of `ours`: frozen experts -> pooled states -> (standardised: StateNorm) -> PerceiverAdapter -> (C, A)."""
 
     def __init__(self, pool, adapter):
         super().__init__()
         self.pool, self.adapter = pool, adapter  # pool is not an nn.Module: experts are never trained or saved
+        self.norm = StateNorm(pool.dims)         # the identity until fit_state_norm (--state-norm standardize)
+
+    def fit_state_norm(self, questions, answers):
+        self.norm.fit(self.pool.encode(questions, answers=answers))
 
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
-        C, A, A_heads = self.adapter(states, return_heads=True)
+        C, A, A_heads = self.adapter(self.norm(states), return_heads=True)
         return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions), "states": states}
 
 
@@ -116,10 +120,14 @@ class StackedFFN(nn.Module):
         self.pool = pool
         self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in pool.dims])  # W_i, Eq. 6
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
+        self.norm = StateNorm(pool.dims)
+
+    def fit_state_norm(self, questions, answers):
+        self.norm.fit(self.pool.encode(questions, answers=answers))
 
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
-        V = torch.stack([W(h) for W, h in zip(self.proj, states)], 1)                  # (B, n, d)
+        V = torch.stack([W(h) for W, h in zip(self.proj, self.norm(states))], 1)       # (B, n, d)
         return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions), "states": states}
 
 

@@ -240,9 +240,12 @@ class ExpertPool:
     """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
 
     def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0, max_length=1024,
-                 cache_size=100_000):
+                 cache_size=100_000, depth=1.0):
         if pooling not in POOLINGS + ("mean",):  # "mean": sentence-embedding pooling of the hard router
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
+        if not 0 < depth <= 1 or (depth < 1 and pooling in ("first_layer", "random_layer")):
+            raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, got {depth}")
+        self.depth = depth  # which block's output is pooled, as a fraction of each expert's depth (1: the last)
         self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
         self.models = [load_model(n, device, dtype) for n in self.names]
         self.oracle = [n.startswith(ORACLE) for n in self.names]
@@ -288,22 +291,26 @@ class ExpertPool:
                     add_special_tokens=not tok.chat_template).to(self.device)
         mask = batch["attention_mask"]
         pos = (mask.cumsum(-1) - 1).clamp(min=0)                 # positions skip the left padding
-        need_layers = self.pooling in ("first_layer", "random_layer")
+        need_layers = self.pooling in ("first_layer", "random_layer") or self.depth < 1
         out = model.base_model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=pos,
                                output_hidden_states=need_layers)
         B, T = mask.shape
         rows = torch.arange(B, device=mask.device)
+        states = out.last_hidden_state                           # (B, T, d_i) after the final norm
+        if self.depth < 1:  # the residual stream after block round(depth * L): no final norm there
+            L = len(out.hidden_states) - 1
+            states = out.hidden_states[max(1, round(self.depth * L))]
         if self.pooling == "last":
-            h = out.last_hidden_state[:, -1]
+            h = states[:, -1]
         elif self.pooling == "first_token":
-            h = out.last_hidden_state[rows, T - mask.sum(-1)]    # first real token after the padding
+            h = states[rows, T - mask.sum(-1)]                   # first real token after the padding
         elif self.pooling == "random_token":
             lens = mask.sum(-1).cpu()
             offset = (torch.rand(B, generator=self.generator) * lens).long()
-            h = out.last_hidden_state[rows, (T - lens + offset).to(mask.device)]
+            h = states[rows, (T - lens + offset).to(mask.device)]
         elif self.pooling == "mean":
-            w = mask.unsqueeze(-1).to(out.last_hidden_state.dtype)
-            h = (out.last_hidden_state * w).sum(1) / w.sum(1)
+            w = mask.unsqueeze(-1).to(states.dtype)
+            h = (states * w).sum(1) / w.sum(1)
         elif self.pooling == "first_layer":
             h = out.hidden_states[1][:, -1]
         else:  # random_layer: a block drawn uniformly from 1..L per prompt

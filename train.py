@@ -110,6 +110,11 @@ def parse_args(argv=None):
     a("--num-latents", type=COUNT, default=8, help="m: number of latent queries = context tokens")
     a("--num-heads", type=COUNT, default=8, help="cross-attention heads")
     a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
+    a("--expert-depth", type=number(float, 0, low_ok=False), default=1.0, help="pool the output of the block at this "
+      "fraction of each expert's depth, in (0, 1] (paper: 1, the final layer); e.g. 0.5 for a middle layer")
+    a("--state-norm", default="none", choices=["none", "standardize"], help="standardise each expert's pooled "
+      "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
+    a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
     a("--context-position", default="after", choices=["after", "before"],
       help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
     a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
@@ -128,7 +133,8 @@ def parse_args(argv=None):
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
     args = p.parse_args(argv)
-    checks = [(args.latent_dim % args.num_heads == 0,
+    checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
+              (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
               (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
@@ -166,6 +172,11 @@ def build_run(args, device):
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
     policy, tok = load_model(team["policy"], device, dtype)
     method = METHODS[args.method](team, policy.config.hidden_size, args, device, dtype)
+    if args.state_norm == "standardize":
+        if not hasattr(method, "fit_state_norm"):
+            raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to standardise")
+        calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
+        method.fit_state_norm([it["question"] for it in calibration], [it["answer"] for it in calibration])
     apply_lora(policy, args.lora_rank, args.lora_alpha)
     if args.freeze_policy:
         for p in policy.parameters():

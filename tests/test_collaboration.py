@@ -193,3 +193,40 @@ def test_random_reward_is_a_seeded_coin_that_ignores_the_text():
     a = coin_rewards(0, 3, 1, 4000)
     assert a == coin_rewards(0, 3, 1, 4000) and a != coin_rewards(0, 4, 1, 4000)   # pure function of the step
     assert set(a) == {0.0, 1.0} and abs(np.mean(a) - 0.5) < 0.03
+
+
+# ---- channel options: which layer is pooled, standardised states -----------------------------------------------
+
+def test_expert_depth_pools_the_chosen_block_by_hand():
+    from experts import expert_text
+    pool = ExpertPool(["tiny:qwen2"], depth=0.5)                            # 2 blocks: block 1
+    model, tok = pool.models[0]
+    ids = tok(expert_text(tok, QUESTIONS[0]), return_tensors="pt", add_special_tokens=False)["input_ids"]
+    want = model.base_model(input_ids=ids, output_hidden_states=True).hidden_states[1][0, -1]
+    torch.testing.assert_close(pool.encode(QUESTIONS[:1])[0][0], want, rtol=1e-5, atol=1e-5)
+    with pytest.raises(ValueError, match="--expert-depth"):
+        ExpertPool(["tiny:qwen2"], pooling="first_layer", depth=0.5)
+
+
+def test_state_norm_standardises_the_calibration_states_and_travels_in_the_state_dict():
+    g = build("ours", "--state-norm", "standardize")
+    h = g.pool.encode(QUESTIONS * 4)
+    assert all(torch.equal(a, b) for a, b in zip(g.norm(h), [x.float() for x in h]))  # identity before fit
+    g.fit_state_norm(QUESTIONS * 4 + ["Another question?"] * 2, None)
+    z = g.norm(g.pool.encode(QUESTIONS * 4 + ["Another question?"] * 2))
+    for x in z:
+        torch.testing.assert_close(x.mean(0), torch.zeros(x.shape[1]), atol=1e-4, rtol=0)
+        assert ((x.std(0) - 1).abs() < 1e-3).float().mean() > 0.9       # all but floored (near-constant) dims
+    randomise_output(g)
+    C = g(QUESTIONS)["C"]
+    fresh = build("ours")
+    fresh.load_state_dict(g.state_dict())                                  # the statistics are buffers
+    assert torch.equal(fresh(QUESTIONS)["C"], C)
+
+
+def test_train_with_state_norm_and_a_middle_layer(tmp_path):
+    out = str(tmp_path / "norm")
+    main(TINY + ["--state-norm", "standardize", "--state-norm-prompts", "8", "--expert-depth", "0.5", "--steps", "1",
+                 "--batch-size", "2", "--grad-accum", "1", "--group-size", "2", "--max-new-tokens", "4", "--out", out])
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)["method"]
+    assert not torch.equal(state["norm.std0"], torch.ones_like(state["norm.std0"]))

@@ -189,6 +189,9 @@ BAD_INPUT = [
     ("train", "fresh", ["--grad-clip", "0"], "--grad-clip", False),
     ("train", "fresh", ["--seed", "-1"], "--seed", False),
     ("train", "fresh", ["--max-bad-steps", "0"], "--max-bad-steps", False),
+    ("train", "fresh", ["--expert-depth", "0"], "--expert-depth", False),
+    ("train", "fresh", ["--expert-depth", "1.5"], "--expert-depth", False),
+    ("train", "fresh", ["--method", "single", "--state-norm", "standardize"], "--state-norm", False),
     ("train", "fresh", ["--device", "tpu"], "--device", False),
     ("train", "fresh", ["--device", "cuda"], "--device", False),  # no CUDA on the test machine
     # models and data that are not there
