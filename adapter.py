@@ -11,9 +11,9 @@ Paper §3 (equation numbers are the paper's):
     FFN(x) = tanh(W2 tanh(W1 x)),  d -> d/2 -> d     (16)
     A    = softmax(Q K^T / sqrt(d_head)), averaged over heads: [m, n], the observable of §4.3 (Eq. 15)
 
-and how C reaches the policy (Eq. 3, pi(y | [x || C])): `policy_inputs` splices C into the prompt's
-embeddings, after the prompt (Eq. 3, the default) or in front of it, behind its first token (prefix tuning,
-[x_0 || C || x_1..]), and builds the attention mask and position ids that rollout and scoring must share
+How C reaches the policy (Eq. 3, pi(y | [x || C])) is rollout.policy_inputs: after the prompt (Eq. 3, the
+default) or in front of it, behind its first token (prefix tuning, [x_0 || C || x_1..]), with the attention mask
+and position ids that rollout and scoring must share
 (positions that differ between the two are a small error for RoPE models, a large one for GPT-2's
 learned positions).
 
@@ -30,7 +30,7 @@ Deviations / choices the paper leaves open:
          after   4.1e-3   4.1e-4   3.9e-5   1.9e-6   0
          before  6.5e-1   6.1e-1   1.4e-1   2.0e-3   0
      (measured with C before the whole prompt, where it attended only to itself, so nothing diluted the
-     amplified tokens; "before" now keeps the first prompt token in front, see policy_inputs.) The
+     amplified tokens; "before" now keeps the first prompt token in front, see rollout.policy_inputs.) The
      gradient still reaches W_out at step 0 (dC/dW_out = C'), like LoRA's B = 0; the rest of g_phi gets
      gradient from the second step on. `out_init_std` restores a random near-zero init.
   3. W_i have no bias (Eq. 6 has none); W_Q, W_K, W_V, W1, W2 have none either; W_out has b_out.
@@ -139,53 +139,6 @@ def entropy(A):
     per-head attention [B, heads, m, n] and average over (0, 2). The head average of A hides heads that route
     sharply to different experts (its entropy is higher than the mean of the heads' entropies)."""
     return -(A * A.clamp_min(1e-12).log()).sum(-1)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first token)
-
-
-def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
-    """Build (inputs_embeds, attention_mask, position_ids) for the policy.
-
-    prompt_ids, prompt_mask: [B, T] left-padded (padding on the left, so every prompt ends at T-1 and the
-    completion follows directly). C: [B, m, D] or None (no context tokens). embed: the policy's input
-    embedding module. The sequence is, with x_0 the first real token of the prompt:
-        "after"   [pad.. x C]            Eq. 3
-        "before"  [x_0 C pad.. x_1..]    prefix tuning, kept behind the first token (see below)
-    The mask hides the padding wherever it sits, and positions count only unmasked tokens, so a prompt gets
-    the same positions whatever its batch-mates are. The reference policy gets torch.zeros_like(C) here:
-    zero tokens at the same positions (paper §4.1).
-
-    Why not [C x] for "before": C starts at exactly 0 (W_out = 0). Tokens at the very front attend only to
-    each other, so zero tokens keep a hidden state of exactly 0 through every layer, where each RMSNorm has
-    slope 1/sqrt(eps) (316 for eps = 1e-5): the gradient reaching them grows ~316x per norm and overflows
-    float32 within ~15 layers. On SmolLM2-135M (30 layers) every update with a non-zero advantage had a NaN
-    gradient, was skipped, and C stayed 0 for ever (regression test in tests/test_adapter.py). Behind x_0
-    (the template's first token, the model's usual attention sink) C's hidden states are non-zero from the
-    first attention layer on, as with "after".
-    """
-    x = embed(prompt_ids)                                                   # (B, T, D)
-    mask = prompt_mask.bool()
-    if C is not None:
-        C = C.to(x.dtype)
-        ones = torch.ones(C.shape[:2], dtype=torch.bool, device=mask.device)
-        if position == "after":
-            x, mask = torch.cat([x, C], 1), torch.cat([mask, ones], 1)
-        elif position == "before":
-            first = mask & (mask.long().cumsum(-1) == 1)                    # (B, T) one-hot: x_0 of each row
-            x0 = x[first].unsqueeze(1)                                      # (B, 1, D)
-            x = torch.cat([x0, C, x], 1)                                    # (B, 1 + m + T, D)
-            mask = torch.cat([ones[:, :1], ones, mask & ~first], 1)         # x_0's old column becomes padding
-        else:
-            raise ValueError(f"--context-position must be 'after' or 'before', got {position!r}")
-    return x, mask, position_ids(mask)
-
-
-def position_ids(mask):
-    """Positions that skip padding: (mask.cumsum - 1) clamped at 0. Use it for every forward:
-    a KV-cached rollout and a one-pass scorer that count left padding differently score different sequences."""
-    return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 if __name__ == "__main__":

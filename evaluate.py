@@ -30,9 +30,10 @@ import torch
 import rewards
 from baselines import METHODS
 from experts import check_models, load_model, pick_device, team_models
-from grpo import completion_logprobs, completion_mask, encode_prompts, eos_token_ids, sample
+from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
 from report import plot_runs, summarize
+from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
 from train import ArgumentParser, fail, frozen_dtype, parse_args, policy_prompts
 
 # ----------------------------------------------------------------------------------------------------------
@@ -65,7 +66,7 @@ def answer_bridge(response_prefix):
 def gold_logprobs(policy, tok, prompts, golds, C, args, device):
     """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's tokens, per item:
     sees a change in how likely the right answer is even where greedy accuracy does not move. Uses the
-    training's own scoring pass (grpo.completion_logprobs), so positions are those of the rollout."""
+    training's own scoring pass (rollout.completion_logprobs), so positions are those of the rollout."""
     ids, mask = encode_prompts(tok, [p + answer_bridge(args.response_prefix) for p in prompts], device)
     tok.padding_side = "right"  # completions start right after the prompt's last column
     ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True, add_special_tokens=False)
@@ -218,6 +219,23 @@ def write_json(path, obj):
 # ----------------------------------------------------------------------------------------------------------
 
 
+def read_run(folder):
+    """(config, checkpoint) of a train.py run; exits with one line naming --run if either is missing or corrupt."""
+    cfg_path, ckpt = os.path.join(folder, "config.json"), os.path.join(folder, "checkpoint.pt")
+    if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
+        fail(f"--run {folder} has no config.json and checkpoint.pt (is it a finished train.py run?)")
+    try:  # a corrupt or foreign file: say so in one line
+        with open(cfg_path) as f:
+            cfg = json.load(f)
+        state = torch.load(ckpt, map_location="cpu", weights_only=False)
+        if "team_models" not in cfg or any(k not in state for k in ("lora", "method", "step")):
+            raise KeyError("config.json needs team_models; checkpoint.pt needs lora, method and step")
+    except Exception as e:
+        fail(f"--run {folder}: unreadable config.json or checkpoint.pt ({type(e).__name__}: "
+             f"{(str(e).splitlines() or [''])[0][:160]})")
+    return cfg, state
+
+
 def main(argv=None):
     p = ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs. "
                        "With --untrained, any train.py flag (--task, --team, --policy, --task-config, prompt and "
@@ -255,38 +273,26 @@ def main(argv=None):
         for path in plot_runs(a.summarize, out):
             print("wrote", path)
         return
-    lora_state = method_state = step = None
     if a.untrained:
         targs = parse_args([*train_flags, "--method", "single"])
-        cfg = {**vars(targs), "team_models": team_models(targs)}
+        cfg, state = {**vars(targs), "team_models": team_models(targs)}, {}
         models = [(cfg["team_models"]["policy"], "--policy" if targs.policy else f"--team {targs.team}")]
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
-        cfg_path, ckpt = os.path.join(a.run, "config.json"), os.path.join(a.run, "checkpoint.pt")
-        if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
-            fail(f"--run {a.run} has no config.json and checkpoint.pt (is it a finished train.py run?)")
-        try:  # a corrupt or foreign file: say so in one line
-            with open(cfg_path) as f:
-                cfg = json.load(f)
-            state = torch.load(ckpt, map_location="cpu", weights_only=False)
-            lora_state, method_state, step = state["lora"], state["method"], int(state["step"])
-            team = cfg["team_models"]
-        except Exception as e:
-            fail(f"--run {a.run}: unreadable config.json or checkpoint.pt ({type(e).__name__}: "
-                 f"{(str(e).splitlines() or [''])[0][:160]})")
-        experts = team["experts"] if cfg["method"] not in ("single", "soft_prompt", "identical") else []
-        models = [(m, f"--run {a.run}") for m in [team["policy"]] + experts]
+        cfg, state = read_run(a.run)
+        experts = cfg["team_models"]["experts"] if cfg["method"] not in ("single", "soft_prompt", "identical") else []
+        models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
         name = "eval_paired.json" if a.paired else "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)
     try:
         check_models(models)
-        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, lora_state, method_state, a.no_context,
-                          untrained=a.untrained, device=pick_device(a.device),
+        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"), state.get("method"),
+                          a.no_context, untrained=a.untrained, device=pick_device(a.device),
                           conditions=CONDITIONS if a.paired else None)
     except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA: one line
         fail(str(e))
-    if step is not None:
-        result["step"] = step
+    if "step" in state:
+        result["step"] = int(state["step"])
     write_json(path, result)
     if a.paired:  # eval.json too: the with-C scores are the run's validation score
         write_json(os.path.join(os.path.dirname(path), "eval.json"),

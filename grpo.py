@@ -1,9 +1,7 @@
 """
 GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty, the
-completion mask and per-token log-probs (pure functions, tensors in, (loss, metrics) out); then the two places
-the policy runs: `sample` (the rollout, G completions per prompt from one shared prefill) and
-`completion_logprobs` (the scoring pass: the G completions on one shared prefix, completion positions only),
-which must agree token for token.
+completion mask and per-token log-probs. Pure functions: tensors in, (loss, metrics) out. Where the policy runs
+(the rollout and the scoring pass) is rollout.py.
 
 The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised objective
 
@@ -57,7 +55,6 @@ Deviations and choices the paper leaves open (numbered):
 Try it on CPU:  python -m pytest tests/test_grpo.py -q
 """
 import torch
-from transformers.cache_utils import DynamicLayer
 
 # ----------------------------------------------------------------------------- advantage
 
@@ -176,132 +173,3 @@ def token_logprobs(logits, tokens, temperature=1.0):
         picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
         rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
     return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)  # (N, T) fp32
-
-
-# ----------------------------------------------------------------------------- rollout and scoring
-# The two places the policy runs; they must build the same inputs and positions, or the
-# log-probs of the scoring pass are not those of the policy that sampled.
-
-
-def draw(logits, temperature):
-    """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF sampling: one
-    uniform number per row, where torch.multinomial draws one exponential per vocabulary entry (~9 ms a step
-    for 8 x 49k on 2 CPU cores). A zero-probability token has an empty CDF interval and is never drawn."""
-    cdf = torch.softmax(logits.float() / temperature, -1).cumsum(-1)         # (N, V)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]         # (N, 1) uniform in [0, total)
-    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
-
-
-def eos_token_ids(policy, tok):
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct ends
-    turns with <|im_end|> but lists <|endoftext|> too). Sorted, for completion_mask and sample."""
-    ids = policy.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted({tok.eos_token_id, *ids} - {None})
-
-
-def encode_prompts(tok, prompts, device):
-    tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
-    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
-    return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
-
-
-@torch.no_grad()
-def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
-           position="after", greedy=False, return_logprobs=False):
-    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad after EOS),
-    and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them with the scoring pass).
-    Speed-ups: one prefill per prompt, its KV cache then repeated G times (prefill once, not G times); LoRA
-    folded into the weights while sampling (lora.lora_merged: no gradient is needed here)."""
-    from lora import lora_merged
-    with lora_merged(policy):
-        return _sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
-                       position, greedy, return_logprobs)
-
-
-def _sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id, position,
-            greedy, return_logprobs):
-    from adapter import policy_inputs
-    embeds, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)
-    out = policy(inputs_embeds=embeds, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
-    cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l for l in cache.layers]
-    logits = out.logits[:, -1].float().repeat_interleave(G, 0)            # (B*G, vocab)
-    mask, pos = mask.repeat_interleave(G, 0), pos[:, -1:].repeat_interleave(G, 0)
-    eos = torch.tensor(eos_ids, device=logits.device)
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens, logps = [], []
-    for _ in range(max_new_tokens):
-        nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)        # finished rows emit padding
-        tokens.append(nxt)
-        if return_logprobs:
-            logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
-        done = done | torch.isin(nxt, eos)
-        if done.all():
-            break
-        mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
-        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                     use_cache=True)
-        cache, logits = out.past_key_values, out.logits[:, -1].float()
-    if return_logprobs:
-        return torch.stack(tokens, 1), torch.stack(logps, 1)
-    return torch.stack(tokens, 1)
-
-
-class _Preallocated(DynamicLayer):
-    """One layer of HF's DynamicCache with room for `extra` tokens reserved up front. DynamicLayer.update
-    torch.cat-s the whole history for every new token: O(T^2) copying, 35 % of the rollout's time measured
-    on the pocket policy (8 x 64 tokens after a 193-token prompt). Here each token is written in place and
-    keys/values are views of the filled part, so shapes and masks are exactly DynamicLayer's."""
-
-    def __init__(self, layer, extra):
-        super().__init__()
-        (N, H, P, Dk), Dv = layer.keys.shape, layer.values.shape[-1]
-        self.k_buf = layer.keys.new_empty(N, H, P + extra, Dk)            # (B*G, heads, P + extra, head dim)
-        self.v_buf = layer.values.new_empty(N, H, P + extra, Dv)
-        self.k_buf[:, :, :P], self.v_buf[:, :, :P] = layer.keys, layer.values
-        self.n, self.keys, self.values = P, self.k_buf[:, :, :P], self.v_buf[:, :, :P]
-        self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = self.n + key_states.shape[-2]
-        self.k_buf[:, :, self.n:n], self.v_buf[:, :, self.n:n] = key_states, value_states
-        self.n, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]
-        return self.keys, self.values
-
-
-def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
-                        position="after"):
-    """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
-
-    prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
-    completion_mask [N, T] hold G = N / B completions per prompt in consecutive blocks, as `sample` returns
-    them (B = N, G = 1 is fine too).
-
-    Speed-ups, both exact up to float rounding (tests/test_adapter.py compares log-probs and gradients with
-    one plain forward over G copies of [x || C || y]):
-      1. Shared prefix: [x || C] is run once per prompt with use_cache, its KV cache is repeated G times and
-         only the completions are run on top of it: P + G*T tokens per group instead of G*(P + T). The
-         prompt is often longer than the completion (system prompt, worked example), so this roughly halves
-         the policy and reference passes. repeat_interleave is differentiable, so the gradient of all G
-         completions flows back through the cache into LoRA and C; the prefix's activations are stored once.
-      2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no [P, V]
-         log-softmax over the prompt is ever built.
-    The positions continue the prefix's, skipping padding, exactly as in `sample`."""
-    from adapter import policy_inputs
-    B, (N, T) = prompt_ids.shape[0], completion_ids.shape
-    if B == 0 or N % B != 0:
-        raise ValueError(f"{N} completions do not split into groups over {B} prompts")
-    G = N // B
-    x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)  # (B, P', D)
-    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
-    cache.batch_repeat_interleave(G)                                     # (B, ...) -> (N, ...), keeps the graph
-    first = out.logits[:, -1:].repeat_interleave(G, 0)                   # (N, 1, V) the prefix's last position predicts y_0
-    mask = torch.cat([mask.repeat_interleave(G, 0), completion_mask], 1)  # (N, P' + T)
-    pos = pos[:, -1:].repeat_interleave(G, 0) + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
-    logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                    use_cache=True, logits_to_keep=T).logits              # (N, T, V) row t predicts y_{t+1}
-    return token_logprobs(torch.cat([first, logits[:, :-1]], 1), completion_ids, temperature)  # (N, T) fp32

@@ -127,12 +127,9 @@ def partial_spearman(x, y, z):
     return float((rxy - rxz * ryz) / denom) if denom > 0 else float("nan")
 
 
-def summarize(folders, out):
-    """Table 1-style Markdown (method x task, mean +- std over seeds; with a zero-context column when runs were
-    also evaluated with C = 0, and each method's score minus single's with an exact permutation p over seeds
-    when single has several seeds), Spearman rho(reward, H) per run, per method and their mean."""
-    os.makedirs(out, exist_ok=True)
-    cells, zero_c, rhos, rho_method, paired = {}, {}, {}, {}, {}
+def collect(folders, out):
+    """Read every run once: the evaluations per (row, task), and rho per run and per row."""
+    cells, zero_c, paired, rhos, rho_method = {}, {}, {}, {}, {}
     for run in load_runs(folders):
         cfg = run["cfg"]
         key = (method_key(cfg), cfg["task"])
@@ -149,60 +146,79 @@ def summarize(folders, out):
     for path in glob.glob(os.path.join(out, "untrained-*.json")):
         ev = read_json(path)
         cells.setdefault(("untrained", ev["task"]), []).append(ev)
+    return cells, zero_c, paired, rhos, rho_method
 
-    def cell(evs, k):
-        if not evs:
-            return "–"
-        m, s = mean_std([e[k] for e in evs])
-        return f"{100 * m:.1f}" if len(evs) == 1 else f"{100 * m:.1f} ± {100 * s:.1f}"
 
+def mean_cell(evs, k):
+    """mean +- std over seeds, in %."""
+    if not evs:
+        return "–"
+    m, s = mean_std([e[k] for e in evs])
+    return f"{100 * m:.1f}" if len(evs) == 1 else f"{100 * m:.1f} ± {100 * s:.1f}"
+
+
+def seeds_vs_single(evs, single):
+    """Mean minus single's mean, with the exact permutation p over seeds."""
+    a, b = [e["score"] for e in evs], [e["score"] for e in single]
+    return f"{100 * (np.mean(a) - np.mean(b)):+.1f} (p = {permutation_p(a, b):.2f})" if len(a) > 1 else "–"
+
+
+def paired_cell(pairs, other):
+    """Mean over seeds of each seed's with-C minus `other` difference on the same items (points), and in how
+    many seeds the sign test gave p < 0.05."""
+    ps = [p[f"with_C - {other}"]["score"] for p in pairs if f"with_C - {other}" in p]
+    if not ps:
+        return "–"
+    m, sd = mean_std([100 * p["diff"] for p in ps])
+    return (f"{m:+.1f}" + (f" ± {sd:.1f}" if len(ps) > 1 else "")
+            + f" (p < 0.05 in {sum(p['p_sign'] < 0.05 for p in ps)}/{len(ps)})")
+
+
+def items_vs_single(evs, single):
+    """Mean over seeds of the score minus single's on the same items (a seed's runs share their validation
+    items), with a 95 % interval from a two-level bootstrap (seeds, then items): a paired comparison."""
+    runs = {e["seed"]: e["per_item"]["with_C"]["score"] for e in evs if "per_item" in e}
+    base = {e["seed"]: e["per_item"]["with_C"]["score"] for e in single if "per_item" in e}
+    seeds = [s for s in sorted(set(runs) & set(base)) if len(runs[s]) == len(base[s])]
+    if not seeds:
+        return "–"
+    diffs = [np.subtract(runs[s], base[s]) for s in seeds]
+    lo, hi = hierarchical_bootstrap_ci(diffs)
+    return f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+
+
+def summarize(folders, out):
+    """Table 1-style Markdown, one row per method (and team, and control), one column group per task: score and
+    solve rate (mean +- std over seeds), the score with C = 0, the paired with-C minus C = 0 / shuffled-C
+    differences, the score minus single's (over seeds, and item by item); rho(reward, H), rho(step, H) and the
+    partial rho(reward, H | step) per run and per method. Writes table.md and spearman.json into `out`."""
+    os.makedirs(out, exist_ok=True)
+    cells, zero_c, paired, rhos, rho_method = collect(folders, out)
     tasks = sorted({t for _, t in cells})
-    cols = [(t, "score", cells) for t in tasks] + [(t, "solve_rate", cells) for t in tasks]
-    cols += [(t, "score", zero_c) for t in tasks if any(k[1] == t for k in zero_c)]
-    title = {("score", 0): "score", ("solve_rate", 0): "solved", ("score", 1): "score, C = 0"}
-    versus = [t for t in tasks if len(cells.get(("single", t), [])) > 1]  # score minus single's, with p
 
-    def delta(meth, t):
-        a, b = [e["score"] for e in cells.get((meth, t), [])], [e["score"] for e in cells[("single", t)]]
-        if meth in ("single", "untrained") or len(a) < 2:
-            return "–"
-        return f"{100 * (np.mean(a) - np.mean(b)):+.1f} (p = {permutation_p(a, b):.2f})"
+    def single(t):
+        return cells.get(("single", t), [])
 
-    def paired_cell(meth, t, other):
-        """Mean over seeds of each seed's paired difference (points), and in how many seeds p_sign < 0.05."""
-        ps = [p[f"with_C - {other}"]["score"] for p in paired.get((meth, t), []) if f"with_C - {other}" in p]
-        if not ps:
-            return "–"
-        d = [100 * p["diff"] for p in ps]
-        m, sd = mean_std(d)
-        return (f"{m:+.1f}" + (f" ± {sd:.1f}" if len(d) > 1 else "")
-                + f" (p < 0.05 in {sum(p['p_sign'] < 0.05 for p in ps)}/{len(ps)})")
+    def against_single(f, t):  # a column comparing each method's runs with single's
+        return lambda m: "–" if m in ("single", "untrained") else f(cells.get((m, t), []), single(t))
 
-    def items_vs_single(meth, t):
-        """Mean over seeds of the method's score minus single's on the same items, with a 95 % interval from
-        a two-level bootstrap (seeds, then items within a seed): a paired comparison that uses every item."""
-        runs = {e["seed"]: e["per_item"]["with_C"]["score"] for e in cells.get((meth, t), []) if "per_item" in e}
-        base = {e["seed"]: e["per_item"]["with_C"]["score"] for e in cells.get(("single", t), []) if "per_item" in e}
-        seeds = [s for s in sorted(set(runs) & set(base)) if len(runs[s]) == len(base[s])]
-        if meth in ("single", "untrained") or not seeds:
-            return "–"
-        diffs = [np.subtract(runs[s], base[s]) for s in seeds]
-        lo, hi = hierarchical_bootstrap_ci(diffs)
-        return f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
-
-    item_cols = [t for t in tasks if any("per_item" in e for e in cells.get(("single", t), []))]
-    pair_cols = [(t, o) for t in tasks for o in ("zero_C", "shuffled_C") if any(k[1] == t for k in paired)]
-    pair_title = {"zero_C": "with C − C = 0 (paired)", "shuffled_C": "with C − shuffled C (paired)"}
-    lines = ["| method | " + " | ".join(f"{t} {title[k, src is zero_c]}" for t, k, src in cols)
-             + "".join(f" | {t} {pair_title[o]}" for t, o in pair_cols)
-             + "".join(f" | {t} score − single's" for t in versus)
-             + "".join(f" | {t} − single's, same items [95 % CI]" for t in item_cols) + " | seeds |",
-             "|---|" + "---|" * (len(cols) + len(pair_cols) + len(versus) + len(item_cols)) + "---|"]
+    cols = ([(f"{t} score", lambda m, t=t: mean_cell(cells.get((m, t), []), "score")) for t in tasks]
+            + [(f"{t} solved", lambda m, t=t: mean_cell(cells.get((m, t), []), "solve_rate")) for t in tasks]
+            + [(f"{t} score, C = 0", lambda m, t=t: mean_cell(zero_c.get((m, t), []), "score"))
+               for t in tasks if any(k[1] == t for k in zero_c)])
+    for t in tasks:
+        if any(k[1] == t for k in paired):
+            cols += [(f"{t} with C − C = 0 (paired)", lambda m, t=t: paired_cell(paired.get((m, t), []), "zero_C")),
+                     (f"{t} with C − shuffled C (paired)",
+                      lambda m, t=t: paired_cell(paired.get((m, t), []), "shuffled_C"))]
+        if len(single(t)) > 1:
+            cols.append((f"{t} score − single's", against_single(seeds_vs_single, t)))
+        if any("per_item" in e for e in single(t)):
+            cols.append((f"{t} − single's, same items [95 % CI]", against_single(items_vs_single, t)))
+    lines = ["| method | " + " | ".join(name for name, _ in cols) + " | seeds |", "|---|" + "---|" * len(cols) + "---|"]
     for meth in sorted({m for m, _ in cells}):
         seeds = max(len(cells.get((meth, t), [])) for t in tasks)
-        row = ([cell(src.get((meth, t), []), k) for t, k, src in cols] + [paired_cell(meth, t, o) for t, o in pair_cols]
-               + [delta(meth, t) for t in versus] + [items_vs_single(meth, t) for t in item_cols])
-        lines.append(f"| {meth} | " + " | ".join(row) + f" | {seeds} |")
+        lines.append(f"| {meth} | " + " | ".join(f(meth) for _, f in cols) + f" | {seeds} |")
     table = "\n".join(lines) + "\n"
 
     def stats(values):

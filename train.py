@@ -11,7 +11,7 @@ lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every 
 
 The loop, one optimiser step (grpo_step):  rollout -> reward -> advantage -> reference -> loss -> step -> log
 
-Deviations from the paper (and see grpo.py, adapter.py, experts.py, rewards.py):
+Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
   1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop: one
      prefill per prompt shared by its G samples, and rollout and scoring use the same positions.
   2. Options the paper does not have, off by default: --inner-epochs (mu > 1 reuses a rollout; the paper's
@@ -38,6 +38,7 @@ import torch
 
 import grpo
 import rewards
+import rollout
 from baselines import METHODS
 from checkpoint import check_resume, keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
 from experts import POOLINGS, TEAMS, check_models, load_model, pick_device, team_models
@@ -115,7 +116,7 @@ def parse_args(argv=None):
       "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
     a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
     a("--context-position", default="after", choices=["after", "before"],
-      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: adapter.policy_inputs)")
+      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
     a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
       help="reasoning-gym system prompt")
     a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
@@ -196,7 +197,7 @@ def build_run(args, device):
     optimizer = torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
     embed_rms = policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
     return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer, train_items=train_items,
-                eos_ids=grpo.eos_token_ids(policy, tok), device=device, pool=getattr(method, "pool", None),
+                eos_ids=rollout.eos_token_ids(policy, tok), device=device, pool=getattr(method, "pool", None),
                 embed_rms=embed_rms)
 
 
@@ -249,8 +250,8 @@ def grpo_step(step, run, args, score_batch):
         method.train()  # training behaviour in the rollout too: hard routing draws its Gumbel expert here
         with torch.no_grad():
             ctx = method(questions, answers)  # answers: read only by oracle experts (a diagnostic)
-        ids, mask = grpo.encode_prompts(tok, policy_prompts(tok, questions, ctx["hints"], args), device)
-        comp = grpo.sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
+        ids, mask = rollout.encode_prompts(tok, policy_prompts(tok, questions, ctx["hints"], args), device)
+        comp = rollout.sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
                            tok.pad_token_id, args.context_position)
         comp_mask = grpo.completion_mask(comp, eos_ids)
         texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
@@ -265,7 +266,7 @@ def grpo_step(step, run, args, score_batch):
         # ---- reference: pi_ref = the initial policy (LoRA off) with zero tokens where C was (paper §4.1) -----
         with torch.no_grad(), lora_disabled(policy):
             C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"])
-            logp_ref = grpo.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
+            logp_ref = rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
                                                 args.context_position)
         batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
                             r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
@@ -277,7 +278,7 @@ def grpo_step(step, run, args, score_batch):
         losses, stats = [], []
         for b in batches:
             ctx = method(b["questions"], reuse=b["ctx"])  # the rollout's pooled states and routing draw
-            logp = grpo.completion_logprobs(policy, b["ids"], b["mask"], ctx["C"], b["comp"], b["comp_mask"],
+            logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], ctx["C"], b["comp"], b["comp_mask"],
                                             args.temperature, args.context_position)
             if epoch == 0:  # the weights have not moved yet: logp_old = logp, detached (no extra forward)
                 b["logp_old"] = logp.detach()

@@ -51,15 +51,15 @@ def step_items(items, step, prompts):
 def phase_timers(run, times):
     """Accumulate seconds per phase by wrapping what grpo_step calls; everything is restored on exit."""
     import torch
-    import grpo
     import rewards
+    import rollout
     import train
     patched = []
     for owner, name, key in [
-            (grpo, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
-            (grpo, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
+            (rollout, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
+            (rollout, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
             (rewards, "score_batch", "reward scoring"), (rewards, "build_prompt", "prompt + tokenise"),
-            (grpo, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
+            (rollout, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
             (torch.nn.utils, "clip_grad_norm_", "grad clip"), (train, "probes", "probes of C")] + (
             [] if run["pool"] is None else [
             (run["pool"], "encode", "experts (frozen forwards)"), (run["method"].adapter, "forward", "adapter")]):
@@ -106,7 +106,7 @@ def ours_worker(kind, o):
 def floor_worker(o):
     import torch
     import torch.nn.functional as F
-    import grpo
+    import rollout
     import rewards
     from experts import load_model
     from lora import apply_lora
@@ -118,7 +118,7 @@ def floor_worker(o):
     def step(cmd):
         G, t0 = cmd.get("G", o["G"]), time.perf_counter()
         prompts = [rewards.build_prompt(tok, it["question"]) for it in step_items(items, cmd["step"], o["prompts"])]
-        ids, mask = grpo.encode_prompts(tok, prompts, "cpu")
+        ids, mask = rollout.encode_prompts(tok, prompts, "cpu")
         ids, mask = ids.repeat_interleave(G, 0), mask.long().repeat_interleave(G, 0)
         with torch.no_grad():
             seq = policy.generate(input_ids=ids, attention_mask=mask, do_sample=True, temperature=1.0, top_k=0,

@@ -6,9 +6,9 @@ import pytest
 import torch
 import torch.nn as nn
 
-from adapter import PerceiverAdapter, policy_inputs, position_ids, routing_stats
+from adapter import PerceiverAdapter, routing_stats
 from lora import apply_lora, lora_disabled
-from grpo import completion_logprobs, encode_prompts, sample
+from rollout import completion_logprobs, encode_prompts, policy_inputs, position_ids, sample
 
 DIMS = [48, 32, 40]
 

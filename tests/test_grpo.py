@@ -6,7 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import completion_mask, draw, group_advantages, grpo_loss, token_logprobs
+from grpo import completion_mask, group_advantages, grpo_loss, token_logprobs
+from rollout import draw
 
 e = math.exp
 

@@ -1,0 +1,200 @@
+"""
+Where the policy runs: the rollout (sampling G completions per prompt) and the scoring pass (their log-probs
+under the current policy or the reference), both conditioned on the context tokens C.
+
+    pi_theta(y | [x || C])                                   (Eq. 3)
+
+Both start from the same `prefill`: [x || C] built by `policy_inputs`, run once per prompt, its KV cache repeated
+G times. So the rollout and the scoring pass see the same inputs and the same positions by construction; if they
+did not, the log-probs of the scoring pass would not be those of the policy that sampled (a small error for RoPE
+models, a large one for GPT-2's learned positions). tests/test_adapter.py checks it token for token.
+
+  policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, attention mask, position ids
+  prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
+  sample               the rollout: G completions per prompt, KV-cached, LoRA merged into the weights
+  completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
+
+Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own loop
+instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring share `prefill`).
+
+Try it on CPU:  python -m pytest tests/test_adapter.py -q -k "positions or prefix"
+"""
+import torch
+from transformers.cache_utils import DynamicLayer
+
+from grpo import token_logprobs
+from lora import lora_merged
+
+# ----------------------------------------------------------------------------------------------------------
+# How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first token)
+
+
+def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
+    """Build (inputs_embeds, attention_mask, position_ids) for the policy.
+
+    prompt_ids, prompt_mask: [B, T] left-padded (padding on the left, so every prompt ends at T-1 and the
+    completion follows directly). C: [B, m, D] or None (no context tokens). embed: the policy's input
+    embedding module. The sequence is, with x_0 the first real token of the prompt:
+        "after"   [pad.. x C]            Eq. 3
+        "before"  [x_0 C pad.. x_1..]    prefix tuning, kept behind the first token (see below)
+    The mask hides the padding wherever it sits, and positions count only unmasked tokens, so a prompt gets
+    the same positions whatever its batch-mates are. The reference policy gets torch.zeros_like(C) here:
+    zero tokens at the same positions (paper §4.1).
+
+    Why not [C x] for "before": C starts at exactly 0 (W_out = 0). Tokens at the very front attend only to
+    each other, so zero tokens keep a hidden state of exactly 0 through every layer, where each RMSNorm has
+    slope 1/sqrt(eps) (316 for eps = 1e-5): the gradient reaching them grows ~316x per norm and overflows
+    float32 within ~15 layers. On SmolLM2-135M (30 layers) every update with a non-zero advantage had a NaN
+    gradient, was skipped, and C stayed 0 for ever (regression test in tests/test_adapter.py). Behind x_0
+    (the template's first token, the model's usual attention sink) C's hidden states are non-zero from the
+    first attention layer on, as with "after".
+    """
+    x = embed(prompt_ids)                                                   # (B, T, D)
+    mask = prompt_mask.bool()
+    if C is not None:
+        C = C.to(x.dtype)
+        ones = torch.ones(C.shape[:2], dtype=torch.bool, device=mask.device)
+        if position == "after":
+            x, mask = torch.cat([x, C], 1), torch.cat([mask, ones], 1)
+        elif position == "before":
+            first = mask & (mask.long().cumsum(-1) == 1)                    # (B, T) one-hot: x_0 of each row
+            x0 = x[first].unsqueeze(1)                                      # (B, 1, D)
+            x = torch.cat([x0, C, x], 1)                                    # (B, 1 + m + T, D)
+            mask = torch.cat([ones[:, :1], ones, mask & ~first], 1)         # x_0's old column becomes padding
+        else:
+            raise ValueError(f"--context-position must be 'after' or 'before', got {position!r}")
+    return x, mask, position_ids(mask)
+
+
+def position_ids(mask):
+    """Positions that skip padding: (mask.cumsum - 1) clamped at 0. Use it for every forward: a KV-cached
+    rollout and a one-pass scorer that count left padding differently score different sequences."""
+    return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+def encode_prompts(tok, prompts, device):
+    tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
+    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=False)
+    return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
+
+
+def eos_token_ids(policy, tok):
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct ends
+    turns with <|im_end|> but lists <|endoftext|> too). Sorted, for completion_mask and sample."""
+    ids = policy.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({tok.eos_token_id, *ids} - {None})
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The shared prefill
+
+
+def prefill(policy, prompt_ids, prompt_mask, C, G, position):
+    """Run [x || C] once per prompt and make room for G completions of each.
+    Returns (cache repeated G times, logits of y_0 [B*G, V], mask [B*G, P'], position of the last prefix
+    token [B*G, 1]). repeat_interleave is differentiable, so with gradient on, every completion's gradient flows
+    back through the cache into LoRA and C, and the prefix's activations are stored once."""
+    x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)  # (B, P', D)
+    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    cache = out.past_key_values
+    cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
+    return (cache, out.logits[:, -1].repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
+            pos[:, -1:].repeat_interleave(G, 0))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The rollout
+
+
+def draw(logits, temperature):
+    """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF sampling: one
+    uniform number per row, where torch.multinomial draws one exponential per vocabulary entry (~9 ms a step
+    for 8 x 49k on 2 CPU cores). A zero-probability token has an empty CDF interval and is never drawn."""
+    cdf = torch.softmax(logits.float() / temperature, -1).cumsum(-1)         # (N, V)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]         # (N, 1) uniform in [0, total)
+    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
+
+
+@torch.no_grad()
+def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
+           position="after", greedy=False, return_logprobs=False):
+    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad after EOS),
+    and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them with the scoring pass).
+    Speed-ups: one prefill per prompt (not G); LoRA folded into the weights while sampling (lora.lora_merged:
+    one matmul per layer instead of three, and no gradient is needed here); a preallocated KV cache."""
+    with lora_merged(policy):
+        cache, logits, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, G, position)
+        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l for l in cache.layers]
+        logits = logits.float()                                           # (B*G, vocab)
+        eos = torch.tensor(eos_ids, device=logits.device)
+        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+        tokens, logps = [], []
+        for _ in range(max_new_tokens):
+            nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)        # finished rows emit padding
+            tokens.append(nxt)
+            if return_logprobs:
+                logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
+            done = done | torch.isin(nxt, eos)
+            if done.all():
+                break
+            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
+            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
+                         use_cache=True)
+            cache, logits = out.past_key_values, out.logits[:, -1].float()
+    if return_logprobs:
+        return torch.stack(tokens, 1), torch.stack(logps, 1)
+    return torch.stack(tokens, 1)
+
+
+class _Preallocated(DynamicLayer):
+    """One layer of HF's DynamicCache with room for `extra` tokens reserved up front. DynamicLayer.update
+    torch.cat-s the whole history for every new token: O(T^2) copying, 35 % of the rollout's time measured
+    on the pocket policy (8 x 64 tokens after a 193-token prompt). Here each token is written in place and
+    keys/values are views of the filled part, so shapes and masks are exactly DynamicLayer's."""
+
+    def __init__(self, layer, extra):
+        super().__init__()
+        (N, H, P, Dk), Dv = layer.keys.shape, layer.values.shape[-1]
+        self.k_buf = layer.keys.new_empty(N, H, P + extra, Dk)            # (B*G, heads, P + extra, head dim)
+        self.v_buf = layer.values.new_empty(N, H, P + extra, Dv)
+        self.k_buf[:, :, :P], self.v_buf[:, :, :P] = layer.keys, layer.values
+        self.n, self.keys, self.values = P, self.k_buf[:, :, :P], self.v_buf[:, :, :P]
+        self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
+
+    def update(self, key_states, value_states, *args, **kwargs):
+        n = self.n + key_states.shape[-2]
+        self.k_buf[:, :, self.n:n], self.v_buf[:, :, self.n:n] = key_states, value_states
+        self.n, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]
+        return self.keys, self.values
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The scoring pass
+
+
+def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
+                        position="after"):
+    """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
+
+    prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
+    completion_mask [N, T] hold G = N / B completions per prompt in consecutive blocks, as `sample` returns
+    them (B = N, G = 1 is fine too).
+
+    Speed-ups, both exact up to float rounding (tests/test_adapter.py compares log-probs and gradients with
+    one plain forward over G copies of [x || C || y]):
+      1. Shared prefix (`prefill`): P + G*T tokens per group instead of G*(P + T). The prompt is often longer
+         than the completion (system prompt, worked example), so this roughly halves the policy and reference
+         passes.
+      2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no [P, V]
+         log-softmax over the prompt is ever built."""
+    B, (N, T) = prompt_ids.shape[0], completion_ids.shape
+    if B == 0 or N % B != 0:
+        raise ValueError(f"{N} completions do not split into groups over {B} prompts")
+    cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
+    mask = torch.cat([mask, completion_mask], 1)                         # (N, P' + T)
+    pos = pos + completion_mask.long().cumsum(-1)                        # (N, T) = (mask.cumsum - 1) there
+    logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
+                    use_cache=True, logits_to_keep=T).logits              # (N, T, V) row t predicts y_{t+1}
+    return token_logprobs(torch.cat([first[:, None], logits[:, :-1]], 1), completion_ids, temperature)  # (N, T)
