@@ -42,7 +42,7 @@ Deviations / choices (numbered):
   5. Position "after" without LoRA takes a fast path: the prompt tokens common to every item (system prompt,
      worked example, question stem) are run once and their KV cache reused; the per-item tail runs without
      gradient (it cannot depend on C, which comes after it) and only C and the gold tokens carry gradient.
-     Each such run first checks its log-probs and greedy outputs against grpo.completion_logprobs / grpo.sample
+     Each such run first checks its log-probs and greedy outputs against rollout.completion_logprobs / rollout.sample
      on a few items (max |diff| is recorded as fast_path_check). "before" and --lora use grpo's functions.
   6. Curves (--eval-every) use teacher-forced exact match (every gold token is the argmax), which equals greedy
      exact match unless greedy writes the same answer with other tokens; the final numbers are greedy.
@@ -53,7 +53,6 @@ Machine: one core (OMP_NUM_THREADS=1 taskset -c 1); --suite takes about 50 minut
 """
 import argparse
 import json
-import math
 import os
 import sys
 import time
@@ -65,9 +64,11 @@ import torch.nn.functional as F
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from adapter import PerceiverAdapter, policy_inputs  # noqa: E402
+from adapter import PerceiverAdapter  # noqa: E402
 from experts import expert_text, load_model  # noqa: E402
 import grpo  # noqa: E402
+import rollout  # noqa: E402
+from rollout import policy_inputs  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
 
 TASK, TASK_CONFIG = "chain_sum", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
@@ -289,7 +290,7 @@ class Policy:
         self.model, self.tok, self.position, self.fast = model, tok, position, fast
         self.embed = model.get_input_embeddings()
         self.pad = tok.pad_token_id
-        self.eos = grpo.eos_token_ids(model, tok)
+        self.eos = rollout.eos_token_ids(model, tok)
         self.prefix_kv, self.P = None, 0
 
     def prompt_ids(self, q):
@@ -340,14 +341,14 @@ class Policy:
             out, _, _ = self._fast_prefill([q for q, _ in items_], C, self.embed(gold), gmask, logits_to_keep=T + 1)
             return grpo.token_logprobs(out.logits[:, :T], gold), gmask
         ids, mask = pad_left([self.prompt_ids(q) for q, _ in items_], self.pad)
-        return grpo.completion_logprobs(self.model, ids, mask, C, gold, gmask, 1.0, self.position), gmask
+        return rollout.completion_logprobs(self.model, ids, mask, C, gold, gmask, 1.0, self.position), gmask
 
     @torch.no_grad()
     def greedy(self, items_, C, max_new, fast=None):
         fast = self.fast if fast is None else fast
         if not fast:
             ids, mask = pad_left([self.prompt_ids(q) for q, _ in items_], self.pad)
-            out = grpo.sample(self.model, ids, mask, C, 1, max_new, 1.0, self.eos, self.pad, self.position,
+            out = rollout.sample(self.model, ids, mask, C, 1, max_new, 1.0, self.eos, self.pad, self.position,
                               greedy=True)
         else:
             o, mask, pos = self._fast_prefill([q for q, _ in items_], C)
@@ -464,7 +465,7 @@ def channel(a):
         same = pol.greedy(chk, C, a.max_new_tokens, fast=True) == pol.greedy(chk, C, a.max_new_tokens, fast=False)
         result["fast_path_check"] = {"max_abs_logprob_diff": d, "greedy_identical": same}
         print(f"  fast path vs grpo: max |d logp| {d:.2e}, greedy identical {same}", flush=True)
-        assert d < 1e-3 and same, "the fast path disagrees with grpo.completion_logprobs / grpo.sample"
+        assert d < 1e-3 and same, "the fast path disagrees with rollout.completion_logprobs / rollout.sample"
 
     params = [p for p in adapter.parameters()] + [p for p in model.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=a.lr, weight_decay=1e-2, eps=1e-6)  # train.py's AdamW defaults
