@@ -102,10 +102,12 @@ def load_runs(folders):
 
 
 def method_key(cfg):
-    """A table row: the method, the team when it is not the usual one (e.g. `ours (pocket-naive)`), and the
-    random-reward control."""
+    """A table row: the method, the team when it is not the usual one (e.g. `ours (pocket-naive)`), the
+    random-reward control and the channel options that are not the paper's."""
     return (cfg["method"] + ("" if cfg["team"] in ("default", "pocket", "tiny") else f" ({cfg['team']})")
-            + (" [random reward]" if cfg.get("reward") == "random" else ""))
+            + (" [random reward]" if cfg.get("reward") == "random" else "")
+            + (" [state-norm]" if cfg.get("state_norm", "none") != "none" else "")
+            + (f" [depth {cfg['expert_depth']:g}]" if cfg.get("expert_depth", 1.0) != 1.0 else ""))
 
 
 def hierarchical_bootstrap_ci(diffs_by_seed, level=0.95, n_boot=10_000, seed=0):
