@@ -34,7 +34,9 @@ Deviations / choices: (1) the FFN output goes through the same near-zero output 
 every method starts as the reference policy; (2) encoders cannot write hints, so output_collab uses only
 the team's decoders; (3) for hard routing, A is the router's probability over experts [B, 1, n], so its
 entropy and utilisation are logged like ours; (4) the reference policy of output_collab sees the same hints
-(they are part of its input, not trainable context).
+(they are part of its input, not trainable context); (5) `--state-norm standardize` (ours, identical, no_xattn)
+standardises the pooled states before W_i (adapter.StateNorm); hard routing's states are used as they are;
+(6) an oracle expert cannot write a hint from the answer: output_collab gives it the question only.
 
 Try it on CPU:  python train.py --task chain_sum --team tiny --method hard_routing --steps 2 --batch-size 2 \
                     --grad-accum 1 --group-size 2 --max-new-tokens 8 --out runs/try-hard
