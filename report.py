@@ -308,10 +308,17 @@ def fig4(runs, plt):
         yield f"fig4_{task}_{team}.png", fig
 
 
+def zero_c_score(run):
+    """The score with C = 0: from evaluate.py --no-context, or from the zero_C condition of --paired."""
+    if "eval_no_context" in run:
+        return run["eval_no_context"]["score"]
+    return run.get("eval_paired", {}).get("conditions", {}).get("zero_C", {}).get("score")
+
+
 def fig5(runs, plt):
     """Paper Fig. 5: validation score with C and with C = 0, per method; bar = mean over seeds, dots = seeds."""
-    pairs = {k: [(r["eval"]["score"], r["eval_no_context"]["score"]) for r in g]
-             for k, g in by_key(runs, lambda r: method_key(r["cfg"]), lambda r: "eval" in r and "eval_no_context" in r)}
+    pairs = {k: [(r["eval"]["score"], zero_c_score(r)) for r in g]
+             for k, g in by_key(runs, lambda r: method_key(r["cfg"]), lambda r: "eval" in r and zero_c_score(r) is not None)}
     if not pairs:
         return
     keys = sorted(pairs)
