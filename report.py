@@ -288,8 +288,9 @@ def series(runs, key, T):
 
 def fig4(runs, plt):
     """Paper Fig. 4: utilisation per expert (mean and band across seeds), entropy and reward of `ours` runs."""
-    for (task, team), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"]),
-                                      lambda r: r["cfg"]["method"] == "ours" and r["finished"]):
+    for (task, team, key), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"], method_key(r["cfg"])),
+                                           lambda r: r["cfg"]["method"] == "ours" and r["finished"]):
+        variant = key.partition("[")[1] + key.partition("[")[2]               # e.g. "[state-norm]", or ""
         T = min(len(r["metrics"]) for r in group)
         steps, names = np.arange(1, T + 1), group[0]["cfg"]["team_models"]["experts"]
         fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
@@ -297,7 +298,7 @@ def fig4(runs, plt):
         for i, name in enumerate(names):
             band(ax1, steps, U[:, :, i], label=name)
         ax1.set_ylabel("utilisation u_i (Eq. 15)")
-        ax1.set_title(f"ours on {task} ({team} team, {len(group)} seed{'s' * (len(group) > 1)}; "
+        ax1.set_title(f"ours {variant} on {task} ({team} team, {len(group)} seed{'s' * (len(group) > 1)}; "
                       f"uniform routing: H = log {len(names)} = {np.log(len(names)):.4f})", fontsize=9)
         ax1.legend(fontsize=8)
         for key, ax, color in (("reward", ax2, "tab:green"), ("entropy", ax2.twinx(), "tab:purple")):
@@ -305,7 +306,8 @@ def fig4(runs, plt):
             ax.set_ylabel("training reward" if key == "reward" else "routing entropy H", color=color)
             ax.ticklabel_format(axis="y", useOffset=False)
         ax2.set_xlabel("step")
-        yield f"fig4_{task}_{team}.png", fig
+        slug = "".join(c if c.isalnum() else "-" for c in variant).strip("-")
+        yield f"fig4_{task}_{team}{'_' + slug if slug else ''}.png", fig
 
 
 def zero_c_score(run):
