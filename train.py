@@ -39,6 +39,7 @@ import torch
 import grpo
 import rewards
 import rollout
+from adapter import context_probes
 from baselines import METHODS
 from checkpoint import check_resume, keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
 from experts import POOLINGS, TEAMS, check_models, load_model, pick_device, team_models
@@ -306,7 +307,7 @@ def grpo_step(step, run, args, score_batch):
            # refused, failed or timed-out scorings; "no_answer" is the model's fault, not a scorer failure
            "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
            "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
-           "skipped_update": skipped, **probes(batches, run["embed_rms"])}
+           "skipped_update": skipped, **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
     rec["seconds"] = time.time() - t0
     return rec, batches
 
@@ -321,28 +322,6 @@ def clip_gradients(param_groups, max_norm, per_group=False):
         return float(np.sqrt(sum(v ** 2 for v in norms.values()))), norms
     params = [p for g in param_groups for p in g["params"]]
     return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), norms
-
-
-@torch.no_grad()
-def probes(batches, embed_rms):
-    """What C does, per step: its scale against the policy's token embeddings, how much of it depends on the
-    prompt, the same for each expert's pooled states, and the routing entropy per attention head."""
-    from adapter import entropy, routing_stats, varying_fraction
-    rec = {}
-    C = [b["ctx"]["C"] for b in batches if b["ctx"]["C"] is not None]
-    if C:
-        C = torch.cat(C).float()                                               # (prompts, m, D)
-        rec.update(c_rms=C.pow(2).mean().sqrt().item(), embed_rms=embed_rms, c_varying=varying_fraction(C))
-    states = [b["ctx"]["states"] for b in batches if isinstance(b["ctx"].get("states"), list)]
-    if states:  # one list of n [B, d_i] per micro-batch
-        rec["state_varying"] = [varying_fraction(torch.cat(h)) for h in zip(*states)]
-    A = [b["ctx"]["A"] for b in batches if b["ctx"]["A"] is not None]
-    if A:
-        rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
-    heads = [b["ctx"]["A_heads"] for b in batches if b["ctx"].get("A_heads") is not None]
-    if heads:
-        rec["entropy_heads"] = entropy(torch.cat(heads)).mean(dim=(0, 2)).tolist()  # (heads,)
-    return rec
 
 
 # ----------------------------------------------------------------------------------------------------------

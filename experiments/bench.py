@@ -60,7 +60,7 @@ def phase_timers(run, times):
             (rollout, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
             (rewards, "score_batch", "reward scoring"), (rewards, "build_prompt", "prompt + tokenise"),
             (rollout, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
-            (torch.nn.utils, "clip_grad_norm_", "grad clip"), (train, "probes", "probes of C")] + (
+            (torch.nn.utils, "clip_grad_norm_", "grad clip"), (train, "context_probes", "probes of C")] + (
             [] if run["pool"] is None else [
             (run["pool"], "encode", "experts (frozen forwards)"), (run["method"].adapter, "forward", "adapter")]):
         def timed(*a, _f=getattr(owner, name), _key=key, **k):
