@@ -219,5 +219,9 @@ def output_collab(team, out_dim, args, device, dtype):
     return TextHints(expert_pool(team["experts"], args, device, dtype), args.max_new_tokens)
 
 
+# Methods that read none of the team's experts (identical's only expert is the policy itself): their runs need
+# only the policy's weights.
+WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "identical"}
+
 METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
            "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt}

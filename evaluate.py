@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import rewards
-from baselines import METHODS
+from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import check_models, load_model, pick_device, team_models
 from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
@@ -280,7 +280,7 @@ def main(argv=None):
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
         cfg, state = read_run(a.run)
-        experts = cfg["team_models"]["experts"] if cfg["method"] not in ("single", "soft_prompt", "identical") else []
+        experts = [] if cfg["method"] in WITHOUT_TEAM_EXPERTS else cfg["team_models"]["experts"]
         models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
         name = "eval_paired.json" if a.paired else "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)

@@ -28,6 +28,8 @@ Deviations / choices the paper leaves open:
   2. `last` pooling uses the final hidden state after the model's final norm (what its LM head reads).
   3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a prompt seen
      again (every epoch, every evaluation) costs nothing.
+  4. `depth` (train.py --expert-depth, not in the paper) pools the output of block round(depth * L) instead of
+     the final layer: a middle layer's residual stream, without the final norm. Default 1: the paper's.
 
 Try it on CPU:  python experts.py --team tiny      (python experts.py --team pocket after the README set-up)
 """

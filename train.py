@@ -40,7 +40,7 @@ import grpo
 import rewards
 import rollout
 from adapter import context_probes
-from baselines import METHODS
+from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from checkpoint import check_resume, keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
 from experts import POOLINGS, TEAMS, check_models, load_model, pick_device, team_models
 from lora import apply_lora, lora_disabled, save_peft
@@ -346,7 +346,7 @@ def main(argv=None, score_batch=None):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
     team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
     models = [(team["policy"], "--policy" if args.policy else by_team)]
-    if args.method not in ("single", "soft_prompt", "identical"):  # identical's only expert is the policy
+    if args.method not in WITHOUT_TEAM_EXPERTS:
         models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
     if args.method == "hard_routing":
         models.append((team["router"], by_team))
