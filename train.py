@@ -36,6 +36,7 @@ import time
 import numpy as np
 import torch
 
+import distributed
 import grpo
 import rewards
 import rollout
@@ -127,7 +128,12 @@ def parse_args(argv=None):
       "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
     a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
     a("--seed", type=number(int, 0), default=0, help="seed for data order, sampling and initialisation")
-    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu")
+    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
+      "process takes cuda:LOCAL_RANK)")
+    a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
+      "their pooled states move to the policy's device")
+    a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
+      "nothing downloaded or allocated) and exit without writing (plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
@@ -140,6 +146,8 @@ def parse_args(argv=None):
               (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
                f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
+              (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),
+               f"--expert-device must be cpu, cuda[:N] or mps, got {args.expert_device!r}"),
               (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
@@ -156,7 +164,8 @@ def parse_args(argv=None):
 def fail(msg, code=2):
     """One line on stderr, then exit: code 2 for bad input, before anything is written; code 3 when
     --max-bad-steps stops a run."""
-    print(f"error: {msg}", file=sys.stderr)
+    if distributed.world_from_env().rank == 0:  # under torchrun every rank fails alike: one line, from rank 0
+        print(f"error: {msg}", file=sys.stderr)
     sys.exit(code)
 
 
@@ -242,8 +251,10 @@ def grpo_step(step, run, args, score_batch):
     """rollout -> reward -> advantage -> reference -> loss -> step. Returns (metrics, rollout batches)."""
     policy, tok, method, optimizer = run["policy"], run["tok"], run["method"], run["optimizer"]
     G, device, eos_ids, t0 = args.group_size, run["device"], run["eos_ids"], time.time()
+    world = run.get("world", distributed.ONE)  # under torchrun: this process's share of the micro-batches
     batches = []
-    for micro in range(args.grad_accum):
+    for micro in distributed.my_micro_batches(world, args.grad_accum):
+        distributed.seed_micro_batch(args.seed, step, micro, run["pool"])  # same draws on any rank, after a resume
         items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
                                                               len(run["train_items"]), args.seed)]
         questions, answers = [it["question"] for it in items], [it["answer"] for it in items]
@@ -287,6 +298,8 @@ def grpo_step(step, run, args, score_batch):
                                      args.beta, args.loss_aggregation)
             (loss / args.grad_accum).backward()
             losses.append(loss.item()), stats.append(m)
+        losses, stats = distributed.gather(world, losses), distributed.gather(world, stats)  # every rank's
+        distributed.all_reduce_grads(world, optimizer.param_groups)  # the sum over all micro-batches of the step
         grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
         if finite:  # a non-finite loss or gradient skips the update: the weights stay as they were
@@ -294,6 +307,7 @@ def grpo_step(step, run, args, score_batch):
         skipped = skipped or not finite
 
     # ---- log: the step's metrics (README "Metrics") ------------------------------------------------------------
+    batches = distributed.gather(world, batches, device)  # every rank's micro-batches, in order
     r_all = torch.cat([b["r"] for b in batches])
     eos = torch.tensor(eos_ids, device=device)
     same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
@@ -333,6 +347,13 @@ def main(argv=None, score_batch=None):
     own reward, or the tests' synthetic one); by default rewards.score_batch."""
     from tqdm import tqdm
     args = parse_args(argv)
+    world = distributed.world_from_env()  # torchrun's processes, or one
+    if world.size > args.grad_accum:
+        fail(f"torchrun --nproc_per_node {world.size} is more processes than --grad-accum {args.grad_accum} "
+             "micro-batches per step: each process needs one; start fewer processes or raise --grad-accum")
+    if args.plan:  # the memory plan: nothing is loaded, allocated or written
+        import plan
+        return plan.main(args, world)
     score_batch = score_batch or rewards.score_batch
     ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
     config_path = os.path.join(args.out, "config.json")
@@ -352,7 +373,12 @@ def main(argv=None, score_batch=None):
         models.append((team["router"], by_team))
     try:
         check_models(models)
-        run = build_run(args, pick_device(args.device))
+        if args.expert_device:
+            pick_device(args.expert_device)  # raises if it is not there
+            if world.size > 1 and args.expert_device.startswith("cuda"):
+                raise ValueError(f"--expert-device {args.expert_device}: under torchrun every process would load "
+                                 "its experts there; use --expert-device cpu, or one process")
+        run = build_run(args, distributed.rank_device(pick_device(args.device), world))
         # a run killed before its first checkpoint resumes from step 0
         start = load_checkpoint(ckpt_path, run["policy"], run["method"], run["optimizer"], run["pool"]) \
             if args.resume and os.path.exists(ckpt_path) else 0
@@ -360,23 +386,33 @@ def main(argv=None, score_batch=None):
         fail(str(e))
     if start > args.steps:
         fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out {args.out}")
+    # every process has checked everything; joining waits for all of them, so rank 0 writes only after that
+    distributed.init(world, run["device"])
+    run["world"], writer = world, world.rank == 0  # only rank 0 writes
     # ---- from here on we write: metrics after the checkpoint are dropped, each file is replaced atomically ------
-    if args.resume:
+    if args.resume and writer:
         for name in ("metrics.jsonl", "samples.jsonl"):
             keep_metrics_upto(os.path.join(args.out, name), start)
         for tmp in glob.glob(ckpt_path + ".tmp*"):  # left by a run killed while saving
             os.remove(tmp)
-    os.makedirs(args.out, exist_ok=True)
-    with open(config_path + ".tmp", "w") as f:
-        json.dump({**vars(args), "team_models": run["team"], "device_used": str(run["device"])}, f, indent=2)
-    os.replace(config_path + ".tmp", config_path)
+    if writer:
+        os.makedirs(args.out, exist_ok=True)
+        with open(config_path + ".tmp", "w") as f:
+            json.dump({**vars(args), "team_models": run["team"], "device_used": str(run["device"]),
+                       "processes": world.size}, f, indent=2)
+        os.replace(config_path + ".tmp", config_path)
 
     bad_steps = 0
-    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", dynamic_ncols=True)
+    bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", dynamic_ncols=True,
+               disable=not writer)
     for step in bar:
         rec, batches = grpo_step(step, run, args, score_batch)
         sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log line and checkpoint
         bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
+        if not writer:  # the other ranks took their share of the step; rank 0 logs and saves it
+            if bad_steps >= args.max_bad_steps:
+                fail("", code=3)  # rank 0 says why
+            continue
         with open(metrics_path, "a") as f:  # strict JSON: NaN is written as null
             f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
                                 for k, v in rec.items()}) + "\n")
@@ -397,7 +433,9 @@ def main(argv=None, score_batch=None):
             bar.close()  # so that the message gets a line of its own
             fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. The "
                  f"last good weights are in {ckpt_path}; try a lower --lr / --router-lr", code=3)
-    save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
+    if writer:
+        save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
+    distributed.finish(world)
     return args.out
 
 
