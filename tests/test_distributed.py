@@ -1,0 +1,141 @@
+"""Data parallelism (distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
+as one process does; a rank that dies stops the job in one line and --resume continues it; bad input is refused.
+
+The runs are subprocesses (torchrun starts its own); they are started together by one fixture, as in
+test_hardening.py, because each is mostly Python start-up. Each process uses one torch thread."""
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import distributed
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# 4 micro-batches of 1 prompt, so that 2 ranks sum (g0 + g1) + (g2 + g3) where one process sums
+# ((g0 + g1) + g2) + g3: the float rounding differs, and the tolerances below must absorb it.
+FLAGS = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "64", "--system-prompt",
+         "simple", "--batch-size", "1", "--grad-accum", "4", "--group-size", "4", "--max-new-tokens", "6",
+         "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--lr", "3e-2", "--router-lr", "3e-2",
+         "--save-every", "2", "--steps", "4"]
+# train.main with the synthetic reward of test_train.py; KILL_RANK / KILL_AT arm the SIGKILL hook on one rank only.
+DRIVER = """import os, sys, torch
+sys.path[:0] = [{root!r}, {tests!r}]
+torch.set_num_threads(1)
+if os.environ.get("KILL_RANK") and os.environ.get("RANK") == os.environ["KILL_RANK"]:
+    os.environ["NMUSK_TEST_SIGKILL"] = os.environ["KILL_AT"]
+import train, test_train
+train.main(sys.argv[1:], score_batch=test_train.letter_reward)
+"""
+
+
+def start(driver, out, *extra, nproc=None, env=None):
+    launcher = [sys.executable] if nproc is None else \
+        [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc_per_node", str(nproc)]
+    return subprocess.Popen(launcher + [driver, *FLAGS, "--out", out, *extra], cwd=ROOT, text=True,
+                            env={**os.environ, "OMP_NUM_THREADS": "1", **(env or {})},
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+
+
+def finish(proc):
+    out, err = proc.communicate(timeout=600)
+    return proc.returncode, out, err
+
+
+def metrics(out):
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        text = f.read()
+    assert text == "" or text.endswith("\n"), "torn last line"
+    rows = [json.loads(line) for line in text.splitlines()]
+    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "missing or duplicated steps"
+    return rows
+
+
+def checkpoint(out):
+    return torch.load(os.path.join(out, "checkpoint.pt"), map_location="cpu", weights_only=False)
+
+
+@pytest.fixture(scope="module")
+def runs(tmp_path_factory):
+    """{"one", "two", "killed", "bad": (returncode, stdout, stderr, out)}, all started at once."""
+    tmp = tmp_path_factory.mktemp("distributed")
+    driver = str(tmp / "driver.py")
+    with open(driver, "w") as f:
+        f.write(DRIVER.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+    outs = {k: str(tmp / k) for k in ("one", "two", "killed", "bad")}
+    procs = {"one": start(driver, outs["one"]),
+             "two": start(driver, outs["two"], nproc=2),
+             # rank 1 dies (SIGKILL, as the OOM killer would) after its update of step 3; rank 0 saved step 2
+             "killed": start(driver, outs["killed"], nproc=2, env={"KILL_RANK": "1", "KILL_AT": "step:3"}),
+             "bad": start(driver, outs["bad"], "--grad-accum", "1", nproc=2)}
+    done = {k: (*finish(p), outs[k]) for k, p in procs.items()}
+    done["driver"] = driver
+    return done
+
+
+def assert_same_training(got, want):
+    """Rewards and completion lengths exactly (the same completions were drawn); losses, KL and gradient norms
+    to 1e-4 relative; trained LoRA and g_phi weights to 1e-4 absolute. Why these tolerances: the summed gradient
+    is the one-process sum in another order, a float32 rounding difference of ~1e-7 relative, which AdamW's
+    normalisation and 3 steps of feedback grow (measured: 1e-6 relative on the losses, 6e-6 absolute on the
+    weights after 4 steps). One update at lr 3e-2 moves a weight by ~3e-2, so a micro-batch lost or counted twice
+    would differ by ~1e-2: far outside 1e-4."""
+    ga, wa = metrics(got), metrics(want)
+    assert len(ga) == len(wa) == 4
+    for g, w in zip(ga, wa):
+        for k in ("reward", "reward_std", "solve_rate", "completion_length", "zero_std_fraction", "skipped_update"):
+            assert g[k] == w[k], (k, g["step"])
+        for k in ("loss", "kl", "pg_loss", "grad_norm", "grad_norm_lora", "grad_norm_g_phi", "c_rms", "entropy"):
+            assert g[k] == pytest.approx(w[k], rel=1e-4, abs=1e-7), (k, g["step"])
+    assert len({w["reward"] for w in wa}) > 1 and wa[-1]["kl"] > 0.01  # training moved: the check has teeth
+    cg, cw = checkpoint(got), checkpoint(want)
+    assert cg["step"] == cw["step"] == 4
+    for part in ("lora", "method"):
+        assert cg[part].keys() == cw[part].keys()
+        for k in cw[part]:
+            assert torch.allclose(cg[part][k], cw[part][k], rtol=0, atol=1e-4), (part, k)
+    moved = max((cw["lora"][k].abs().max().item() for k in cw["lora"] if k.endswith("lora_B")))
+    assert moved > 1e-2  # LoRA B starts at 0
+
+
+def test_micro_batches_split_in_contiguous_blocks_in_order():
+    for grad_accum in range(1, 9):
+        for size in range(1, grad_accum + 1):
+            blocks = [list(distributed.my_micro_batches(distributed.World(r, size), grad_accum)) for r in range(size)]
+            assert sum(blocks, []) == list(range(grad_accum))  # every micro-batch once, rank order = step order
+            assert max(map(len, blocks)) - min(map(len, blocks)) <= 1 and min(map(len, blocks)) >= 1
+
+
+def test_two_processes_train_as_one(runs):
+    for k in ("one", "two"):
+        code, _, err, _ = runs[k]
+        assert code == 0, err[-3000:]
+    assert_same_training(runs["two"][3], runs["one"][3])
+    with open(os.path.join(runs["two"][3], "config.json")) as f:
+        assert json.load(f)["processes"] == 2
+    assert "step 4/4" in runs["two"][2] + runs["two"][1]
+
+
+def test_a_dead_rank_stops_the_job_in_one_line_and_resume_continues(runs):
+    code, _, err, out = runs["killed"]
+    assert code != 0
+    ours = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "rank 0 of 2" in ours[0] and "--resume" in ours[0], err[-3000:]
+    assert "exitcode  : 3" in err and "exitcode  : -9" in err  # torchrun's summary: the survivor 3, the dead -9
+    # nothing half-written: the checkpoint of step 2, whole; no temporary file; whole metric lines
+    assert checkpoint(out)["step"] == 2 and not [n for n in os.listdir(out) if ".tmp" in n]
+    assert 2 <= len(metrics(out)) <= 3
+    proc = start(runs["driver"], out, "--resume", nproc=2)
+    code, _, err = finish(proc)
+    assert code == 0, err[-3000:]
+    assert_same_training(out, runs["one"][3])
+
+
+def test_more_processes_than_micro_batches_is_refused_before_writing(runs):
+    code, _, err, out = runs["bad"]
+    ours = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "--grad-accum" in ours[0] and "--nproc_per_node" in ours[0], err[-3000:]
+    assert err.count("exitcode  : 2") == 2 and code != 0  # both ranks exit 2; torchrun reports them
+    assert not os.path.exists(out)
