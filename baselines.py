@@ -51,8 +51,11 @@ HINT_INSTRUCTION = "Give a short hint or solution for this problem.\n\n"
 
 
 def expert_pool(names, args, device, dtype):
+    """The frozen experts, on --expert-device when given (they only run forward, once per prompt: a second GPU,
+    or the CPU to save GPU memory); their pooled states come back to `device`, where g_phi and the policy are."""
     from experts import ExpertPool
-    return ExpertPool(names, device, dtype, args.pooling, args.seed, depth=getattr(args, "expert_depth", 1.0))
+    return ExpertPool(names, getattr(args, "expert_device", None) or device, dtype, args.pooling, args.seed,
+                      depth=getattr(args, "expert_depth", 1.0), out_device=device)
 
 
 def pooled_states(pool, questions, answers, reuse):

@@ -242,13 +242,14 @@ class ExpertPool:
     """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
 
     def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0, max_length=1024,
-                 cache_size=100_000, depth=1.0):
+                 cache_size=100_000, depth=1.0, out_device=None):
         if pooling not in POOLINGS + ("mean",):  # "mean": sentence-embedding pooling of the hard router
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
         if not 0 < depth <= 1 or (depth < 1 and pooling in ("first_layer", "random_layer")):
             raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, got {depth}")
         self.depth = depth  # which block's output is pooled, as a fraction of each expert's depth (1: the last)
         self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
+        self.out_device = out_device or device  # train.py --expert-device: experts run on device, states go here
         self.models = [load_model(n, device, dtype) for n in self.names]
         self.oracle = [n.startswith(ORACLE) for n in self.names]
         self.dims = [m.config.hidden_size for m, _ in self.models]
@@ -260,10 +261,10 @@ class ExpertPool:
         return len(self.models)
 
     def encode(self, questions, experts=None, answers=None):
-        """Pooled states for each question: a list of [B, d_i], one per expert. `experts` restricts to some
-        indices (hard routing); `answers` (gold answers, one per question) only oracle experts read."""
+        """Pooled states for each question: a list of [B, d_i] on out_device, one per expert. `experts` restricts
+        to some indices (hard routing); `answers` (gold answers, one per question) only oracle experts read."""
         experts = range(len(self.models)) if experts is None else experts
-        return [self.encode_one(i, questions, answers) for i in experts]
+        return [self.encode_one(i, questions, answers).to(self.out_device) for i in experts]
 
     @torch.no_grad()
     def encode_one(self, i, questions, answers=None):

@@ -1,0 +1,255 @@
+"""
+A memory plan before a run: what each device of one process will hold, from the models' configs alone.
+
+    python train.py --team default --device cuda --plan        # the paper's team: no download, no GPU needed
+    python train.py --team pocket --worked-example --response-prefix "<think>" --context-position before \
+        --batch-size 4 --grad-accum 1 --group-size 4 --max-new-tokens 48 --plan   # prints, writes nothing
+
+The models are built on PyTorch's meta device (shapes without storage) by the code a run uses: the policy with
+lora.apply_lora, the method with its own constructor (experts.load_model swapped for a meta loader while it
+runs). So the parameter counts are exact, LoRA and g_phi included. A config comes from: tiny (built here),
+pocket (the converted copy's config.json, else the GGUF file's header), a local folder or the hub cache, and for
+the paper's hub models without a cache, HUB_CONFIGS below.
+
+What is counted, per device of one process (under torchrun every process holds the same on its own devices):
+  policy       its frozen weights at --dtype
+  experts      their frozen weights at --dtype (on --expert-device if given), and the activations and KV cache
+               of one forward over a micro-batch's prompts (no gradient)
+  LoRA, g_phi  float32 weights + gradient + AdamW's two moments: 16 bytes a parameter
+  rollout      one micro-batch: a merged copy of the LoRA-wrapped weights (lora.lora_merged), the KV cache of
+               B*G rows x (prompt + m + new tokens) (and the prefill's cache while it is copied into it), the
+               float32 logits of one sampling step
+  loss pass    one micro-batch with gradient: what autograd keeps (ACTIVATIONS_PER_TOKEN_LAYER per token and
+               layer, the attention's keys and values, the float32 logits), and the G-fold repeated prefix cache
+  runtime      on CPU, the resident memory of this very process (Python, torch, transformers imported, no model
+               loaded), measured; on CUDA, the CUDA context, ~0.5 GB (a common figure, not measured here)
+peak = weights + LoRA/g_phi state + max(rollout, loss pass) + runtime.
+
+Deviations / limits: an estimate, checked on CPU against a measured pocket run (README "Many GPUs"); the prompt
+length is that of the first micro-batch when the policy's tokenizer is on disk, else 256 tokens; allocator
+fragmentation and the CUDA caching allocator's slack are not modelled; gpt-oss-20b ships MXFP4 weights, counted
+here at --dtype (bfloat16: ~2x what the MXFP4 file takes).
+
+Try it on CPU:  python train.py --team tiny --device cpu --plan
+"""
+import contextlib
+import math
+import resource
+
+import torch
+
+import experts
+from lora import apply_lora, lora_layers
+
+GB = 2 ** 30
+# Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
+# LoRA (their frozen weights need no gradient, so only inputs are kept): the input of each RMSNorm (2 D), the
+# inputs of the LoRA-wrapped projections (q/k/v share one: D; o_proj: D; gate/up share one: D; down_proj: I),
+# the query (D) and the attention output (D), SiLU's input, its output and the up projection (3 I).
+# Keys and values are counted separately (they span the whole sequence). Total 7 D + 4 I; the LoRA branches'
+# rank-r intermediates are negligible. Checked against torch.autograd.graph.saved_tensors_hooks on
+# SmolLM2-135M (see README "Many GPUs").
+ACTIVATIONS_PER_TOKEN_LAYER = lambda D, I: 7 * D + 4 * I  # noqa: E731
+DEFAULT_PROMPT_TOKENS = 256
+CUDA_CONTEXT = 0.5 * GB
+
+# The paper's hub models, for --plan without a hub: copied by hand from each model's config.json on the Hugging
+# Face hub (hidden size, layers, attention heads, key/value heads, intermediate size, vocabulary, tied embeddings).
+HUB_CONFIGS = {
+    "Qwen/Qwen2.5-3B-Instruct": ("qwen2", 2048, 36, 16, 2, 11008, 151936, True),
+    "Qwen/Qwen2.5-Math-1.5B-Instruct": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
+    "Qwen/Qwen2.5-Coder-7B-Instruct": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False),
+    "meta-llama/Llama-3.2-3B-Instruct": ("llama", 3072, 28, 24, 8, 8192, 128256, True),
+    "microsoft/Phi-3.5-mini-instruct": ("phi3", 3072, 32, 32, 32, 8192, 32064, False),
+    "google/gemma-2-2b-it": ("gemma2", 2304, 26, 8, 4, 9216, 256000, True),      # head_dim 256
+    "mistralai/Mistral-7B-Instruct-v0.3": ("mistral", 4096, 32, 32, 8, 14336, 32768, False),
+    "openai/gpt-oss-20b": ("gpt_oss", 2880, 24, 64, 8, 2880, 201088, False),     # 32 experts, 4 per token
+    "openai-community/gpt2": ("gpt2", 768, 12, 12, 12, 3072, 50257, False),
+    "sentence-transformers/all-MiniLM-L6-v2": ("bert", 384, 6, 12, 12, 1536, 30522, False),
+}
+
+
+def hub_config(spec):
+    import transformers as tf
+    kind, D, L, H, KV, I, V, tied = HUB_CONFIGS[spec]
+    common = dict(vocab_size=V, tie_word_embeddings=tied)
+    if kind == "gpt2":
+        return tf.GPT2Config(n_embd=D, n_layer=L, n_head=H, vocab_size=V)
+    if kind == "bert":
+        return tf.BertConfig(hidden_size=D, num_hidden_layers=L, num_attention_heads=H, intermediate_size=I,
+                             vocab_size=V)
+    cls = {"qwen2": tf.Qwen2Config, "llama": tf.LlamaConfig, "phi3": tf.Phi3Config, "gemma2": tf.Gemma2Config,
+           "mistral": tf.MistralConfig, "gpt_oss": tf.GptOssConfig}[kind]
+    extra = {"head_dim": 256} if kind == "gemma2" else \
+        {"head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4} if kind == "gpt_oss" else {}
+    return cls(hidden_size=D, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV,
+               intermediate_size=I, **common, **extra)
+
+
+def model_config(spec):
+    """The transformers config of a model spec, without loading weights (see the module docstring)."""
+    from transformers import AutoConfig
+    spec = spec.removeprefix(experts.ORACLE)
+    if spec.startswith("tiny:"):
+        return experts.tiny_model(spec[5:])[0].config  # a few thousand weights: built for real
+    if spec.startswith("pocket:"):
+        import pocket_models
+        folder = pocket_models.converted_dir(spec[7:])
+        if (folder / "config.json").exists():
+            return AutoConfig.from_pretrained(folder)
+        where, gguf, _ = pocket_models.locate_pocket_model(spec[7:])
+        return AutoConfig.from_pretrained(where, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(where)
+    if spec in HUB_CONFIGS:
+        return hub_config(spec)
+    try:
+        return AutoConfig.from_pretrained(spec, local_files_only=True)
+    except OSError:
+        raise ValueError(f"--plan: no config for {spec!r} on disk (a local folder, the hub cache or the table "
+                         "in plan.py)") from None
+
+
+def meta_model(spec, device=None, dtype=torch.float32):
+    """(model on the meta device, None): a stand-in for experts.load_model."""
+    import transformers as tf
+    config = model_config(spec)
+    with torch.device("meta"):
+        cls = tf.AutoModel if config.model_type in experts.ENCODER_TYPES else tf.AutoModelForCausalLM
+        model = cls.from_config(config, dtype=dtype)
+    for p in model.parameters():
+        p.requires_grad_(False)
+    return model.eval(), None
+
+
+@contextlib.contextmanager
+def loading_on_meta():
+    real = experts.load_model
+    experts.load_model = meta_model
+    try:
+        yield
+    finally:
+        experts.load_model = real
+
+
+def count(params):
+    return sum(p.numel() for p in {id(p): p for p in params}.values())  # tied weights once
+
+
+def prompt_tokens(args, team):
+    """Tokens of the longest prompt of the first micro-batch (the rollout pads to it), when the policy's
+    tokenizer and the task's items are at hand; else DEFAULT_PROMPT_TOKENS."""
+    try:
+        import rewards
+        from train import batch_indices, policy_prompts
+        spec = team["policy"]
+        if spec.startswith("tiny:"):
+            tok = experts.tiny_tokenizer()
+        elif spec.startswith("pocket:"):
+            import pocket_models
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(pocket_models.converted_dir(spec[7:]))
+        else:
+            from transformers import AutoTokenizer
+            tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
+        items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path,
+                                     args.task_config)
+        idx = batch_indices(0, 0, args.batch_size, args.grad_accum, len(items), args.seed)
+        qs = [items[i]["question"] for i in idx]
+        return max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in policy_prompts(tok, qs, [None] * len(qs), args)), True
+    except Exception:  # no tokenizer or no data here: a typical reasoning-gym prompt with the system prompt
+        return DEFAULT_PROMPT_TOKENS, False
+
+
+def shape(config):
+    """(D, layers, heads, kv heads, head dim, intermediate, vocab) of a decoder or encoder config."""
+    D = getattr(config, "hidden_size", None) or config.n_embd
+    L = getattr(config, "num_hidden_layers", None) or config.n_layer
+    H = getattr(config, "num_attention_heads", None) or config.n_head
+    KV = getattr(config, "num_key_value_heads", None) or H
+    hd = getattr(config, "head_dim", None) or D // H
+    I = getattr(config, "intermediate_size", None) or getattr(config, "n_inner", None) or 4 * D
+    return D, L, H, KV, hd, I, config.vocab_size
+
+
+def estimate(args, world_size=1):
+    """{device: {part: bytes}} for one process, and the assumptions used."""
+    from baselines import METHODS
+    from train import frozen_dtype
+    team = experts.team_models(args)
+    name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(name)
+    expert_device = torch.device(args.expert_device) if args.expert_device else device
+    dtype = frozen_dtype(args.dtype, device)
+    nbytes = torch.finfo(dtype).bits // 8
+    with loading_on_meta():
+        policy, _ = meta_model(team["policy"], dtype=dtype)
+        method = METHODS[args.method](team, policy.config.hidden_size, args, "meta", dtype)
+    apply_lora(policy, args.lora_rank, args.lora_alpha)
+    merged = sum(m.base.weight.numel() for _, m in lora_layers(policy))  # lora_merged's copies
+    lora = 0 if args.freeze_policy else count(p for p in policy.parameters() if p.requires_grad)
+    g_phi = count(p for p in method.parameters() if p.requires_grad)
+    frozen = count(p for p in policy.parameters() if not p.requires_grad)
+    pools = [getattr(method, k) for k in ("pool", "encoder") if hasattr(method, k)]
+    expert_models = [m for pool in pools for m, _ in pool.models]
+    P, measured = prompt_tokens(args, team)
+    B, G, T = args.batch_size, args.group_size, args.max_new_tokens
+    n = len(pools[0].models) if pools else 0
+    ctx = {"hard_routing": 1, "no_xattn": n, "single": 0, "output_collab": 0}.get(args.method, args.num_latents)
+    if args.method == "output_collab":  # the hints are text in the prompt: up to --max-new-tokens per expert
+        P += n * args.max_new_tokens
+    Pc = P + ctx                                                        # prompt + context tokens
+    D, L, H, KV, hd, I, V = shape(policy.config)
+    kv_token = L * 2 * KV * hd * nbytes                                 # one token's keys and values, all layers
+    rollout = {"merged LoRA weights": merged * nbytes,
+               "KV cache": B * G * (2 * Pc + T) * kv_token,              # the cache, and the prefill's while copied
+               "logits of a step": 3 * B * G * V * 4}                   # float32 logits, softmax, cdf
+    act = ACTIVATIONS_PER_TOKEN_LAYER(D, I) * L * nbytes
+    loss = {"activations": (B * Pc + B * G * T) * act,
+            "keys and values": B * G * (Pc + T) * kv_token + B * Pc * kv_token,
+            "logits": B * G * T * V * (nbytes + 4)}                     # the lm head's output and its float32 rows
+    per_expert = []
+    for m in expert_models:
+        d, l, _, kv, ehd, i, _ = shape(m.config)
+        per_expert.append(B * P * (l * 2 * kv * ehd + 2 * d + 2 * i) * nbytes)   # its cache + one layer's work
+    plan = {}
+    pol = plan.setdefault(str(device), {})
+    pol["policy weights"] = frozen * nbytes
+    pol["LoRA + grad + AdamW"] = 16 * lora
+    pol["g_phi + grad + AdamW"] = 16 * g_phi
+    ex = plan.setdefault(str(expert_device), {})
+    ex["expert weights"] = ex.get("expert weights", 0) + count(p for m in expert_models for p in m.parameters()) * nbytes
+    ex["expert forward"] = ex.get("expert forward", 0) + (max(per_expert) if per_expert else 0)
+    pol["rollout (one micro-batch)"] = sum(rollout.values())
+    pol["loss pass (one micro-batch)"] = sum(loss.values())
+    for d in {str(device), str(expert_device)}:
+        plan[d]["runtime"] = CUDA_CONTEXT if d.startswith("cuda") else \
+            resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: kilobytes
+    info = dict(prompt_tokens=P, prompt_measured=measured, context_tokens=ctx, dtype=str(dtype).split(".")[-1],
+                params=dict(policy=frozen, experts=count(p for m in expert_models for p in m.parameters()),
+                            lora=lora, g_phi=g_phi), rollout=rollout, loss=loss, processes=world_size)
+    return plan, info
+
+
+def peak(parts):
+    """Everything resident at once: the larger of the rollout and the loss pass, not both."""
+    phases = ("rollout (one micro-batch)", "loss pass (one micro-batch)")
+    return sum(v for k, v in parts.items() if k not in phases) + max([parts.get(k, 0) for k in phases])
+
+
+def main(args, world):
+    if world.rank != 0:
+        return None
+    plan, info = estimate(args, world.size)
+    p = info["params"]
+    print(f"memory plan: --team {args.team} --method {args.method}, {info['dtype']} frozen weights; parameters: "
+          f"policy {p['policy'] / 1e9:.3f} B, experts {p['experts'] / 1e9:.3f} B, LoRA {p['lora'] / 1e6:.2f} M, "
+          f"g_phi {p['g_phi'] / 1e6:.2f} M")
+    print(f"one micro-batch: {args.batch_size} prompts x G {args.group_size}, prompt {info['prompt_tokens']} tokens"
+          f" ({'measured on the first micro-batch' if info['prompt_measured'] else 'assumed'}) + "
+          f"{info['context_tokens']} context + {args.max_new_tokens} new")
+    for device, parts in plan.items():
+        print(f"{device}: peak ~{peak(parts) / GB:.2f} GB")
+        for k, v in parts.items():
+            print(f"  {k:30s} {v / GB:8.3f} GB")
+    if world.size > 1:
+        print(f"each of the {world.size} processes holds the above on its own device(s)")
+    return None
