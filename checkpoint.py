@@ -23,8 +23,10 @@ import torch
 
 from lora import load_lora_state_dict, lora_state_dict
 
-# Flags a resumed run may change: none of them changes the maths of a step.
-RESUME_MAY_CHANGE = {"steps", "device", "out", "resume", "save_every", "sample_every", "max_bad_steps"}
+# Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
+# processes: a run may resume with another.)
+RESUME_MAY_CHANGE = {"steps", "device", "expert_device", "plan", "out", "resume", "save_every", "sample_every",
+                     "max_bad_steps"}
 
 
 def sigkill_hook(point, step):

@@ -374,7 +374,8 @@ def main(argv=None, score_batch=None):
     try:
         check_models(models)
         if args.expert_device:
-            pick_device(args.expert_device)  # raises if it is not there
+            if args.expert_device.startswith("cuda") and not torch.cuda.is_available():
+                raise ValueError(f"--expert-device {args.expert_device}: CUDA is not available")
             if world.size > 1 and args.expert_device.startswith("cuda"):
                 raise ValueError(f"--expert-device {args.expert_device}: under torchrun every process would load "
                                  "its experts there; use --expert-device cpu, or one process")

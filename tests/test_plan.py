@@ -1,0 +1,106 @@
+"""--plan (plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
+autograd keeps, it writes nothing; experts can run on another device and their states come back."""
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import plan
+import train
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "64", "--system-prompt",
+        "simple", "--batch-size", "2", "--grad-accum", "1", "--group-size", "4", "--max-new-tokens", "8",
+        "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
+
+
+@pytest.mark.parametrize("method", ["ours", "no_xattn", "hard_routing", "soft_prompt", "single", "identical"])
+def test_plan_counts_the_parameters_a_run_builds(method):
+    """Parity: the meta-device build gives the same counts as loading the models for real."""
+    args = train.parse_args(TINY + ["--method", method])
+    _, info = plan.estimate(args)
+    run = train.build_run(args, torch.device("cpu"))
+    real = {"policy": sum(p.numel() for p in run["policy"].parameters() if not p.requires_grad),
+            "lora": sum(p.numel() for p in run["policy"].parameters() if p.requires_grad),
+            "g_phi": sum(p.numel() for p in run["method"].parameters() if p.requires_grad)}
+    pools = [getattr(run["method"], k) for k in ("pool", "encoder") if hasattr(run["method"], k)]
+    real["experts"] = sum(p.numel() for pool in pools for m, _ in pool.models for p in m.parameters())
+    assert info["params"] == real
+
+
+def test_activation_count_matches_what_autograd_keeps():
+    """The loss pass's saved tensors (distinct storages, weights excluded), measured with saved_tensors_hooks
+    on the tiny policy, against plan's count for the same shapes: within 10 %."""
+    import rollout
+    from experts import load_model
+    from lora import apply_lora
+    args = train.parse_args(TINY + ["--batch-size", "2", "--group-size", "4", "--max-new-tokens", "16"])
+    policy, _ = load_model("tiny:llama")
+    apply_lora(policy, 8, 16)
+    B, G, T, m = 2, 4, 16, 4
+    _, info = plan.estimate(args)
+    P = info["prompt_tokens"]
+    weights = {p.untyped_storage().data_ptr() for p in policy.parameters()}
+    seen = {}
+
+    def pack(t):
+        ptr = t.untyped_storage().data_ptr()
+        if ptr not in weights:
+            seen[ptr] = t.untyped_storage().nbytes()
+        return t
+
+    torch.manual_seed(0)
+    ids, mask = torch.randint(0, 250, (B, P)), torch.ones(B, P, dtype=torch.bool)
+    C = torch.zeros(B, m, 64, requires_grad=True)
+    comp, comp_mask = torch.randint(0, 250, (B * G, T)), torch.ones(B * G, T, dtype=torch.bool)
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        rollout.completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0, "after")
+    loss = info["loss"]
+    V = policy.config.vocab_size
+    estimated = loss["activations"] + loss["keys and values"] + B * G * T * V * 4  # the float32 rows autograd keeps
+    assert sum(seen.values()) == pytest.approx(estimated, rel=0.10)
+
+
+def test_plan_prints_and_writes_nothing(tmp_path):
+    out = str(tmp_path / "never")
+    res = subprocess.run([sys.executable, "train.py", *TINY, "--plan", "--out", out], cwd=ROOT, capture_output=True,
+                         text=True, timeout=300)
+    assert res.returncode == 0, res.stderr[-2000:]
+    assert "cpu: peak" in res.stdout and "LoRA + grad + AdamW" in res.stdout
+    assert not os.path.exists(out)
+
+
+def test_plan_knows_the_paper_teams_without_a_hub():
+    for team, experts_b in (("default", 12.37), ("generalist", 15.23), ("llm", 30.07)):
+        args = train.parse_args(["--team", team, "--device", "cuda", "--task", "arithmetic"])
+        parts, info = plan.estimate(args)
+        assert info["params"]["policy"] / 1e9 == pytest.approx(3.09, abs=0.01)  # Qwen2.5-3B
+        assert info["params"]["experts"] / 1e9 == pytest.approx(experts_b, abs=0.01)
+        assert info["dtype"] == "bfloat16" and list(parts) == ["cuda"]
+
+
+def test_experts_run_on_their_device_and_their_states_come_back():
+    """On a CPU machine the only other device is meta: states produced on the CPU must arrive there."""
+    from experts import TEAMS, ExpertPool
+    pool = ExpertPool(TEAMS["tiny"]["experts"], "cpu", out_device=torch.device("meta"))
+    states = pool.encode(["What is 2 + 2?"])
+    assert [h.device.type for h in states] == ["meta"] * 3 and pool.models[0][0].device.type == "cpu"
+
+
+def test_expert_device_trains(tmp_path):
+    out = str(tmp_path / "run")
+    train.main(TINY + ["--steps", "1", "--expert-device", "cpu", "--out", out])
+    assert os.path.exists(os.path.join(out, "checkpoint.pt"))
+
+
+@pytest.mark.parametrize("value", ["tpu", "cuda:1"])
+def test_bad_expert_device_fails_in_one_line(value, tmp_path, capfd):
+    if value.startswith("cuda") and torch.cuda.is_available():
+        pytest.skip("CUDA is here")
+    out = str(tmp_path / "run")
+    with pytest.raises(SystemExit) as exc:
+        train.main(TINY + ["--steps", "1", "--expert-device", value, "--out", out])
+    lines = capfd.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(lines) == 1 and "--expert-device" in lines[0] and not os.path.exists(out)
