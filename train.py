@@ -2,6 +2,8 @@
 Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts.
 
     python train.py --task arithmetic --team default                 # the paper's setting (one CUDA GPU)
+    torchrun --standalone --nproc_per_node 8 train.py --task arithmetic --team default   # 8 GPUs (distributed.py)
+    python train.py --task arithmetic --team default --device cuda --plan                # memory per GPU (plan.py)
     python train.py --task chain_sum --team tiny --steps 3 --batch-size 2 --grad-accum 1 --group-size 4 \
         --max-new-tokens 16 --out runs/smoke                         # seconds, on any CPU
 
@@ -22,7 +24,8 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
 
 Failure modes (tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before anything
 in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the checkpoint holding the
-last good weights; a killed run continues exactly with --resume (checkpoint.py).
+last good weights; a killed run continues exactly with --resume (checkpoint.py); under torchrun, a rank that dies
+stops the job with exit code 3 (distributed.py).
 """
 import argparse
 import glob
