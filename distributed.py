@@ -95,6 +95,14 @@ def finish(world):
         dist.destroy_process_group()
 
 
+def barrier(world):
+    """Wait until every rank gets here (before stopping together: torchrun ends the job when one rank exits
+    with an error, so the others must not exit while rank 0 still writes)."""
+    if world.size > 1:
+        import torch.distributed as dist
+        _collective(world, dist.barrier)
+
+
 def _died(world, why):
     """A rank died or the job was stopped: one line, exit code 3. os._exit, because the process group's
     destructors may wait for a peer that is gone; rank 0's files are whole (checkpoints are written to a

@@ -415,7 +415,8 @@ def main(argv=None, score_batch=None):
         bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
         if not writer:  # the other ranks took their share of the step; rank 0 logs and saves it
             if bad_steps >= args.max_bad_steps:
-                fail("", code=3)  # rank 0 says why
+                distributed.barrier(world)  # rank 0 has saved the checkpoint: stop too (it says why)
+                fail("", code=3)
             continue
         with open(metrics_path, "a") as f:  # strict JSON: NaN is written as null
             f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
@@ -435,6 +436,7 @@ def main(argv=None, score_batch=None):
             save_checkpoint(ckpt_path, step + 1, run["policy"], run["method"], run["optimizer"], run["pool"])
         if bad_steps >= args.max_bad_steps:  # the skipped steps left the weights as they were, and saved
             bar.close()  # so that the message gets a line of its own
+            distributed.barrier(world)  # the others stop with rank 0, not while it saves (torchrun would end it)
             fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. The "
                  f"last good weights are in {ckpt_path}; try a lower --lr / --router-lr", code=3)
     if writer:

@@ -26,7 +26,10 @@ sys.path[:0] = [{root!r}, {tests!r}]
 torch.set_num_threads(1)
 if os.environ.get("KILL_RANK") and os.environ.get("RANK") == os.environ["KILL_RANK"]:
     os.environ["NMUSK_TEST_SIGKILL"] = os.environ["KILL_AT"]
-import train, test_train
+import grpo, train, test_train
+if os.environ.get("NAN_LOSS"):  # every loss NaN: every update is skipped
+    real = grpo.grpo_loss
+    grpo.grpo_loss = lambda *a, **k: (lambda loss, m: (loss * float("nan"), m))(*real(*a, **k))
 train.main(sys.argv[1:], score_batch=test_train.letter_reward)
 """
 
@@ -59,17 +62,18 @@ def checkpoint(out):
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    """{"one", "two", "killed", "bad": (returncode, stdout, stderr, out)}, all started at once."""
+    """{"one", "two", "killed", "bad", "nan": (returncode, stdout, stderr, out)}, all started at once."""
     tmp = tmp_path_factory.mktemp("distributed")
     driver = str(tmp / "driver.py")
     with open(driver, "w") as f:
         f.write(DRIVER.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
-    outs = {k: str(tmp / k) for k in ("one", "two", "killed", "bad")}
+    outs = {k: str(tmp / k) for k in ("one", "two", "killed", "bad", "nan")}
     procs = {"one": start(driver, outs["one"]),
              "two": start(driver, outs["two"], nproc=2),
              # rank 1 dies (SIGKILL, as the OOM killer would) after its update of step 3; rank 0 saved step 2
              "killed": start(driver, outs["killed"], nproc=2, env={"KILL_RANK": "1", "KILL_AT": "step:3"}),
-             "bad": start(driver, outs["bad"], "--grad-accum", "1", nproc=2)}
+             "bad": start(driver, outs["bad"], "--grad-accum", "1", nproc=2),
+             "nan": start(driver, outs["nan"], "--max-bad-steps", "2", nproc=2, env={"NAN_LOSS": "1"})}
     done = {k: (*finish(p), outs[k]) for k, p in procs.items()}
     done["driver"] = driver
     return done
@@ -137,5 +141,17 @@ def test_more_processes_than_micro_batches_is_refused_before_writing(runs):
     code, _, err, out = runs["bad"]
     ours = [line for line in err.splitlines() if line.startswith("error: ")]
     assert len(ours) == 1 and "--grad-accum" in ours[0] and "--nproc_per_node" in ours[0], err[-3000:]
-    assert err.count("exitcode  : 2") == 2 and code != 0  # both ranks exit 2; torchrun reports them
+    # rank 0 exits with 2; torchrun then stops the other rank (if it is not done already) and exits 1 itself
+    assert "exitcode  : 2" in err and code != 0
     assert not os.path.exists(out)
+
+
+def test_max_bad_steps_stops_every_rank_after_rank_0_saved(runs):
+    """Both ranks skip the same updates (the losses are gathered before deciding) and stop together with code 3;
+    the other rank waits for rank 0's checkpoint, so torchrun does not end rank 0 while it writes."""
+    code, _, err, out = runs["nan"]
+    ours = [line for line in err.splitlines() if line.startswith("error: ")]
+    assert len(ours) == 1 and "--max-bad-steps" in ours[0], err[-3000:]
+    assert err.count("exitcode  : 3") >= 1 and "exitcode  : -" not in err and code != 0
+    assert [r["skipped_update"] for r in metrics(out)] == [True, True]
+    assert checkpoint(out)["step"] == 2 and not [n for n in os.listdir(out) if ".tmp" in n]
