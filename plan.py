@@ -48,8 +48,8 @@ GB = 2 ** 30
 # the query (D), SiLU's input, its output and the up projection (3 I): 6 D + 4 I; the LoRA branches' rank-r
 # intermediates are negligible. Keys and values are counted apart, over the whole sequence and at the query's
 # head count (transformers' SDPA path repeats grouped key/value heads before attention). Checked with
-# torch.autograd.graph.saved_tensors_hooks on SmolLM2-135M, B 4, G 4, 211 + 48 tokens: 2.63 GB of distinct
-# saved storage besides the weights, against 2.62 GB from these counts (tests/test_plan.py: the tiny policy).
+# torch.autograd.graph.saved_tensors_hooks on SmolLM2-135M, B 4, G 4, 211 + 48 tokens: 2.58 GiB of distinct
+# saved storage besides the weights, against 2.51 GiB from these counts (tests/test_plan.py: the tiny policy).
 ACTIVATIONS_PER_TOKEN_LAYER = lambda D, I: 6 * D + 4 * I  # noqa: E731
 DEFAULT_PROMPT_TOKENS = 256
 CUDA_CONTEXT = 0.5 * GB
