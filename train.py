@@ -514,7 +514,7 @@ def validation_scores(run, args):
     items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path, args.task_config)
     items = [items[i] for i in range(min(args.eval_items, len(items)))]
     run["policy"].eval(), run["method"].eval()
-    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args)
+    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args, batch_size=50)
     run["policy"].train(), run["method"].train()
     return per_item["with_C"]["score"]
 
