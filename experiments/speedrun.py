@@ -8,12 +8,11 @@ items reaches 30 %, for `single`, `ours` and TRL's GRPOTrainer, and what each of
 What is measured, per run (a contender and a seed):
   - Training runs in its own process pinned to --train-core with one thread. The clock runs around each
     optimiser step only; model loading, checkpoint writes and evaluation are not counted.
-  - Every --eval-every steps the trainable weights (LoRA, g_phi) are written. An evaluator process pinned to
-    --eval-core scores the newest one on the same --items validation items (greedy, the task's own scorer:
-    evaluate.score_items) while training goes on. When a score reaches --target, training stops; then the
-    checkpoints it skipped since its last evaluated miss are scored in order, and the time reported is that of
-    the first one at or above the target. (A checkpoint before the last miss is never scored: a noisy early hit
-    there would be missed, so the figure is, if anything, late.)
+  - Every --eval-every steps the clock stops and the policy is scored on the same --items validation items
+    (greedy, the task's own scorer: evaluate.score_items, so never the format bonus); the first score at or above
+    --target ends the run, and its clock is the run's time to target. (An evaluator process on the other core
+    would let training go on meanwhile; on a machine whose other core is busy, as here, it only competes for
+    memory and makes no difference to the clock.)
   - The median over seeds; a run that never reaches the target within --max-steps / --max-seconds counts as
     not reached (null), and the median is null when most seeds did not reach it.
 
@@ -26,7 +25,6 @@ clip, LoRA (r 8, alpha 16, the same 7 projections), AdamW settings and the rewar
 Ablations (ours, seed 0): SPEEDRUN with one lever set back to the old pocket protocol at a time.
 """
 import argparse
-import glob
 import json
 import os
 import statistics
@@ -34,7 +32,6 @@ import subprocess
 import sys
 import tempfile
 import time
-from types import SimpleNamespace
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
@@ -56,67 +53,66 @@ LEVERS = {  # lever -> the flags that switch it back to the pocket protocol
 # The trainer: one process per run; the clock runs around each optimiser step only
 
 
-def save_weights(folder, step, seconds, lora, method):
-    import torch
-    path = os.path.join(folder, "ckpt", f"{step:05d}.pt")
-    torch.save({"step": step, "seconds": seconds, "lora": lora, "method": method}, path + ".tmp")
-    os.replace(path + ".tmp", path)
+class Validation:
+    """The greedy score on the run's validation items, recorded with the training clock; True at the target."""
+
+    def __init__(self, folder, args, o):
+        import rewards
+        items = rewards.load_entries(args.task, "val", o["items"], args.seed, None, args.task_config)
+        self.items, self.args, self.o = [items[i] for i in range(o["items"])], args, o
+        self.path = os.path.join(folder, "evals.jsonl")
+
+    def __call__(self, step, seconds, policy, tok, method, eos_ids):
+        import evaluate
+        was_training = policy.training
+        policy.eval(), method.eval()
+        per_item, _ = evaluate.score_items(policy, tok, method, eos_ids, self.items, self.args, batch_size=50)
+        policy.train(was_training), method.train()
+        score = sum(per_item["with_C"]["score"]) / len(self.items)
+        with open(self.path, "a") as f:
+            f.write(json.dumps({"step": step, "seconds": seconds, "score": score}) + "\n")
+        return score >= self.o["target"]
 
 
 def train_worker(folder, kind, flags, o):
     import torch
     import rewards
     import train
-    from lora import lora_state_dict
     torch.set_num_threads(1)
     args = train.parse_args(TASK + flags + ["--method", "single" if kind == "trl" else kind, "--seed", str(o["seed"]),
                                             "--steps", str(o["max_steps"]), "--out", folder])
-    os.makedirs(os.path.join(folder, "ckpt"), exist_ok=True)
-    stop = lambda seconds: os.path.exists(os.path.join(folder, "STOP")) or seconds > o["max_seconds"]  # noqa: E731
     if kind == "trl":
-        return trl_train(folder, args, o, stop)
+        return trl_train(folder, args, o)
     run = train.build_run(args, torch.device("cpu"))
-    train.write_json(os.path.join(folder, "config.json"), {**vars(args), "team_models": run["team"]})
-    clock = 0.0
+    validate, clock = Validation(folder, args, o), 0.0
     for step in range(args.steps):
         t0 = time.perf_counter()
         rec, _ = train.grpo_step(step, run, args, rewards.score_batch)
         clock += time.perf_counter() - t0
         with open(os.path.join(folder, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({**rec, "clock": clock}) + "\n")
-        if (step + 1) % o["eval_every"] == 0:
-            save_weights(folder, step + 1, clock, lora_state_dict(run["policy"]), run["method"].state_dict())
-            wait_for_evaluator(folder, stop, clock)
-        if stop(clock):
+        if (step + 1) % o["eval_every"] == 0 and validate(step + 1, clock, run["policy"], run["tok"], run["method"],
+                                                          run["eos_ids"]):
+            break
+        if clock > o["max_seconds"]:
             break
 
 
-def wait_for_evaluator(folder, stop, clock, lag=2):
-    """Pause (off the clock) while `lag` or more checkpoints wait for a score: training far past the step that
-    reached the target would only waste the core."""
-    while not stop(clock):
-        n_scored = sum(1 for _ in open(os.path.join(folder, "evals.jsonl"))) if os.path.exists(
-            os.path.join(folder, "evals.jsonl")) else 0
-        if len(glob.glob(os.path.join(folder, "ckpt", "*.pt"))) - n_scored < lag:
-            return
-        time.sleep(1)
-
-
-def trl_train(folder, args, o, stop):
-    """TRL's own loop; a callback keeps the clock (step begin to step end) and writes the LoRA weights under
-    our names, so that the evaluator scores TRL's policy exactly as ours."""
+def trl_train(folder, args, o):
+    """TRL's own loop; a callback keeps the clock (step begin to step end) and, every --eval-every steps, copies
+    TRL's LoRA weights into our copy of the policy, so that TRL's policy is scored exactly as ours."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
+    import evaluate
     import rewards
     import train
     from experts import load_model, team_models
-    from lora import DEFAULT_TARGETS
-    team = team_models(args)
+    from lora import DEFAULT_TARGETS, load_lora_state_dict
+    args.team_models = team = team_models(args)
     policy, tok = load_model(team["policy"])
-    train.write_json(os.path.join(folder, "config.json"), {**vars(args), "team_models": team})
     items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, None, args.task_config)
     rows = [items[i] for s in range(args.steps) for i in train.batch_indices(s, 0, args.batch_size, 1, len(items),
                                                                              args.seed)]  # our data order
@@ -130,11 +126,11 @@ def trl_train(folder, args, o, stop):
         output_dir=tempfile.mkdtemp(prefix="speedrun-trl-"), per_device_train_batch_size=args.batch_size * args.group_size,
         num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=args.temperature,
         beta=args.beta, epsilon=args.clip_eps, loss_type="grpo", learning_rate=args.lr,
-        lr_scheduler_type="constant_with_warmup" if args.lr_schedule == "constant" else args.lr_schedule, warmup_steps=args.warmup_steps, weight_decay=args.weight_decay,
-        adam_epsilon=args.adam_eps, max_grad_norm=args.grad_clip, max_steps=args.steps, seed=args.seed,
-        bf16=False, use_cpu=True, report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True,
-        shuffle_dataset=False)
-    clock = {"seconds": 0.0}
+        lr_scheduler_type="constant_with_warmup" if args.lr_schedule == "constant" else args.lr_schedule,
+        warmup_steps=args.warmup_steps, weight_decay=args.weight_decay, adam_epsilon=args.adam_eps,
+        max_grad_norm=args.grad_clip, max_steps=args.steps, seed=args.seed, bf16=False, use_cpu=True,
+        report_to="none", logging_strategy="no", save_strategy="no", disable_tqdm=True, shuffle_dataset=False)
+    validate, clock, ours = Validation(folder, args, o), {"seconds": 0.0}, {}
 
     class Clock(TrainerCallback):
         def on_step_begin(self, a, state, control, **kw):
@@ -145,68 +141,15 @@ def trl_train(folder, args, o, stop):
             if state.global_step % o["eval_every"] == 0:
                 lora = {k.replace("base_model.model.", "", 1).replace(".default.weight", ""): v.detach().clone()
                         for k, v in trainer.model.named_parameters() if "lora_" in k}
-                save_weights(folder, state.global_step, clock["seconds"], lora, {})
-                wait_for_evaluator(folder, stop, clock["seconds"])
-            control.should_training_stop = stop(clock["seconds"])
-    torch.set_num_threads(1)
+                if not ours:  # our copy of the policy with our LoRA, loaded once
+                    ours["model"] = evaluate.load_policy(args, lora, None)
+                load_lora_state_dict(ours["model"][0], lora)
+                control.should_training_stop = validate(state.global_step, clock["seconds"], *ours["model"])
+            control.should_training_stop |= clock["seconds"] > o["max_seconds"]
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
                           peft_config=LoraConfig(r=args.lora_rank, lora_alpha=args.lora_alpha, lora_dropout=0.0,
                                                  target_modules=list(DEFAULT_TARGETS)), callbacks=[Clock()])
     trainer.train()
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# The evaluator: newest checkpoint first while training runs, then the skipped ones before a hit
-
-
-def eval_worker(folder, o):
-    import torch
-    import evaluate
-    import rewards
-    from lora import load_lora_state_dict
-    torch.set_num_threads(1)
-    while not glob.glob(os.path.join(folder, "ckpt", "*.pt")):
-        time.sleep(2)
-    with open(os.path.join(folder, "config.json")) as f:
-        args = SimpleNamespace(**json.load(f))
-    items = rewards.load_entries(args.task, "val", o["items"], args.seed, None, args.task_config)
-    items = [items[i] for i in range(o["items"])]
-    scored, hit, model = {}, None, None
-
-    def score(step):
-        nonlocal model
-        state = torch.load(os.path.join(folder, "ckpt", f"{step:05d}.pt"), weights_only=False)
-        if model is None:
-            model = evaluate.load_policy(args, state["lora"], state["method"] or None)
-        load_lora_state_dict(model[0], state["lora"])
-        if state["method"]:
-            model[2].load_state_dict(state["method"])
-        per_item, _ = evaluate.score_items(*model, items, args, batch_size=50)  # greedy; the batch only changes rounding
-        scored[step] = s = sum(per_item["with_C"]["score"]) / len(items)
-        with open(os.path.join(folder, "evals.jsonl"), "a") as f:
-            f.write(json.dumps({"step": step, "seconds": state["seconds"], "score": s}) + "\n")
-        return s
-
-    while True:
-        steps = sorted(int(os.path.basename(p)[:5]) for p in glob.glob(os.path.join(folder, "ckpt", "*.pt")))
-        pending = [s for s in steps if s not in scored]
-        if hit is None:  # training runs: the newest checkpoint
-            if pending:
-                if score(pending[-1]) >= o["target"]:
-                    hit = pending[-1]
-                    open(os.path.join(folder, "STOP"), "w").close()
-            elif os.path.exists(os.path.join(folder, "DONE")):
-                break
-            else:
-                time.sleep(2)
-            continue
-        last_miss = max([s for s in scored if s < hit and scored[s] < o["target"]], default=0)
-        todo = [s for s in steps if last_miss < s < hit and s not in scored]
-        if not todo:
-            break
-        if score(todo[0]) >= o["target"]:
-            hit = todo[0]
-    return hit
 
 
 # ---------------------------------------------------------------------------------------------------------------
@@ -217,33 +160,25 @@ def run_one(folder, kind, flags, seed, a):
     o = dict(seed=seed, eval_every=a.eval_every, max_steps=a.max_steps, max_seconds=a.max_seconds, items=a.items,
              target=a.target)
     if not os.path.exists(os.path.join(folder, "result.json")):
-        for name in ("ckpt", "metrics.jsonl", "evals.jsonl", "STOP", "DONE", "config.json"):  # a fresh start
-            subprocess.run(["rm", "-rf", os.path.join(folder, name)], check=True)
-        os.makedirs(folder, exist_ok=True)
+        subprocess.run(["rm", "-rf", folder], check=True)  # an unfinished run starts again
+        os.makedirs(folder)
         env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false"}
-        spawn = lambda core, *w: subprocess.Popen(  # noqa: E731
-            ["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--worker", *w, "--opts",
-             json.dumps(o)], cwd=ROOT, env=env, stdout=open(os.path.join(folder, f"{w[0]}.log"), "w"),
-            stderr=subprocess.STDOUT)
-        trainer = spawn(a.train_core, "train", folder, kind, json.dumps(flags))
-        evaluator = spawn(a.eval_core, "eval", folder)
-        if trainer.wait() != 0:
-            evaluator.kill()
-            raise RuntimeError(f"the trainer of {folder} failed; see {folder}/train.log")
-        open(os.path.join(folder, "DONE"), "w").close()
-        if evaluator.wait() != 0:
-            raise RuntimeError(f"the evaluator of {folder} failed; see {folder}/eval.log")
+        with open(os.path.join(folder, "train.log"), "w") as log:
+            code = subprocess.run(["taskset", "-c", str(a.core), sys.executable, os.path.abspath(__file__), "--worker",
+                                   folder, kind, json.dumps(flags), "--opts", json.dumps(o)], cwd=ROOT, env=env,
+                                  stdout=log, stderr=subprocess.STDOUT).returncode
+        if code != 0:
+            raise RuntimeError(f"the run in {folder} failed; see {folder}/train.log")
         with open(os.path.join(folder, "evals.jsonl")) as f:
-            evals = sorted((json.loads(ln) for ln in f), key=lambda e: e["step"])
-        hits = [e for e in evals if e["score"] >= a.target]
-        misses = [e["step"] for e in evals if e["score"] < a.target]
-        first = next((e for e in hits if e["step"] > max([m for m in misses if m < hits[0]["step"]], default=0)),
-                     None) if hits else None
-        with open(os.path.join(folder, "metrics.jsonl")) as f:
-            steps = [json.loads(ln) for ln in f] if kind != "trl" else []
+            evals = [json.loads(ln) for ln in f]
+        first = next((e for e in evals if e["score"] >= a.target), None)
+        steps = []
+        if os.path.exists(os.path.join(folder, "metrics.jsonl")):  # ours and single (TRL keeps its own)
+            with open(os.path.join(folder, "metrics.jsonl")) as f:
+                steps = [json.loads(ln) for ln in f]
         result = dict(seed=seed, seconds_to_target=first and first["seconds"], steps_to_target=first and first["step"],
-                      evals=evals, steps_trained=len(steps) or None,
-                      seconds_per_step=statistics.median([s["seconds"] for s in steps]) if steps else None)
+                      evals=evals, seconds_per_step=statistics.median([s["seconds"] for s in steps]) if steps else
+                      (evals[-1]["seconds"] / evals[-1]["step"] if evals else None))
         with open(os.path.join(folder, "result.json"), "w") as f:
             json.dump(result, f, indent=1)
     with open(os.path.join(folder, "result.json")) as f:
@@ -270,8 +205,7 @@ def main():
     p.add_argument("--eval-every", type=int, default=2, help="write the weights every N steps")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--max-seconds", type=float, default=1200, help="training seconds after which a run gives up")
-    p.add_argument("--train-core", type=int, default=1)
-    p.add_argument("--eval-core", type=int, default=0)
+    p.add_argument("--core", type=int, default=1, help="the core every run is pinned to (one thread)")
     p.add_argument("--runs", default=os.path.join(ROOT, "runs", "speedrun"))
     p.add_argument("--out", default=os.path.join(ROOT, "results", "speedrun.json"))
     p.add_argument("--worker", nargs="+", help=argparse.SUPPRESS)
@@ -279,10 +213,9 @@ def main():
     a = p.parse_args(sys.argv[2:] if sys.argv[1:2] == ["--speedrun"] else None)
     if a.worker:
         sys.path.insert(0, ROOT)
-        o = json.loads(a.opts)
-        return train_worker(a.worker[1], a.worker[2], json.loads(a.worker[3]), o) if a.worker[0] == "train" \
-            else eval_worker(a.worker[1], o)
-    plan = [(c, c, SPEEDRUN, s) for c in a.contenders for s in (a.trl_seeds or a.seeds if c == "trl" else a.seeds)]
+        return train_worker(a.worker[0], a.worker[1], json.loads(a.worker[2]), json.loads(a.opts))
+    seeds = lambda c: a.trl_seeds if c == "trl" and a.trl_seeds is not None else a.seeds  # noqa: E731
+    plan = [(c, c, SPEEDRUN, s) for s in a.seeds for c in a.contenders if s in seeds(c)]  # seed by seed
     if not a.no_ablations:
         plan += [(f"ours without {lever}", "ours", SPEEDRUN + off, a.seeds[0]) for lever, off in LEVERS.items()]
     report, t_start = load(a.out), time.time()
@@ -311,7 +244,7 @@ def write(a, report):
     report["ratio_ours_vs_trl"] = o / t if o and t else None
     report["setup"] = dict(task=TASK, speedrun_flags=SPEEDRUN, pocket_flags=POCKET, levers=LEVERS, target=a.target,
                            items=a.items, eval_every=a.eval_every, max_steps=a.max_steps, max_seconds=a.max_seconds,
-                           threads=1, train_core=a.train_core, eval_core=a.eval_core)
+                           threads=1, core=a.core)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
         json.dump({k: v for k, v in report.items() if k != "runs"} | {"runs": report.get("runs", {})}, f, indent=1)
