@@ -25,6 +25,7 @@ clip, LoRA (r 8, alpha 16, the same 7 projections), AdamW settings and the rewar
 Ablations (ours, seed 0): SPEEDRUN with one lever set back to the old pocket protocol at a time.
 """
 import argparse
+import fcntl
 import json
 import os
 import statistics
@@ -196,13 +197,14 @@ def contender(results):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--contenders", nargs="+", default=["ours", "single", "trl"], choices=["ours", "single", "trl"])
+    p.add_argument("--contenders", nargs="*", default=["ours", "single", "trl"], choices=["ours", "single", "trl"],
+                   help="none: only the ablations")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--trl-seeds", nargs="+", type=int, default=None, help="seeds for trl (default: --seeds)")
     p.add_argument("--no-ablations", action="store_true", help="skip the one-lever-off runs of ours")
     p.add_argument("--target", type=float, default=0.30, help="validation score to reach")
     p.add_argument("--items", type=int, default=100, help="validation items (greedy)")
-    p.add_argument("--eval-every", type=int, default=2, help="write the weights every N steps")
+    p.add_argument("--eval-every", type=int, default=1, help="score the policy every N optimiser steps")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--max-seconds", type=float, default=1200, help="training seconds after which a run gives up")
     p.add_argument("--core", type=int, default=1, help="the core every run is pinned to (one thread)")
@@ -218,24 +220,23 @@ def main():
     plan = [(c, c, SPEEDRUN, s) for s in a.seeds for c in a.contenders if s in seeds(c)]  # seed by seed
     if not a.no_ablations:
         plan += [(f"ours without {lever}", "ours", SPEEDRUN + off, a.seeds[0]) for lever, off in LEVERS.items()]
-    report, t_start = load(a.out), time.time()
+    t_start = time.time()
     for label, kind, flags, seed in plan:
         folder = os.path.join(a.runs, label.replace(" ", "_").replace("/", "-"), f"s{seed}")
         print(f"[{time.time() - t_start:5.0f} s] {label} seed {seed}", flush=True)
         r = run_one(folder, kind, flags, seed, a)
         print(f"    -> {r['seconds_to_target']} s to {a.target:.0%} (steps {r['steps_to_target']}); evals "
               + ", ".join(f"{e['step']}:{e['score']:.2f}" for e in r["evals"]), flush=True)
-        runs = report.setdefault("runs", {}).setdefault(label, {})
-        runs[str(seed)] = r
-        report[label] = contender(list(runs.values()))
-        write(a, report)
-
-
-def load(path):
-    if os.path.exists(path):
-        with open(path) as f:
-            return json.load(f)
-    return {}
+        with open(a.out + ".lock", "w") as lock:  # two of these may run at once, one per core
+            fcntl.flock(lock, fcntl.LOCK_EX)
+            report = {}
+            if os.path.exists(a.out):
+                with open(a.out) as f:
+                    report = json.load(f)
+            runs = report.setdefault("runs", {}).setdefault(label, {})
+            runs[str(seed)] = r
+            report[label] = contender(list(runs.values()))
+            write(a, report)
 
 
 def write(a, report):
