@@ -18,6 +18,9 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example / --response-prefix (a 135M policy
      never writes the answer tags with the paper's prompt: 0 of 64 samples did), --context-position before,
      --clip-per-group, and two controls: --reward random, --method identical / soft_prompt (baselines.py).
+     The speedrun's levers (README "Speedrun"): --format-bonus (training reward only), --dynamic-sampling,
+     --rollout-dtype bfloat16 with --tis-cap, --lr-schedule / --warmup-steps; --eval-items scores the policy
+     before and after training.
   3. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
 
 Failure modes (tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before anything

@@ -8,7 +8,8 @@ items reaches 30 %, for `single`, `ours` and TRL's GRPOTrainer, and what each of
 What is measured, per run (a contender and a seed):
   - Training runs in its own process pinned to --train-core with one thread. The clock runs around each
     optimiser step only; model loading, checkpoint writes and evaluation are not counted.
-  - Every --eval-every steps the clock stops and the policy is scored on the same --items validation items
+  - After steps 1, 2, 3, 4, 6, 8, 10, 12, 16, 20, ... (every step, then every 2nd, then every 4th: `due`) the clock
+    stops and the policy is scored on the same --items validation items
     (greedy, the task's own scorer: evaluate.score_items, so never the format bonus); the first score at or above
     --target ends the run, and its clock is the run's time to target. (An evaluator process on the other core
     would let training go on meanwhile; on a machine whose other core is busy, as here, it only competes for
@@ -54,6 +55,12 @@ LEVERS = {  # lever -> the flags that switch it back to the pocket protocol
 # The trainer: one process per run; the clock runs around each optimiser step only
 
 
+def due(step):
+    """Whether the policy is scored after this step: every step up to 4, every 2nd up to 12, then every 4th. The
+    time to target is exact where the target is reached early, and at most 4 steps late after that."""
+    return step <= 4 or (step <= 12 and step % 2 == 0) or step % 4 == 0
+
+
 class Validation:
     """The greedy score on the run's validation items, recorded with the training clock; True at the target."""
 
@@ -92,7 +99,7 @@ def train_worker(folder, kind, flags, o):
         clock += time.perf_counter() - t0
         with open(os.path.join(folder, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({**rec, "clock": clock}) + "\n")
-        if (step + 1) % o["eval_every"] == 0 and validate(step + 1, clock, run["policy"], run["tok"], run["method"],
+        if due(step + 1) and validate(step + 1, clock, run["policy"], run["tok"], run["method"],
                                                           run["eos_ids"]):
             break
         if clock > o["max_seconds"]:
@@ -100,7 +107,7 @@ def train_worker(folder, kind, flags, o):
 
 
 def trl_train(folder, args, o):
-    """TRL's own loop; a callback keeps the clock (step begin to step end) and, every --eval-every steps, copies
+    """TRL's own loop; a callback keeps the clock (step begin to step end) and, at every `due` step, copies
     TRL's LoRA weights into our copy of the policy, so that TRL's policy is scored exactly as ours."""
     import torch
     from datasets import Dataset
@@ -139,7 +146,7 @@ def trl_train(folder, args, o):
 
         def on_step_end(self, a, state, control, **kw):
             clock["seconds"] += time.perf_counter() - clock["t0"]
-            if state.global_step % o["eval_every"] == 0:
+            if due(state.global_step):
                 lora = {k.replace("base_model.model.", "", 1).replace(".default.weight", ""): v.detach().clone()
                         for k, v in trainer.model.named_parameters() if "lora_" in k}
                 if not ours:  # our copy of the policy with our LoRA, loaded once
@@ -158,7 +165,7 @@ def trl_train(folder, args, o):
 
 
 def run_one(folder, kind, flags, seed, a):
-    o = dict(seed=seed, eval_every=a.eval_every, max_steps=a.max_steps, max_seconds=a.max_seconds, items=a.items,
+    o = dict(seed=seed, max_steps=a.max_steps, max_seconds=a.max_seconds, items=a.items,
              target=a.target)
     if not os.path.exists(os.path.join(folder, "result.json")):
         subprocess.run(["rm", "-rf", folder], check=True)  # an unfinished run starts again
@@ -204,7 +211,6 @@ def main():
     p.add_argument("--no-ablations", action="store_true", help="skip the one-lever-off runs of ours")
     p.add_argument("--target", type=float, default=0.30, help="validation score to reach")
     p.add_argument("--items", type=int, default=100, help="validation items (greedy)")
-    p.add_argument("--eval-every", type=int, default=1, help="score the policy every N optimiser steps")
     p.add_argument("--max-steps", type=int, default=60)
     p.add_argument("--max-seconds", type=float, default=1200, help="training seconds after which a run gives up")
     p.add_argument("--core", type=int, default=1, help="the core every run is pinned to (one thread)")
@@ -244,13 +250,33 @@ def write(a, report):
     o, t = ours.get("median_seconds_to_target"), trl.get("median_seconds_to_target")
     report["ratio_ours_vs_trl"] = o / t if o and t else None
     report["setup"] = dict(task=TASK, speedrun_flags=SPEEDRUN, pocket_flags=POCKET, levers=LEVERS, target=a.target,
-                           items=a.items, eval_every=a.eval_every, max_steps=a.max_steps, max_seconds=a.max_seconds,
+                           items=a.items, eval_schedule=[s for s in range(1, a.max_steps + 1) if due(s)], max_steps=a.max_steps, max_seconds=a.max_seconds,
                            threads=1, core=a.core)
     os.makedirs(os.path.dirname(a.out), exist_ok=True)
     with open(a.out + ".tmp", "w") as f:
         json.dump({k: v for k, v in report.items() if k != "runs"} | {"runs": report.get("runs", {})}, f, indent=1)
     os.replace(a.out + ".tmp", a.out)
     plot(report, os.path.splitext(a.out)[0] + ".png", a.target)
+    with open(os.path.splitext(a.out)[0] + ".md", "w") as f:
+        f.write(markdown(report, a.target))
+
+
+def markdown(report, target):
+    """The table of the README's Speedrun section: seconds (steps) to the target per seed, and the median."""
+    runs = report.get("runs", {})
+    seeds = sorted({s for r in runs.values() for s in r}, key=int)
+    cell = lambda r: "not reached" if r["seconds_to_target"] is None else (  # noqa: E731
+        f"{r['seconds_to_target']:.0f} s ({r['steps_to_target']} step{'s' * (r['steps_to_target'] > 1)})")
+    out = [f"| run | " + " | ".join(f"seed {s}" for s in seeds) + f" | median s to {target:.0%} | s/step |",
+           "|---" * (len(seeds) + 3) + "|"]
+    for label, by_seed in runs.items():
+        med = report[label]["median_seconds_to_target"]
+        per_step = statistics.median([r["seconds_per_step"] for r in by_seed.values() if r["seconds_per_step"]])
+        out.append(f"| {label} | " + " | ".join(cell(by_seed[s]) if s in by_seed else "–" for s in seeds)
+                   + f" | {'not reached' if med is None else f'{med:.0f}'} | {per_step:.1f} |")
+    if report.get("ratio_ours_vs_trl"):
+        out += ["", f"ours / TRL (medians): {report['ratio_ours_vs_trl']:.2f}"]
+    return "\n".join(out) + "\n"
 
 
 def plot(report, path, target):
