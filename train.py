@@ -20,6 +20,9 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example / --response-prefix (a 135M policy
      never writes the answer tags with the paper's prompt: 0 of 64 samples did), --context-position before,
      --clip-per-group, and two controls: --reward random, --method identical / soft_prompt (baselines.py).
+     The speedrun's levers (README "Speedrun"): --format-bonus (training reward only), --dynamic-sampling,
+     --rollout-dtype bfloat16 with --tis-cap, --lr-schedule / --warmup-steps; --eval-items scores the policy
+     before and after training.
   3. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
 
 Failure modes (tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before anything
@@ -284,30 +287,21 @@ def grpo_step(step, run, args, score_batch):
         with torch.no_grad():
             ctx = method(questions, answers)  # answers: read only by oracle experts (a diagnostic)
         ids, mask = rollout.encode_prompts(tok, policy_prompts(tok, questions, ctx["hints"], args), device)
-        comp, logp_mu = draw_groups(run, args, ids, mask, ctx["C"])
-        # ---- reward: untrusted text, scored with a time limit (rewards.py); or the random-reward control -----
-        r, task_r, counts, texts = group_rewards(run, args, items, comp, (step, micro, 0), score_batch)
-        first = dict(task_r=task_r.clone(), flat=flat_groups(r, G), first_counts=counts)  # the first draw: what the policy does, for the log
-        # ---- dynamic sampling (--dynamic-sampling N): re-draw the groups with no reward variance -------------
-        for round_ in range(1, args.dynamic_sampling + 1):
+        drawn = draw_and_score(run, args, items, ids, mask, ctx["C"], (step, micro, 0), score_batch)
+        r = drawn["r"]
+        first = dict(task_r=drawn["task_r"].clone(), flat=flat_groups(r, G), first_counts=drawn["counts"])
+        # ---- dynamic sampling (--dynamic-sampling N): draw the groups with no reward variance again -----------
+        for draw in range(1, args.dynamic_sampling + 1):
             redo = flat_groups(r, G).nonzero().squeeze(1)                # (k,) prompts to draw again
             if len(redo) == 0:
                 break
-            comp2, logp2 = draw_groups(run, args, ids[redo], mask[redo], None if ctx["C"] is None else ctx["C"][redo])
-            r2, task_r2, counts2, texts2 = group_rewards(run, args, [items[i] for i in redo.tolist()], comp2,
-                                                         (step, micro, round_), score_batch)
-            rows = (redo[:, None] * G + torch.arange(G, device=device)).flatten()  # (k*G,) their completions
-            comp, comp2 = pad_columns(comp, comp2, tok.pad_token_id)
-            comp[rows] = comp2
-            if logp_mu is not None:
-                logp_mu, logp2 = pad_columns(logp_mu, logp2, 0.0)
-                logp_mu[rows] = logp2
-            r[rows], task_r[rows] = r2, task_r2
-            for i, row in enumerate(rows.tolist()):
-                texts[row] = texts2[i]
-            counts = {k: counts.get(k, 0) + counts2.get(k, 0) for k in set(counts) | set(counts2)}
-        keep = ~flat_groups(r, G) if args.dynamic_sampling else torch.ones(len(items), dtype=torch.bool, device=device)
+            again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
+                                   None if ctx["C"] is None else ctx["C"][redo], (step, micro, draw), score_batch)
+            replace_groups(drawn, again, redo, G, tok.pad_token_id)
+        keep = ~flat_groups(r, G) if args.dynamic_sampling else torch.ones(len(items), dtype=torch.bool,
+                                                                              device=device)
         rows = keep.repeat_interleave(G)                                 # (B*G,) the completions trained on
+        comp, logp_mu = drawn["comp"], drawn["logp_mu"]
         comp_mask = grpo.completion_mask(comp, run["eos_ids"])
         # ---- advantage: group-relative, one group per prompt -------------------------------------------------
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
@@ -318,7 +312,8 @@ def grpo_step(step, run, args, score_batch):
                                                    args.temperature, args.context_position) if keep.any() else None
         batches.append(dict(questions=questions, ctx=ctx, ids=ids[keep], mask=mask[keep], comp=comp[rows],
                             comp_mask=comp_mask[rows], keep=keep, r=r, adv=adv[rows], logp_ref=logp_ref,
-                            logp_mu=None if logp_mu is None else logp_mu[rows], counts=counts, texts=texts,
+                            logp_mu=None if logp_mu is None else logp_mu[rows], counts=drawn["counts"],
+                            texts=drawn["texts"],
                             items=items, **first))
 
     # ---- loss and step: mu passes over the rollout batch, gradient accumulation over micro-batches ------------
@@ -380,42 +375,47 @@ def grpo_step(step, run, args, score_batch):
     return rec, batches
 
 
-def draw_groups(run, args, ids, mask, C):
-    """The rollout: G completions per prompt [B*G, T], and the sampler's own log-probs [B*G, T] when it is a
-    --rollout-dtype copy of the policy (else None)."""
+def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
+    """The rollout of B prompts and its rewards: {comp [B*G, T], logp_mu [B*G, T] (the sampler's own log-probs
+    when it is a --rollout-dtype copy of the policy, else None), r [B*G] (the task's scorer, or the random-reward
+    control's coins seeded by key = (step, micro-batch, draw), plus --format-bonus), task_r [B*G] (the task's
+    part alone), counts (the scorer's), texts}."""
+    tok, G = run["tok"], args.group_size
     dtype = None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
-    out = rollout.sample(run["policy"], ids, mask, C, args.group_size, args.max_new_tokens, args.temperature,
-                         run["eos_ids"], run["tok"].pad_token_id, args.context_position,
-                         return_logprobs=dtype is not None, dtype=dtype)
-    return out if dtype is not None else (out, None)
-
-
-def group_rewards(run, args, items, comp, key, score_batch):
-    """Rewards of B*G completions [B*G]: the task's scorer (or the random-reward control's coins, seeded by
-    key = (step, micro-batch, draw)) plus --format-bonus; also the task's part alone, the scorer's counts and
-    the decoded texts."""
-    tok = run["tok"]
-    mask = grpo.completion_mask(comp, run["eos_ids"])
-    texts = tok.batch_decode(comp.masked_fill(~mask, tok.pad_token_id), skip_special_tokens=True)
+    out = rollout.sample(run["policy"], ids, mask, C, G, args.max_new_tokens, args.temperature, run["eos_ids"],
+                         tok.pad_token_id, args.context_position, return_logprobs=dtype is not None, dtype=dtype)
+    comp, logp_mu = out if dtype is not None else (out, None)
+    texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, run["eos_ids"]), tok.pad_token_id),
+                             skip_special_tokens=True)
     if args.reward == "random":
         task_r, counts = coin_rewards(args.seed, *key, len(texts)), {}
     else:
-        task_r, counts = score_batch([it for it in items for _ in range(args.group_size)], texts)
+        task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
     bonus = torch.tensor(rewards.format_bonus(texts, args.format_bonus), dtype=torch.float32, device=run["device"])
-    return task_r + bonus, task_r, counts, texts
+    return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts, texts=texts)
+
+
+def replace_groups(drawn, again, prompts, G, pad_id):
+    """Put the groups of `again` (a new draw for `prompts`, [k]) in place of theirs in `drawn`, in place."""
+    rows = (prompts[:, None] * G + torch.arange(G, device=prompts.device)).flatten()  # (k*G,) their completions
+    for key, fill in (("comp", pad_id), ("logp_mu", 0.0)):
+        if drawn[key] is not None:  # completions of two draws differ in length: pad the shorter one
+            T = max(drawn[key].shape[1], again[key].shape[1])
+            drawn[key], new = (torch.nn.functional.pad(x, (0, T - x.shape[1]), value=fill) for x in (drawn[key],
+                                                                                                    again[key]))
+            drawn[key][rows] = new
+    drawn["r"][rows], drawn["task_r"][rows] = again["r"], again["task_r"]
+    for i, row in enumerate(rows.tolist()):
+        drawn["texts"][row] = again["texts"][i]
+    drawn["counts"] = {k: drawn["counts"].get(k, 0) + again["counts"].get(k, 0)
+                       for k in set(drawn["counts"]) | set(again["counts"])}
 
 
 def flat_groups(r, G):
     """[B*G] rewards -> [B] bool: the groups whose G rewards are all equal (advantage 0: no policy gradient)."""
     groups = r.view(-1, G)
     return (groups == groups[:, :1]).all(-1)
-
-
-def pad_columns(a, b, value):
-    """Right-pad the narrower of two [N, T] tensors with `value` so both have the same T."""
-    T = max(a.shape[1], b.shape[1])
-    return tuple(torch.nn.functional.pad(x, (0, T - x.shape[1]), value=value) for x in (a, b))
 
 
 def lr_factor(step, steps, schedule, warmup):

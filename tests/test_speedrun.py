@@ -129,8 +129,10 @@ def test_format_bonus_reaches_the_training_reward_but_not_the_log_or_the_evaluat
     comp = torch.randint(0, 50, (4 * args.group_size, 3))
     monkeypatch.setattr(run["tok"], "batch_decode", lambda ids, **k: ["<answer>1</answer>"] * len(ids))
     items = [run["train_items"][i] for i in range(4)]
-    r, task_r, _, _ = train.group_rewards(run, args, items, comp, (0, 0, 0), lambda it, c: ([0.0] * len(c), {}))
-    assert torch.equal(r, task_r + 0.5) and torch.equal(task_r, torch.zeros_like(r))
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: comp)
+    ids, mask = rollout.encode_prompts(run["tok"], ["x"] * 4, "cpu")
+    drawn = train.draw_and_score(run, args, items, ids, mask, None, (0, 0, 0), lambda it, c: ([0.0] * len(c), {}))
+    assert torch.equal(drawn["r"], drawn["task_r"] + 0.5) and torch.equal(drawn["task_r"], torch.zeros(len(comp)))
 
     def refuse(*a, **k):
         raise AssertionError("the format bonus reached the evaluation")
