@@ -95,8 +95,12 @@ def parse_args(argv=None):
     a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
     a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
       "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
-    a("--beta", type=NONNEG, default=0.04, help="KL coefficient beta (Eq. 4)")
+    a("--beta", type=NONNEG, default=None, help="KL coefficient beta (Eq. 4; default 0.04, and 0 for --method "
+      "conductor, whose paper trains without KL)")
     a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
+    a("--max-workflow-steps", type=COUNT, default=2, help="--method conductor: most steps a workflow may have "
+      "(paper: 5; 2 keeps a CPU step affordable)")
+    a("--ensemble-span", type=COUNT, default=8, help="--method rlae: tokens between two weight decisions (paper: L = 8)")
     a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
@@ -147,6 +151,8 @@ def parse_args(argv=None):
     for ok, msg in checks:
         if not ok:
             p.error(msg)
+    if args.beta is None:
+        args.beta = 0.0 if args.method == "conductor" else 0.04
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
@@ -241,6 +247,8 @@ def coin_rewards(seed, step, micro, n):
 def grpo_step(step, run, args, score_batch):
     """rollout -> reward -> advantage -> reference -> loss -> step. Returns (metrics, rollout batches)."""
     policy, tok, method, optimizer = run["policy"], run["tok"], run["method"], run["optimizer"]
+    if hasattr(method, "grpo_step"):  # conductor.py, rlae.py: their own rollout, reward and loss, same log record
+        return method.grpo_step(step, run, args, score_batch)
     G, device, eos_ids, t0 = args.group_size, run["device"], run["eos_ids"], time.time()
     batches = []
     for micro in range(args.grad_accum):
@@ -348,7 +356,7 @@ def main(argv=None, score_batch=None):
     models = [(team["policy"], "--policy" if args.policy else by_team)]
     if args.method not in WITHOUT_TEAM_EXPERTS:
         models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
-    if args.method == "hard_routing":
+    if args.method in ("hard_routing", "rlae"):  # their sentence encoder
         models.append((team["router"], by_team))
     try:
         check_models(models)
