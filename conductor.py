@@ -30,7 +30,7 @@ sets, tuples, huge integers and arbitrarily deep nesting, which can exhaust the 
 
 Deviations from the paper (numbered):
   1. Up to --max-workflow-steps steps (default 2, for a 2-core CPU; the paper allows 5), and one worked example of
-     a workflow in the conductor's system prompt (the paper uses 4 few-shot workflows). A workflow longer than
+     a workflow, given as an earlier turn of the conversation (the paper uses 4 few-shot workflows). A workflow longer than
      the limit is malformed (reward 0), not cut.
   2. The conductor's response is pre-filled with "model_id = [" (CONDUCTOR_PREFIX): a 135M policy given 48 new
      tokens rarely starts a Python list by itself. The parser reads prefix + completion.
@@ -68,10 +68,10 @@ CONDUCTOR_SYSTEM = (
     "model_id: the worker of each step (a number from 0 to {last});\n"
     "subtasks: the instruction for each step;\n"
     "access_list: the earlier answers each step may read: a list of earlier step numbers, \"all\" or [].\n"
-    "The answer of the last step is the final answer.\n"
-    "\nExample:\nUser: Workers: Model 0, Model 1.\nProblem: What is 3 + 4?\n"
-    "Assistant: model_id = [0, 1]\nsubtasks = [\"Add the numbers.\", \"Check the sum and answer.\"]\n"
-    "access_list = [[], [0]]\n")
+    "The answer of the last step is the final answer.")
+EXAMPLE_PROBLEM = "What is 3 + 4?"  # the worked example: one earlier turn of the conversation, then the question
+EXAMPLE_WORKFLOW = ('model_id = [0, 1]\nsubtasks = ["Add the numbers.", "Check the sum and answer."]\n'
+                    'access_list = [[], [0]]')
 WORKER_MESSAGE = "{subtask}\n\nProblem: {question}"
 MAX_TEXT = 4000      # characters of workflow text the parser reads at most
 MAX_STRING = 500     # characters of one subtask
@@ -195,15 +195,18 @@ def parse_workflow(text, n_workers, max_steps):
 
 
 def conductor_prompt(tok, question, n_workers, max_steps):
-    """The conductor's input: its own system prompt (with the worked example), the anonymised worker list and
-    the question, through the policy's chat template, then CONDUCTOR_PREFIX."""
+    """The conductor's input: its system prompt, the worked example as an earlier user/assistant turn (a few-shot
+    example; greedy, SmolLM2-135M copied a turn 8 of 8 times and an example inside the system prompt 6 of 8), then
+    the anonymised workers and the question, through the policy's chat template, then CONDUCTOR_PREFIX."""
     system = CONDUCTOR_SYSTEM.format(max_steps=max_steps, last=n_workers - 1)
-    user = f"Workers: {', '.join(f'Model {k}' for k in range(n_workers))}.\nProblem: {question}"
+    workers = f"Workers: {', '.join(f'Model {k}' for k in range(n_workers))}.\nProblem: "
+    turns = [("system", system), ("user", workers + EXAMPLE_PROBLEM), ("assistant", EXAMPLE_WORKFLOW),
+             ("user", workers + question)]
     if getattr(tok, "chat_template", None):
-        text = tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": user}],
-                                       tokenize=False, add_generation_prompt=True)
+        text = tok.apply_chat_template([{"role": r, "content": c} for r, c in turns], tokenize=False,
+                                       add_generation_prompt=True)
     else:
-        text = f"System: {system}\nUser: {user}\nAssistant: "
+        text = "".join(f"{r.capitalize()}: {c}\n" for r, c in turns) + "Assistant: "
     return text + CONDUCTOR_PREFIX
 
 
