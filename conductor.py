@@ -190,6 +190,11 @@ def parse_workflow(text, n_workers, max_steps):
         return None
 
 
+def workflow_reward(plan, score):
+    """0 if the workflow did not parse; else 0.5 + 0.5 * the task score of its output: 0.5 wrong, 1 right."""
+    return 0.0 if plan is None else 0.5 + 0.5 * float(score)
+
+
 # ----------------------------------------------------------------------------------------------------------
 # The conductor's prompt and the workers
 
@@ -310,9 +315,8 @@ class Conductor(nn.Module):
             item_rows = [it for it in items for _ in range(G)]
             scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
                 if parsed else ([], {})
-            r = torch.zeros(len(plans))
-            r[parsed] = 0.5 + 0.5 * torch.tensor(scores, dtype=torch.float32)   # 0 / 0.5 / 1 (deviation 4)
-            r = r.to(device)
+            score_of = dict(zip(parsed, scores))
+            r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
             adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
             logp_ref = None
             if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off

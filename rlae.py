@@ -111,9 +111,10 @@ class UnionVocab:
     def __init__(self, tokenizers, eos_ids, vocab_sizes):
         self.tokenizers, self.schemes = tokenizers, [token_scheme(t) for t in tokenizers]
         self.index, self.strings, self.to_union, self.pieces = {EOS: 0}, [EOS], [], [{} for _ in tokenizers]
-        for tok, scheme, eos, V in zip(tokenizers, self.schemes, eos_ids, vocab_sizes):
+        self.member_bytes = [token_bytes(tok, scheme) for tok, scheme in zip(tokenizers, self.schemes)]
+        for spell, eos, V in zip(self.member_bytes, eos_ids, vocab_sizes):
             m = torch.full((V,), -1, dtype=torch.long)     # model rows beyond the tokenizer stay -1
-            for i, b in enumerate(token_bytes(tok, scheme)):
+            for i, b in enumerate(spell):
                 if i in eos:
                     m[i] = 0
                 elif b:
@@ -135,18 +136,23 @@ class UnionVocab:
         return pu / pu.sum(-1, keepdim=True).clamp_min(1e-30)
 
     def piece(self, k, u):
-        """Member k's ids for union token u: the bytes as text when they are valid UTF-8, else byte tokens."""
+        """Member k's ids for union token u: its tokenizer's ids for the bytes as text, or else its byte tokens,
+        whichever spells exactly these bytes (a tokenizer may normalise text: SmolLM2's drops control
+        characters); [] if neither does (bytes the member has no token for, e.g. 0xC0 in SmolLM2: that member
+        does not see the token)."""
         if u not in self.pieces[k]:
-            tok, b = self.tokenizers[k], self.strings[u]
+            tok, b, spell = self.tokenizers[k], self.strings[u], self.member_bytes[k]
+            tries = []
             try:
-                ids = tok.encode(b.decode("utf-8"), add_special_tokens=False)
+                tries.append(tok.encode(b.decode("utf-8"), add_special_tokens=False))
             except UnicodeDecodeError:
-                if self.schemes[k] == "bytelevel":
-                    alphabet = gpt2_byte_alphabet()
-                    ids = tok.convert_tokens_to_ids([alphabet[x] for x in b])
-                else:
-                    ids = tok.convert_tokens_to_ids([f"<0x{x:02X}>" for x in b])
-            self.pieces[k][u] = ids
+                pass
+            alphabet = gpt2_byte_alphabet()
+            byte_tokens = [alphabet[x] for x in b] if self.schemes[k] == "bytelevel" else [f"<0x{x:02X}>" for x in b]
+            tries.append(tok.convert_tokens_to_ids(byte_tokens))
+            ok = [ids for ids in tries if all(i is not None and i < len(spell) for i in ids)
+                  and b"".join(spell[i] or b"\0special" for i in ids) == b]
+            self.pieces[k][u] = ok[0] if ok else []
         return self.pieces[k][u]
 
     def decode(self, units):
