@@ -361,6 +361,7 @@ class Conductor(nn.Module):
         A = self.usage(plans)
         if A is not None:
             rec["entropy"], rec["utilization"] = routing_stats(A)
+            rec["utilization_names"] = self.names
         rec["seconds"] = time.time() - t0
         return rec, batches
 

@@ -338,7 +338,7 @@ class RLAE(nn.Module):
                "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
                "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
                # the weights as the routing distribution of Eq. 15: one row per span decision
-               "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(),
+               "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": self.names,
                "concentration": torch.cat([self.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
                                            for b in batches]).mean().item(),
                "skipped_update": not finite}

@@ -135,3 +135,26 @@ def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     res = evaluate(cfg, 2, 2, state["lora"], state["method"])
     assert res["n"] == 2 and res["method"] == "conductor"
+
+
+def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
+    """report.py: both methods get a table row and a Fig. 4 of their own (workers / members by name); a conductor
+    step where nothing parsed has no utilisation and is a gap, not a crash."""
+    pytest.importorskip("matplotlib")
+    from report import plot_runs, summarize
+    for method in ("conductor", "rlae"):
+        run = tmp_path / method
+        os.makedirs(run)
+        json.dump({"method": method, "task": "chain_sum", "team": "tiny", "steps": 3, "num_latents": 4,
+                   "team_models": {"experts": ["a", "b", "enc"]}}, open(run / "config.json", "w"))
+        json.dump({"score": 0.25, "solve_rate": 0.25}, open(run / "eval.json", "w"))
+        with open(run / "metrics.jsonl", "w") as f:
+            for step in (1, 2, 3):
+                row = {"step": step, "reward": step / 10}
+                if not (method == "conductor" and step == 2):
+                    row.update(entropy=0.5, utilization=[0.7, 0.3], utilization_names=["w0", "w1"])
+                f.write(json.dumps(row) + "\n")
+    table, _ = summarize([str(tmp_path)], str(tmp_path / "out"))
+    assert "| conductor | 25.0 |" in table and "| rlae | 25.0 |" in table
+    names = sorted(os.path.basename(p) for p in plot_runs([str(tmp_path)], str(tmp_path / "out")))
+    assert "fig4_chain_sum_tiny_conductor.png" in names and "fig4_chain_sum_tiny_rlae.png" in names
