@@ -30,8 +30,8 @@ sets, tuples, huge integers and arbitrarily deep nesting, which can exhaust the 
 
 Deviations from the paper (numbered):
   1. Up to --max-workflow-steps steps (default 2, for a 2-core CPU; the paper allows 5), and one worked example of
-     a workflow, given as an earlier turn of the conversation (the paper uses 4 few-shot workflows). A workflow longer than
-     the limit is malformed (reward 0), not cut.
+     a workflow, given as an earlier turn of the conversation (the paper uses 4 few-shot workflows). A workflow
+     longer than the limit is malformed (reward 0), not cut.
   2. The conductor's response is pre-filled with "model_id = [" (CONDUCTOR_PREFIX): a 135M policy given 48 new
      tokens rarely starts a Python list by itself. The parser reads prefix + completion.
   3. Workers decode greedily, each with its own chat template (or plain text when it has none), the task's system
