@@ -147,7 +147,9 @@ def parse_args(argv=None):
               (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
-              (not (args.experts and args.method == "single"), "--experts is not used by --method single")]
+              (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
+              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task"),
+               f"--method {args.method} runs its own step (mu = 1, the task's reward): drop --inner-epochs / --reward")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)

@@ -114,6 +114,15 @@ def test_workers_see_only_what_access_list_gives(tiny_policy):
     assert "Step 0: answer of 0" in q1 and "Earlier answers" not in q2
 
 
+@pytest.mark.parametrize("method", ["conductor", "rlae"])
+@pytest.mark.parametrize("flags", [["--inner-epochs", "2"], ["--reward", "random"]])
+def test_options_their_own_step_does_not_have_fail_loudly(method, flags, capsys):
+    from train import parse_args
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--method", method, *flags])
+    assert e.value.code == 2 and capsys.readouterr().err.startswith(f"error: --method {method} runs its own step")
+
+
 def test_beta_defaults_to_zero_for_the_conductor_only():
     from train import parse_args
     assert parse_args(["--method", "conductor"]).beta == 0.0
