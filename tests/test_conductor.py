@@ -167,3 +167,23 @@ def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
     assert "| conductor | 25.0 |" in table and "| rlae | 25.0 |" in table
     names = sorted(os.path.basename(p) for p in plot_runs([str(tmp_path)], str(tmp_path / "out")))
     assert "fig4_chain_sum_tiny_conductor.png" in names and "fig4_chain_sum_tiny_rlae.png" in names
+
+
+def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypatch):
+    """The random tiny policy never writes a workflow that parses, so plant one for every other completion: the
+    workers run, the rewards take their three levels, and GRPO's gradient reaches LoRA."""
+    from train import main
+    calls = {"n": 0}
+
+    def every_other(text, n_workers, max_steps):
+        calls["n"] += 1
+        return ([calls["n"] % n_workers], ["Solve it."], [[]]) if calls["n"] % 2 else None
+    monkeypatch.setattr(C, "parse_workflow", every_other)
+    right = lambda items, texts: ([float(i % 2) for i in range(len(texts))], {})  # noqa: E731  half right
+    out = str(tmp_path / "c")
+    main(["--task", "chain_sum", "--team", "tiny", "--method", "conductor", "--device", "cpu", "--dataset-size", "16",
+          "--system-prompt", "simple", "--steps", "1", "--batch-size", "2", "--grad-accum", "1", "--group-size", "4",
+          "--max-new-tokens", "6", "--out", out], score_batch=right)
+    m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    assert m["parse_rate"] == 0.5 and m["mean_steps"] == 1 and len(m["utilization"]) == 2
+    assert m["grad_norm_lora"] > 0 and m["solve_rate"] > 0 and m["reward"] == pytest.approx((0.5 + 1) / 2 / 2)
