@@ -34,7 +34,7 @@ from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
 from report import plot_runs, summarize
 from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
-from train import ArgumentParser, fail, frozen_dtype, parse_args, policy_prompts
+from train import ArgumentParser, fail, frozen_dtype, parse_args, policy_prompts, write_json
 
 # ----------------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
@@ -88,19 +88,12 @@ CONDITIONS = ("with_C", "zero_C", "shuffled_C")
 
 
 @torch.no_grad()
-def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False, untrained=False,
-             device="cpu", conditions=None):
-    """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns a dict.
-
-    `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every item's score
-    and gold-answer log-prob, for paired comparisons: with_C (C as trained), zero_C (zero tokens at C's
-    positions, what the reference policy sees) and shuffled_C (each item gets the C of another item, a seeded
-    derangement over the n items: the same distribution of C, no information about this item)."""
-    device = torch.device(device)
-    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path, getattr(args, "task_config", None))
-    items = [items[i] for i in range(min(n, len(items)))]
-    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device)
-    conditions = conditions or ("zero_C" if no_context else "with_C",)
+def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",), batch_size=16):
+    """Greedy validation of a live policy and its context builder `method` on `items`, under each condition
+    (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per item]}}, scorer status
+    counts). evaluate() scores a saved run with it; train.py --eval-items the policy before and after training.
+    The task's own scorer only: training-only reward shaping (--format-bonus) never reaches it."""
+    device = next(policy.parameters()).device
     # g(x) for every item first (shuffled C needs another item's), then the same items under each condition
     ctxs = [method([it["question"] for it in items[s:s + batch_size]], [it["answer"] for it in items[s:s + batch_size]])
             for s in range(0, len(items), batch_size)]
@@ -133,6 +126,24 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
             for k, v in counts.items():
                 status[k] = status.get(k, 0) + v
         per_item[cond] = {"score": scores, "gold_logprob": logps}
+    return per_item, status
+
+
+@torch.no_grad()
+def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False, untrained=False,
+             device="cpu", conditions=None):
+    """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns a dict.
+
+    `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every item's score
+    and gold-answer log-prob, for paired comparisons: with_C (C as trained), zero_C (zero tokens at C's
+    positions, what the reference policy sees) and shuffled_C (each item gets the C of another item, a seeded
+    derangement over the n items: the same distribution of C, no information about this item)."""
+    device = torch.device(device)
+    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path, getattr(args, "task_config", None))
+    items = [items[i] for i in range(min(n, len(items)))]
+    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device)
+    conditions = conditions or ("zero_C" if no_context else "with_C",)
+    per_item, status = score_items(policy, tok, method, eos_ids, items, args, conditions, batch_size)
     first = per_item[conditions[0]]["score"]
     sources = [it.get("metadata", {}).get("source_dataset", args.task) for it in items]
     result = summary(np.array(first), sources)
@@ -209,15 +220,6 @@ def paired_table(result):
                      f"{s['p_sign']:.3g} ({s['better']}/{s['worse']}) | {g['diff']:+.3f} [{g['ci95'][0]:+.3f}, "
                      f"{g['ci95'][1]:+.3f}] | {g['p_sign']:.3g} |")
     return "\n".join(lines) + "\n"
-
-
-def write_json(path, obj):
-    """Atomically: a reader sees the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
-
 
 
 # ----------------------------------------------------------------------------------------------------------

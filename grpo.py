@@ -87,13 +87,16 @@ def _aggregate(x, mask, aggregation):
     return x.sum() / mask.sum().clamp(min=1)                   # "token": all tokens / number of tokens
 
 
-def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.04, aggregation="sequence"):
+def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.04, aggregation="sequence",
+              is_weight=None):
     """
     logp      [N, T] log-probs of the completion tokens under pi_theta (carries the gradient)
     logp_old  [N, T] the same under the sampling policy (stored at rollout; no gradient)
     logp_ref  [N, T] the same under the frozen reference pi_ref (no gradient)
     advantages [N]   one per completion, e.g. from group_advantages
     mask      [N, T] bool, True on completion tokens (see completion_mask)
+    is_weight [N, T] or None: per-token weights on the surrogate (truncated_is_weights), when the tokens were
+              drawn by a sampler that is not exactly pi_old (a bfloat16 copy of it); the KL term is unweighted
     Returns (loss: scalar tensor to minimise, metrics: dict of python floats).
     """
     if aggregation not in ("sequence", "token"):
@@ -118,6 +121,8 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
     surr_unclipped = ratio * adv                                       # (N, T)
     surr_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv  # (N, T)
     surr = torch.min(surr_unclipped, surr_clipped)                     # (N, T) pessimistic bound
+    if is_weight is not None:
+        surr = is_weight.detach().to(surr.dtype) * surr                # (N, T) sampler -> pi_old correction
     log_ratio_ref = logp_ref - logp                                    # (N, T)
     kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1                  # (N, T) k3, >= 0, 0 where equal
     per_token_loss = -(surr - beta * kl)                               # (N, T)
@@ -134,6 +139,21 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
             "ratio_mean": (torch.where(mask, ratio, zero).sum() / n_tok).item(),
         }
     return loss, metrics
+
+
+def truncated_is_weights(logp_old, logp_sampler, mask, cap=2.0):
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
+    off-policy RL training"). The tokens were drawn from mu (the rollout's bfloat16 copy of the policy), but
+    the surrogate's expectation is over pi_old (the float32 scoring pass of the same weights). Per token,
+
+        w_t = min(pi_old(y_t) / mu(y_t), cap)                     = min(exp(logp_old - logp_sampler), cap)
+
+    reweights each token toward pi_old; the cap bounds the variance where mu gave a token far less mass than
+    pi_old does (truncation trades that variance for a small bias). [N, T] in, [N, T] out, 1 on padding."""
+    if cap <= 0:
+        raise ValueError(f"the importance-weight cap must be > 0, got {cap}")
+    log_w = torch.where(mask, logp_old.detach() - logp_sampler.detach(), torch.zeros_like(logp_old))
+    return torch.exp(log_w).clamp(max=cap)                              # (N, T)
 
 # ----------------------------------------------------------------------------- masks and log-probs
 

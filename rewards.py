@@ -211,6 +211,13 @@ def extract_answer(text):
     return text[start:text.find("</answer>", start)].strip()
 
 
+def format_bonus(completions, bonus):
+    """--format-bonus, a training-only deviation: `bonus` for each completion with a non-empty answer block,
+    else 0. It rewards the form, not the answer, so it gives a group reward variance before any answer is
+    right; evaluation (evaluate.score_items) scores with the task's scorer alone and never calls this."""
+    return [float(bonus) if (extract_answer(c) or "") else 0.0 for c in completions]
+
+
 _GSM8K_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
 
 

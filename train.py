@@ -90,6 +90,9 @@ def parse_args(argv=None):
     a("--temperature", type=POSITIVE, default=1.0, help="sampling temperature (log-probs use the same)")
     a("--lr", type=POSITIVE, default=1e-4, help="learning rate of the LoRA policy")
     a("--router-lr", type=POSITIVE, default=1e-4, help="learning rate of the adapter / router g_phi")
+    a("--lr-schedule", default="constant", choices=["constant", "cosine"], help="constant (paper) or cosine "
+      "decay to 0 at --steps; both after --warmup-steps of linear warm-up")
+    a("--warmup-steps", type=number(int, 0), default=0, help="linear learning-rate warm-up, in optimiser steps")
     a("--weight-decay", type=NONNEG, default=1e-2, help="AdamW weight decay")
     a("--adam-eps", type=POSITIVE, default=1e-6, help="AdamW epsilon")
     a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
@@ -107,6 +110,14 @@ def parse_args(argv=None):
     a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
     a("--reward", default="task", choices=["task", "random"], help="task: the task's own scorer; random: a "
       "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
+    a("--format-bonus", type=NONNEG, default=0.0, help="a deviation, for training only: add this to the reward "
+      "of a completion with a non-empty <answer>...</answer> block; evaluation never sees it (0: off, the paper)")
+    a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
+      "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
+    a("--rollout-dtype", default="float32", choices=["float32", "bfloat16"], help="the rollout's matmuls on a "
+      "copy of the weights in this dtype (rollout.low_precision_linears); the scoring pass stays as it is")
+    a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
+      "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 (grpo.truncated_is_weights; 0: off)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
       "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
     a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
@@ -137,19 +148,25 @@ def parse_args(argv=None):
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
+    a("--eval-items", type=number(int, 0), default=0, help="score N validation items (greedy, the task's scorer) "
+      "before the first step and after the last, and print both on one line (0: off)")
     args = p.parse_args(argv)
     checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
               (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
               (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
+              (not args.tis_cap or args.rollout_dtype != "float32",
+               "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
                f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
               (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
-              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task"),
-               f"--method {args.method} runs its own step (mu = 1, the task's reward): drop --inner-epochs / --reward")]
+              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task" and not
+               (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32")),
+               f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
+               "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
@@ -194,10 +211,10 @@ def build_run(args, device):
     groups = []  # named, so that the probes and --clip-per-group can tell them apart
     if not args.freeze_policy:
         groups.append({"name": "lora", "params": [p for p in policy.parameters() if p.requires_grad],
-                       "lr": args.lr})
+                       "lr": args.lr, "base_lr": args.lr})
     if any(p.requires_grad for p in method.parameters()):
         groups.append({"name": "g_phi", "params": [p for p in method.parameters() if p.requires_grad],
-                       "lr": args.router_lr})
+                       "lr": args.router_lr, "base_lr": args.router_lr})
     if not groups:
         raise ValueError(f"--freeze-policy with --method {args.method}: nothing left to train")
     # An Adam step of 3e-5 on a weight of 0.02 rounds to nothing in bfloat16 (8 bits of mantissa): whatever
@@ -236,10 +253,11 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
     return out
 
 
-def coin_rewards(seed, step, micro, n):
-    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch), so a resumed
-    run draws the same ones. The text is never read."""
-    return np.random.default_rng([seed, step, micro, 7]).integers(0, 2, n).astype(float).tolist()
+def coin_rewards(seed, step, micro, draw, n):
+    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch, draw), so a
+    resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The text is never read."""
+    key = [seed, step, micro, 7] + ([draw] if draw else [])
+    return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -249,9 +267,11 @@ def coin_rewards(seed, step, micro, n):
 def grpo_step(step, run, args, score_batch):
     """rollout -> reward -> advantage -> reference -> loss -> step. Returns (metrics, rollout batches)."""
     policy, tok, method, optimizer = run["policy"], run["tok"], run["method"], run["optimizer"]
+    G, device, t0 = args.group_size, run["device"], time.time()
+    for g in optimizer.param_groups:  # a pure function of the step, so --resume needs no scheduler state
+        g["lr"] = g["base_lr"] * lr_factor(step, args.steps, args.lr_schedule, args.warmup_steps)
     if hasattr(method, "grpo_step"):  # conductor.py, rlae.py: their own rollout, reward and loss, same log record
         return method.grpo_step(step, run, args, score_batch)
-    G, device, eos_ids, t0 = args.group_size, run["device"], run["eos_ids"], time.time()
     batches = []
     for micro in range(args.grad_accum):
         items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
@@ -262,64 +282,140 @@ def grpo_step(step, run, args, score_batch):
         with torch.no_grad():
             ctx = method(questions, answers)  # answers: read only by oracle experts (a diagnostic)
         ids, mask = rollout.encode_prompts(tok, policy_prompts(tok, questions, ctx["hints"], args), device)
-        comp = rollout.sample(policy, ids, mask, ctx["C"], G, args.max_new_tokens, args.temperature, eos_ids,
-                           tok.pad_token_id, args.context_position)
-        comp_mask = grpo.completion_mask(comp, eos_ids)
-        texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
-        # ---- reward: untrusted text, scored with a time limit (rewards.py); or the random-reward control -----
-        if args.reward == "random":
-            r, counts = coin_rewards(args.seed, step, micro, len(texts)), {}
-        else:
-            r, counts = score_batch([it for it in items for _ in range(G)], texts)
-        r = torch.tensor(r, dtype=torch.float32, device=device)
+        drawn = draw_and_score(run, args, items, ids, mask, ctx["C"], (step, micro, 0), score_batch)
+        r = drawn["r"]
+        first = dict(task_r=drawn["task_r"].clone(), flat=flat_groups(r, G), first_counts=drawn["counts"])
+        # ---- dynamic sampling (--dynamic-sampling N): draw the groups with no reward variance again -----------
+        for draw in range(1, args.dynamic_sampling + 1):
+            redo = flat_groups(r, G).nonzero().squeeze(1)                # (k,) prompts to draw again
+            if len(redo) == 0:
+                break
+            again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
+                                   None if ctx["C"] is None else ctx["C"][redo], (step, micro, draw), score_batch)
+            replace_groups(drawn, again, redo, G, tok.pad_token_id)
+        keep = ~flat_groups(r, G) if args.dynamic_sampling else torch.ones(len(items), dtype=torch.bool,
+                                                                              device=device)
+        rows = keep.repeat_interleave(G)                                 # (B*G,) the completions trained on
+        comp, logp_mu = drawn["comp"], drawn["logp_mu"]
+        comp_mask = grpo.completion_mask(comp, run["eos_ids"])
         # ---- advantage: group-relative, one group per prompt -------------------------------------------------
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off) with zero tokens where C was (paper §4.1) -----
         with torch.no_grad(), lora_disabled(policy):
-            C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"])
-            logp_ref = rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
-                                                args.context_position)
-        batches.append(dict(questions=questions, ctx=ctx, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
-                            r=r, adv=adv, logp_ref=logp_ref, counts=counts, texts=texts, items=items))
+            C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"][keep])
+            logp_ref = rollout.completion_logprobs(policy, ids[keep], mask[keep], C0, comp[rows], comp_mask[rows],
+                                                   args.temperature, args.context_position) if keep.any() else None
+        batches.append(dict(questions=questions, ctx=ctx, ids=ids[keep], mask=mask[keep], comp=comp[rows],
+                            comp_mask=comp_mask[rows], keep=keep, r=r, adv=adv[rows], logp_ref=logp_ref,
+                            logp_mu=None if logp_mu is None else logp_mu[rows], counts=drawn["counts"],
+                            texts=drawn["texts"],
+                            items=items, **first))
 
     # ---- loss and step: mu passes over the rollout batch, gradient accumulation over micro-batches ------------
+    n_trained = sum(len(b["comp"]) for b in batches)  # completions in the loss (fewer with --dynamic-sampling)
     skipped = False
     for epoch in range(args.inner_epochs):
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
-        for b in batches:
+        for b in (b for b in batches if len(b["comp"])):  # a micro-batch left with no group trains nothing
             ctx = method(b["questions"], reuse=b["ctx"])  # the rollout's pooled states and routing draw
-            logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], ctx["C"], b["comp"], b["comp_mask"],
-                                            args.temperature, args.context_position)
+            C = None if ctx["C"] is None else ctx["C"][b["keep"]]
+            logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
+                                               args.temperature, args.context_position)
             if epoch == 0:  # the weights have not moved yet: logp_old = logp, detached (no extra forward)
                 b["logp_old"] = logp.detach()
+                b["is_weight"] = grpo.truncated_is_weights(b["logp_old"], b["logp_mu"], b["comp_mask"], args.tis_cap) \
+                    if args.tis_cap and b["logp_mu"] is not None else None
             loss, m = grpo.grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"], args.clip_eps,
-                                     args.beta, args.loss_aggregation)
-            (loss / args.grad_accum).backward()
+                                     args.beta, args.loss_aggregation, b["is_weight"])
+            # each trained completion weighs the same, however many groups dynamic sampling left per micro-batch
+            (loss / args.grad_accum if not args.dynamic_sampling else loss * (len(b["comp"]) / n_trained)).backward()
             losses.append(loss.item()), stats.append(m)
         grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
-        if finite:  # a non-finite loss or gradient skips the update: the weights stay as they were
+        if finite and losses:  # a non-finite loss or gradient skips the update: the weights stay as they were
             optimizer.step()
         skipped = skipped or not finite
 
-    # ---- log: the step's metrics (README "Metrics") ------------------------------------------------------------
-    r_all = torch.cat([b["r"] for b in batches])
-    eos = torch.tensor(eos_ids, device=device)
-    same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+    # ---- log: the step's metrics (README "Metrics"); reward and the like describe the first draw ----------------
+    r_all = torch.cat([b["task_r"] for b in batches])
+    eos, trained = torch.tensor(run["eos_ids"], device=device), [b for b in batches if len(b["comp"])]
+    mean = lambda xs: float(np.mean(xs)) if len(xs) else float("nan")  # noqa: E731
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-           "solve_rate": (r_all == 1).float().mean().item(), "loss": float(np.mean(losses)),
-           **{k: float(np.mean([m[k] for m in stats])) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+           "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
+           **{k: mean([m[k] for m in stats]) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
            "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
-           "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
-           "truncated_fraction": torch.cat([~torch.isin(b["comp"], eos).any(-1) for b in batches]).float().mean().item(),
-           "zero_std_fraction": same.float().mean().item(),
+           "completion_length": mean(torch.cat([b["comp_mask"].sum(-1) for b in trained]).float().tolist()
+                                     if trained else []),
+           "truncated_fraction": mean(torch.cat([~torch.isin(b["comp"], eos).any(-1) for b in trained]).float().tolist()
+                                      if trained else []),
+           "zero_std_fraction": torch.cat([b["flat"] for b in batches]).float().mean().item(),
            # refused, failed or timed-out scorings; "no_answer" is the model's fault, not a scorer failure
            "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
-           "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
-           "skipped_update": skipped, **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
+           "answer_rate": 1 - sum(b["first_counts"].get("no_answer", 0) for b in batches) / len(r_all),
+           "lr": optimizer.param_groups[0]["lr"], "skipped_update": skipped,
+           **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
+    if args.dynamic_sampling:
+        rec["trained_group_fraction"] = torch.cat([b["keep"] for b in batches]).float().mean().item()
+    if trained and trained[0]["logp_mu"] is not None:  # --rollout-dtype: how far the sampler is from pi_old
+        gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]
+        rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
+        if args.tis_cap:
+            rec["is_weight_mean"] = torch.cat([b["is_weight"][b["comp_mask"]] for b in trained]).mean().item()
     rec["seconds"] = time.time() - t0
     return rec, batches
+
+
+def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
+    """The rollout of B prompts and its rewards: {comp [B*G, T], logp_mu [B*G, T] (the sampler's own log-probs
+    when it is a --rollout-dtype copy of the policy, else None), r [B*G] (the task's scorer, or the random-reward
+    control's coins seeded by key = (step, micro-batch, draw), plus --format-bonus), task_r [B*G] (the task's
+    part alone), counts (the scorer's), texts}."""
+    tok, G = run["tok"], args.group_size
+    dtype = None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
+    out = rollout.sample(run["policy"], ids, mask, C, G, args.max_new_tokens, args.temperature, run["eos_ids"],
+                         tok.pad_token_id, args.context_position, return_logprobs=dtype is not None, dtype=dtype)
+    comp, logp_mu = out if dtype is not None else (out, None)
+    texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, run["eos_ids"]), tok.pad_token_id),
+                             skip_special_tokens=True)
+    if args.reward == "random":
+        task_r, counts = coin_rewards(args.seed, *key, len(texts)), {}
+    else:
+        task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
+    task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
+    bonus = torch.tensor(rewards.format_bonus(texts, args.format_bonus), dtype=torch.float32, device=run["device"])
+    return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts, texts=texts)
+
+
+def replace_groups(drawn, again, prompts, G, pad_id):
+    """Put the groups of `again` (a new draw for `prompts`, [k]) in place of theirs in `drawn`, in place."""
+    rows = (prompts[:, None] * G + torch.arange(G, device=prompts.device)).flatten()  # (k*G,) their completions
+    for key, fill in (("comp", pad_id), ("logp_mu", 0.0)):
+        if drawn[key] is not None:  # completions of two draws differ in length: pad the shorter one
+            T = max(drawn[key].shape[1], again[key].shape[1])
+            drawn[key], new = (torch.nn.functional.pad(x, (0, T - x.shape[1]), value=fill) for x in (drawn[key],
+                                                                                                    again[key]))
+            drawn[key][rows] = new
+    drawn["r"][rows], drawn["task_r"][rows] = again["r"], again["task_r"]
+    for i, row in enumerate(rows.tolist()):
+        drawn["texts"][row] = again["texts"][i]
+    drawn["counts"] = {k: drawn["counts"].get(k, 0) + again["counts"].get(k, 0)
+                       for k in set(drawn["counts"]) | set(again["counts"])}
+
+
+def flat_groups(r, G):
+    """[B*G] rewards -> [B] bool: the groups whose G rewards are all equal (advantage 0: no policy gradient)."""
+    groups = r.view(-1, G)
+    return (groups == groups[:, :1]).all(-1)
+
+
+def lr_factor(step, steps, schedule, warmup):
+    """The learning rate of optimiser step `step` (0-based), as a fraction of --lr / --router-lr."""
+    if step < warmup:
+        return (step + 1) / warmup
+    if schedule == "cosine":
+        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
+    return 1.0
 
 
 def clip_gradients(param_groups, max_norm, per_group=False):
@@ -377,10 +473,11 @@ def main(argv=None, score_batch=None):
         for tmp in glob.glob(ckpt_path + ".tmp*"):  # left by a run killed while saving
             os.remove(tmp)
     os.makedirs(args.out, exist_ok=True)
-    with open(config_path + ".tmp", "w") as f:
-        json.dump({**vars(args), "team_models": run["team"], "device_used": str(run["device"])}, f, indent=2)
-    os.replace(config_path + ".tmp", config_path)
+    write_json(config_path, {**vars(args), "team_models": run["team"], "device_used": str(run["device"])})
 
+    validation_path = os.path.join(args.out, "validation.json")
+    if args.eval_items and start == 0:  # the policy before training: LoRA's B = 0 and W_out = 0, so C = 0
+        write_json(validation_path, {"items": args.eval_items, "before": validation_scores(run, args)})
     bad_steps = 0
     bar = tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train", dynamic_ncols=True)
     for step in bar:
@@ -408,7 +505,35 @@ def main(argv=None, score_batch=None):
             fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. The "
                  f"last good weights are in {ckpt_path}; try a lower --lr / --router-lr", code=3)
     save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
+    if args.eval_items:
+        with open(validation_path) as f:
+            before = json.load(f)["before"]
+        after = validation_scores(run, args)
+        write_json(validation_path, {"items": args.eval_items, "before": before, "after": after})
+        better, worse = sum(a > b for a, b in zip(after, before)), sum(a < b for a, b in zip(after, before))
+        print(f"validation, {len(after)} items, greedy, the task's scorer: before training {100 * np.mean(before):.1f} % "
+              f"-> after {100 * np.mean(after):.1f} % ({better} items better, {worse} worse)", flush=True)
     return args.out
+
+
+def validation_scores(run, args):
+    """--eval-items: the live policy's greedy score on each of the first N validation items, the items
+    evaluate.py scores for this seed."""
+    from evaluate import score_items  # evaluate.py imports this file, so not at the top
+    items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path, args.task_config)
+    items = [items[i] for i in range(min(args.eval_items, len(items)))]
+    run["policy"].eval(), run["method"].eval()
+    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args, batch_size=50)
+    run["policy"].train(), run["method"].train()
+    return per_item["with_C"]["score"]
+
+
+def write_json(path, obj):
+    """Atomically: a reader (or a kill) sees the old file or the new one, never half of one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

@@ -4,6 +4,7 @@ Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs
     pip install -r requirements-bench.txt                   # TRL + PEFT: benchmark-only, never needed to train
     HF_HUB_OFFLINE=1 python experiments/bench.py            # ~20 min on 2 CPU cores -> results/bench.{json,md}
     HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
+    HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % validation score (experiments/speedrun.py)
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
 q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 64 new tokens (T = 1, no top-k/p);
@@ -398,4 +399,8 @@ def markdown(r):
 
 if __name__ == "__main__":
     sys.path.insert(0, ROOT)  # the project's modules, imported by the workers (this file is the worker's script too)
-    main()
+    if sys.argv[1:2] == ["--speedrun"]:  # time-to-score rather than time-per-step: its own file
+        import speedrun
+        speedrun.main()
+    else:
+        main()

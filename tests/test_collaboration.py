@@ -190,8 +190,8 @@ def test_soft_prompt_is_the_same_for_every_prompt_and_zero_at_init():
 
 
 def test_random_reward_is_a_seeded_coin_that_ignores_the_text():
-    a = coin_rewards(0, 3, 1, 4000)
-    assert a == coin_rewards(0, 3, 1, 4000) and a != coin_rewards(0, 4, 1, 4000)   # pure function of the step
+    a = coin_rewards(0, 3, 1, 0, 4000)
+    assert a == coin_rewards(0, 3, 1, 0, 4000) and a != coin_rewards(0, 4, 1, 0, 4000)   # pure function of the step
     assert set(a) == {0.0, 1.0} and abs(np.mean(a) - 0.5) < 0.03
 
 

@@ -115,7 +115,8 @@ def test_workers_see_only_what_access_list_gives(tiny_policy):
 
 
 @pytest.mark.parametrize("method", ["conductor", "rlae"])
-@pytest.mark.parametrize("flags", [["--inner-epochs", "2"], ["--reward", "random"]])
+@pytest.mark.parametrize("flags", [["--inner-epochs", "2"], ["--reward", "random"], ["--format-bonus", "0.1"],
+                                   ["--dynamic-sampling", "2"], ["--rollout-dtype", "bfloat16"]])
 def test_options_their_own_step_does_not_have_fail_loudly(method, flags, capsys):
     from train import parse_args
     with pytest.raises(SystemExit) as e:

@@ -192,6 +192,11 @@ BAD_INPUT = [
     ("train", "fresh", ["--expert-depth", "0"], "--expert-depth", False),
     ("train", "fresh", ["--expert-depth", "1.5"], "--expert-depth", False),
     ("train", "fresh", ["--method", "single", "--state-norm", "standardize"], "--state-norm", False),
+    ("train", "fresh", ["--tis-cap", "2"], "--tis-cap", False),  # nothing to correct with a float32 rollout
+    ("train", "fresh", ["--format-bonus", "-0.1"], "--format-bonus", False),
+    ("train", "fresh", ["--dynamic-sampling", "-1"], "--dynamic-sampling", False),
+    ("train", "fresh", ["--lr-schedule", "step"], "--lr-schedule", False),
+    ("train", "fresh", ["--rollout-dtype", "float16"], "--rollout-dtype", False),
     ("train", "fresh", ["--device", "tpu"], "--device", False),
     ("train", "fresh", ["--device", "cuda"], "--device", False),  # no CUDA on the test machine
     # models and data that are not there
