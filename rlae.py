@@ -235,6 +235,9 @@ class Member:
 
 
 class RLAE(nn.Module):
+    """The frozen members, their union vocabulary, the frozen encoder and the trainable Agent (its only
+    parameters, so its state_dict is what a checkpoint keeps)."""
+
     def __init__(self, members, names, encoder, span, max_new_tokens, prompt_args):
         super().__init__()
         self.members, self.names, self.encoder = [Member(m, t) for m, t in members], names, encoder  # frozen
