@@ -112,10 +112,14 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             C = None if C_cond is None else C_cond[s:s + len(batch)]
             prompts = policy_prompts(tok, [it["question"] for it in batch], hints[s:s + len(batch)], args)
             ids, mask = encode_prompts(tok, prompts, device)
-            comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
-                          args.context_position, greedy=True)
-            comp = comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id)
-            r, counts = rewards.score_batch(batch, tok.batch_decode(comp, skip_special_tokens=True))
+            if hasattr(method, "answer"):  # conductor.py, rlae.py write the answer their own way (greedy)
+                texts = method.answer(policy, tok, [it["question"] for it in batch], args)
+            else:
+                comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
+                              args.context_position, greedy=True)
+                comp = comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id)
+                texts = tok.batch_decode(comp, skip_special_tokens=True)
+            r, counts = rewards.score_batch(batch, texts)
             scores += r
             if len(conditions) > 1:
                 logps += gold_logprobs(policy, tok, prompts, [it["answer"] for it in batch], C, args, device)

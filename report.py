@@ -281,24 +281,34 @@ def band(ax, x, Y, label=None, color=None, spread="std"):
 
 
 def series(runs, key, T):
-    """(seeds, T) array of one metric; a list-valued metric gives (seeds, T, k)."""
-    return np.array([[np.nan if r.get(key) is None else r[key] for r in run["metrics"][:T]] for run in runs],
+    """(seeds, T) array of one metric; a list-valued metric gives (seeds, T, k), NaN where a step has none (a
+    conductor step where no workflow parsed has no worker usage)."""
+    k = next((len(m[key]) for run in runs for m in run["metrics"] if isinstance(m.get(key), list)), None)
+    blank = np.nan if k is None else [np.nan] * k
+    return np.array([[blank if r.get(key) is None else r[key] for r in run["metrics"][:T]] for run in runs],
                     dtype=float)
 
 
 def fig4(runs, plt):
-    """Paper Fig. 4: utilisation per expert (mean and band across seeds), entropy and reward of `ours` runs."""
+    """Paper Fig. 4: utilisation per expert (mean and band across seeds), entropy and reward of `ours` runs; the
+    same for the conductor (each workflow's share of steps per worker) and RLAE (the ensemble weights)."""
     for (task, team, key), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"], method_key(r["cfg"])),
-                                           lambda r: r["cfg"]["method"] == "ours" and r["finished"]):
+                                           lambda r: r["cfg"]["method"] in ("ours", "conductor", "rlae")
+                                           and r["finished"] and any("utilization" in m for m in r["metrics"])):
+        method = group[0]["cfg"]["method"]
         variant = key.partition("[")[1] + key.partition("[")[2]               # e.g. "[state-norm]", or ""
         T = min(len(r["metrics"]) for r in group)
-        steps, names = np.arange(1, T + 1), group[0]["cfg"]["team_models"]["experts"]
-        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
+        steps = np.arange(1, T + 1)
         U = series(group, "utilization", T)                                   # (seeds, T, n)
+        # conductor and RLAE log their own members (workers, ensemble members) by name
+        names = next((m["utilization_names"] for m in group[0]["metrics"] if "utilization_names" in m),
+                     group[0]["cfg"]["team_models"]["experts"] if method == "ours" else
+                     [f"member {i}" for i in range(U.shape[-1])])
+        fig, (ax1, ax2) = plt.subplots(2, 1, figsize=(7, 7), sharex=True)
         for i, name in enumerate(names):
             band(ax1, steps, U[:, :, i], label=name)
         ax1.set_ylabel("utilisation u_i (Eq. 15)")
-        ax1.set_title(f"ours {variant} on {task} ({team} team, {len(group)} seed{'s' * (len(group) > 1)}; "
+        ax1.set_title(f"{method} {variant} on {task} ({team} team, {len(group)} seed{'s' * (len(group) > 1)}; "
                       f"uniform routing: H = log {len(names)} = {np.log(len(names)):.4f})", fontsize=9)
         ax1.legend(fontsize=8)
         for key, ax, color in (("reward", ax2, "tab:green"), ("entropy", ax2.twinx(), "tab:purple")):
@@ -307,7 +317,7 @@ def fig4(runs, plt):
             ax.ticklabel_format(axis="y", useOffset=False)
         ax2.set_xlabel("step")
         slug = "".join(c if c.isalnum() else "-" for c in variant).strip("-")
-        yield f"fig4_{task}_{team}{'_' + slug if slug else ''}.png", fig
+        yield f"fig4_{task}_{team}{'' if method == 'ours' else '_' + method}{'_' + slug if slug else ''}.png", fig
 
 
 def zero_c_score(run):

@@ -105,8 +105,12 @@ def parse_args(argv=None):
     a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
     a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
       "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
-    a("--beta", type=NONNEG, default=0.04, help="KL coefficient beta (Eq. 4)")
+    a("--beta", type=NONNEG, default=None, help="KL coefficient beta (Eq. 4; default 0.04, and 0 for --method "
+      "conductor, whose paper trains without KL)")
     a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
+    a("--max-workflow-steps", type=COUNT, default=2, help="--method conductor: most steps a workflow may have "
+      "(paper: 5; 2 keeps a CPU step affordable)")
+    a("--ensemble-span", type=COUNT, default=8, help="--method rlae: tokens between two weight decisions (paper: L = 8)")
     a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
@@ -172,10 +176,16 @@ def parse_args(argv=None):
               (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
-              (not (args.experts and args.method == "single"), "--experts is not used by --method single")]
+              (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
+              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task" and not
+               (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32")),
+               f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
+               "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
+    if args.beta is None:
+        args.beta = 0.0 if args.method == "conductor" else 0.04
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
@@ -276,6 +286,8 @@ def grpo_step(step, run, args, score_batch):
     world = run.get("world", distributed.ONE)  # under torchrun: this process's share of the micro-batches
     for g in optimizer.param_groups:  # a pure function of the step, so --resume needs no scheduler state
         g["lr"] = g["base_lr"] * lr_factor(step, args.steps, args.lr_schedule, args.warmup_steps)
+    if hasattr(method, "grpo_step"):  # conductor.py, rlae.py: their own rollout, reward and loss, same log record
+        return method.grpo_step(step, run, args, score_batch)
     batches = []
     for micro in distributed.my_micro_batches(world, args.grad_accum):
         distributed.seed_micro_batch(args.seed, step, micro, run["pool"])  # same draws on any rank, after a resume
@@ -470,7 +482,7 @@ def main(argv=None, score_batch=None):
     models = [(team["policy"], "--policy" if args.policy else by_team)]
     if args.method not in WITHOUT_TEAM_EXPERTS:
         models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
-    if args.method == "hard_routing":
+    if args.method in ("hard_routing", "rlae"):  # their sentence encoder
         models.append((team["router"], by_team))
     try:
         check_models(models)

@@ -6,6 +6,8 @@ The pocket reproduction: the paper's Table 1 and Fig. 4 in miniature, on a 2-cor
                                                  # (with C, C = 0, shuffled C); results/pocket/{table.md, *.png}
     python experiments/pocket.py --seeds 0 --methods single ours --teams pocket   # a smaller slice
     python experiments/pocket.py --seeds 0 1 2 --methods single --teams pocket pocket-oracle   # the oracle test
+    python experiments/pocket.py --seeds 0 --methods conductor rlae --teams pocket --no-random-reward   # the two
+                                                 # methods of other papers (several times the cost of a step of ours)
 
 It is resumable: a finished run (eval.json present) is skipped, an interrupted one continues with --resume.
 Stop it at any time and run the same command again.
@@ -84,7 +86,7 @@ def main():
     extra = a.train_flags.split()
     for method, seed, team, flags in jobs:
         out = os.path.join(a.out, f"{team}-{method}{'-random-reward' if flags else ''}-s{seed}")
-        has_context = method not in ("single", "output_collab")
+        has_context = method not in ("single", "output_collab", "conductor", "rlae")  # these have no C to pair
         if not os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
             resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []  # started before
             done = os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))

@@ -1,0 +1,380 @@
+"""
+The Conductor: the LoRA policy writes a workflow in text, frozen workers carry it out, GRPO trains the writer.
+
+    python train.py --task chain_sum --team tiny --method conductor --steps 2 --batch-size 2 --grad-accum 1 \
+        --group-size 2 --max-new-tokens 16 --out runs/try-conductor          # seconds, on any CPU
+
+Conductor (Nielsen et al., 2025): a language model trained with GRPO coordinates a pool of worker models by
+writing, for each question, a workflow of three equal-length lists:
+
+    model_id    = [0, 1]                                   which worker runs step j ("Model 0" .. "Model k-1")
+    subtasks    = ["Add the numbers.", "Check and answer."] the instruction worker model_id[j] receives
+    access_list = [[], [0]]                                which earlier answers step j may read: step
+                                                           indices < j, "all" (every earlier answer) or []
+
+The workers run in order; the last worker's answer is the workflow's output. Reward (no KL in the paper):
+
+    r = 0    if the three lists do not parse (or break the rules above)
+    r = 0.5  if they parse and the output is wrong;  1 if it is right
+
+Here the conductor is the same LoRA policy every other method trains, and the workers are the team's frozen
+generative experts (an encoder has no words to give, so it cannot be a worker). The policy's completion is the
+workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
+grpo.grpo_loss; only the prompt and the reward differ. train.grpo_step hands the whole step to
+Conductor.grpo_step; evaluate.py calls Conductor.answer.
+
+Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
+it knows brackets, commas, integers and quoted strings and nothing else. Nothing the model writes is ever
+evaluated: no eval, and not ast.literal_eval either (it accepts far more syntax than three flat lists need, e.g.
+sets, tuples, huge integers and arbitrarily deep nesting, which can exhaust the recursion limit).
+
+Deviations from the paper (numbered):
+  1. Up to --max-workflow-steps steps (default 2, for a 2-core CPU; the paper allows 5), and one worked example of
+     a workflow, given as an earlier turn of the conversation (the paper uses 4 few-shot workflows). A workflow
+     longer than the limit is malformed (reward 0), not cut.
+  2. The conductor's response is pre-filled with "model_id = [" (CONDUCTOR_PREFIX): a 135M policy given 48 new
+     tokens rarely starts a Python list by itself. The parser reads prefix + completion.
+  3. Workers decode greedily, each with its own chat template (or plain text when it has none), the task's system
+     prompt, worked example and response prefix (train.py's prompt flags), and the shared --max-new-tokens. Greedy
+     workers make a workflow's output a function of its text, so all the reward's variance within a group comes
+     from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache).
+  4. The output is scored by the task's scorer (rewards.score_batch); with partial credit, r = 0.5 + 0.5 * score
+     for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong.
+  5. The paper trains without KL; here --beta defaults to 0 for this method (train.py), and a user's --beta
+     adds the usual k3 KL to the policy with LoRA off.
+  6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
+     (the paper's recursive variant lets it pick itself).
+
+Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse), mean_steps (over parsed
+workflows), and each workflow's share of steps per worker as the routing distribution A [N, 1, K], so
+`utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
+for the other methods and report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
+"""
+import time
+
+import torch
+import torch.nn as nn
+
+import grpo
+import rewards
+import rollout
+from adapter import routing_stats
+
+CONDUCTOR_PREFIX = "model_id = ["
+NAMES = ("model_id", "subtasks", "access_list")
+CONDUCTOR_SYSTEM = (
+    "You are a conductor. You solve a problem by giving subtasks to worker models. Write three Python lists of "
+    "equal length, at most {max_steps} entries each:\n"
+    "model_id: the worker of each step (a number from 0 to {last});\n"
+    "subtasks: the instruction for each step;\n"
+    "access_list: the earlier answers each step may read: a list of earlier step numbers, \"all\" or [].\n"
+    "The answer of the last step is the final answer.")
+EXAMPLE_PROBLEM = "What is 3 + 4?"  # the worked example: one earlier turn of the conversation, then the question
+EXAMPLE_WORKFLOW = ('model_id = [0, 1]\nsubtasks = ["Add the numbers.", "Check the sum and answer."]\n'
+                    'access_list = [[], [0]]')
+WORKER_MESSAGE = "{subtask}\n\nProblem: {question}"
+MAX_TEXT = 4000      # characters of workflow text the parser reads at most
+MAX_STRING = 500     # characters of one subtask
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Parsing the workflow: a small recursive-descent parser for lists of integers, strings and lists
+
+
+class ParseError(ValueError):
+    pass
+
+
+def parse_list(text, i, depth=0):
+    """Parse one list starting at text[i] == "[". Returns (value, index after the closing bracket). Elements are
+    non-negative integers (at most 6 digits), quoted strings ("..." or '...', escapes \\" \\' \\\\ \\n) or lists,
+    at most 2 levels deep. Anything else, an identifier, a call, an operator, a number with a sign or a
+    point, raises ParseError: this is what keeps model text from ever being more than data."""
+    if depth > 1:
+        raise ParseError("lists nest at most 2 deep")
+    if text[i:i + 1] != "[":
+        raise ParseError(f"expected '[' at {i}")
+    i, out = i + 1, []
+    while True:
+        i = skip_space(text, i)
+        if text[i:i + 1] == "]":
+            return out, i + 1
+        if out:  # a comma between elements (a trailing comma before "]" is fine, as in Python)
+            if text[i:i + 1] != ",":
+                raise ParseError(f"expected ',' or ']' at {i}")
+            i = skip_space(text, i + 1)
+            if text[i:i + 1] == "]":
+                return out, i + 1
+        c = text[i:i + 1]
+        if c == "[":
+            v, i = parse_list(text, i, depth + 1)
+        elif c in ("'", '"'):
+            v, i = parse_string(text, i)
+        elif c.isdigit():
+            j = i
+            while text[j:j + 1].isdigit():
+                j += 1
+            if j - i > 6:
+                raise ParseError("integer too long")
+            v, i = int(text[i:j]), j
+        else:
+            raise ParseError(f"unexpected {c!r} at {i}" if c else "unterminated list")
+        out.append(v)
+
+
+def parse_string(text, i):
+    quote, i, chars = text[i], i + 1, []
+    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
+    while i < len(text) and text[i] != quote:
+        if text[i] == "\\" and text[i + 1:i + 2] in escapes:
+            chars.append(escapes[text[i + 1]])
+            i += 2
+        elif text[i] == "\n":
+            raise ParseError("newline inside a string")
+        else:
+            chars.append(text[i])
+            i += 1
+        if len(chars) > MAX_STRING:
+            raise ParseError("string too long")
+    if i >= len(text):
+        raise ParseError("unterminated string")
+    return "".join(chars), i + 1
+
+
+def skip_space(text, i):
+    while i < len(text) and text[i] in " \t\r\n":
+        i += 1
+    return i
+
+
+def worker_index(v, n_workers):
+    """0 or "Model 0" -> 0; anything else (out of range, another name) raises ParseError."""
+    if isinstance(v, str) and v.startswith("Model ") and v[6:].isdigit() and len(v) <= 12:
+        v = int(v[6:])
+    if not isinstance(v, int) or not 0 <= v < n_workers:
+        raise ParseError(f"model_id entry {v!r} is not a worker (0..{n_workers - 1})")
+    return v
+
+
+def parse_workflow(text, n_workers, max_steps):
+    """The workflow in `text` -> (workers [int], subtasks [str], access [[int]]) with access already resolved
+    ("all" -> every earlier step), or None when it is malformed. The three assignments must come first, in
+    order (`model_id = [...]`, `subtasks = [...]`, `access_list = [...]`, whitespace between them); text after
+    them is ignored."""
+    try:
+        text, i, lists = text[:MAX_TEXT], 0, []
+        for name in NAMES:
+            i = skip_space(text, i)
+            if not text.startswith(name, i):
+                raise ParseError(f"expected {name}")
+            i = skip_space(text, i + len(name))
+            if text[i:i + 1] != "=":
+                raise ParseError(f"expected '=' after {name}")
+            v, i = parse_list(text, skip_space(text, i + 1))
+            lists.append(v)
+        ids, subtasks, access = lists
+        if not (1 <= len(ids) <= max_steps and len(ids) == len(subtasks) == len(access)):
+            raise ParseError(f"need 1..{max_steps} steps and three lists of one length")
+        workers = [worker_index(v, n_workers) for v in ids]
+        if not all(isinstance(s, str) and s.strip() for s in subtasks):
+            raise ParseError("every subtask must be a non-empty string")
+        seen = []
+        for j, a in enumerate(access):
+            if a == "all":
+                a = list(range(j))
+            if not (isinstance(a, list) and all(isinstance(k, int) and 0 <= k < j for k in a)):
+                raise ParseError(f"access_list[{j}] must be 'all' or a list of earlier steps")
+            seen.append(sorted(set(a)))
+        return workers, subtasks, seen
+    except (ParseError, RecursionError):
+        return None
+
+
+def workflow_reward(plan, score):
+    """0 if the workflow did not parse; else 0.5 + 0.5 * the task score of its output: 0.5 wrong, 1 right."""
+    return 0.0 if plan is None else 0.5 + 0.5 * float(score)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The conductor's prompt and the workers
+
+
+def conductor_prompt(tok, question, n_workers, max_steps):
+    """The conductor's input: its system prompt, the worked example as an earlier user/assistant turn (a few-shot
+    example; greedy, SmolLM2-135M copied a turn 8 of 8 times and an example inside the system prompt 6 of 8), then
+    the anonymised workers and the question, through the policy's chat template, then CONDUCTOR_PREFIX."""
+    system = CONDUCTOR_SYSTEM.format(max_steps=max_steps, last=n_workers - 1)
+    workers = f"Workers: {', '.join(f'Model {k}' for k in range(n_workers))}.\nProblem: "
+    turns = [("system", system), ("user", workers + EXAMPLE_PROBLEM), ("assistant", EXAMPLE_WORKFLOW),
+             ("user", workers + question)]
+    if getattr(tok, "chat_template", None):
+        text = tok.apply_chat_template([{"role": r, "content": c} for r, c in turns], tokenize=False,
+                                       add_generation_prompt=True)
+    else:
+        text = "".join(f"{r.capitalize()}: {c}\n" for r, c in turns) + "Assistant: "
+    return text + CONDUCTOR_PREFIX
+
+
+def worker_message(question, subtask, earlier):
+    """What worker j reads: its subtask, the problem, and the earlier answers it was given access to."""
+    msg = WORKER_MESSAGE.format(subtask=subtask, question=question)
+    if earlier:
+        msg += "\n\nEarlier answers:\n" + "\n".join(f"Step {k}: {a.strip()}" for k, a in earlier)
+    return msg
+
+
+class Conductor(nn.Module):
+    """No trainable parameters of its own (the conductor is the LoRA policy); holds the frozen workers."""
+
+    def __init__(self, workers, names, max_steps, max_new_tokens, prompt_args):
+        super().__init__()
+        self.workers, self.names = workers, names   # [(model, tokenizer)], not submodules: never trained or saved
+        self.max_steps, self.max_new_tokens, self.prompt_args = max_steps, max_new_tokens, prompt_args
+        self.cache = {}                                 # (worker, prompt) -> answer: greedy workers repeat themselves
+
+    def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
+        return {"C": None, "A": None, "hints": [None] * len(questions)}
+
+    @torch.no_grad()
+    def run_workflows(self, questions, plans):
+        """Carry out one workflow per question (None: nothing runs). Step j of every workflow runs together,
+        one batched generate call per worker. Returns the last worker's answer per question ("" for None)."""
+        answers = [[] for _ in questions]
+        for j in range(self.max_steps):
+            for k, (model, tok) in enumerate(self.workers):
+                rows = [r for r, p in enumerate(plans) if p is not None and len(p[0]) > j and p[0][j] == k]
+                if not rows:
+                    continue
+                msgs = [worker_message(questions[r], plans[r][1][j], [(a, answers[r][a]) for a in plans[r][2][j]])
+                        for r in rows]
+                for r, text in zip(rows, self.generate(k, msgs)):
+                    answers[r].append(text)
+        return [a[-1] if a else "" for a in answers]
+
+    def generate(self, k, messages):
+        model, tok = self.workers[k]
+        sp, we, rp = self.prompt_args
+        prompts = [rewards.build_prompt(tok, m, sp, we, rp) for m in messages]
+        todo = list(dict.fromkeys(p for p in prompts if (k, p) not in self.cache))
+        if todo:
+            tok.padding_side = "left"  # every prompt ends at the last column, so the new tokens line up
+            enc = tok(todo, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(model.device)
+            out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
+                                 pad_token_id=tok.pad_token_id)
+            if len(self.cache) > 100_000:
+                self.cache.clear()
+            self.cache.update({(k, p): tok.decode(row, skip_special_tokens=True)
+                               for p, row in zip(todo, out[:, enc["input_ids"].shape[1]:])})
+        return [self.cache[(k, p)] for p in prompts]
+
+    def usage(self, plans):
+        """A [N, 1, K]: each parsed workflow's share of steps per worker (the routing distribution of Eq. 15)."""
+        rows = [torch.bincount(torch.tensor(p[0]), minlength=len(self.workers)).float() / len(p[0])
+                for p in plans if p is not None]
+        return torch.stack(rows).unsqueeze(1) if rows else None
+
+    # ------------------------------------------------------------------------------------------------------
+    # Evaluation and one GRPO step
+
+    @torch.no_grad()
+    def answer(self, policy, tok, questions, args):
+        """Greedy workflow, greedy workers: the output text per question (evaluate.py)."""
+        ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, len(self.workers), self.max_steps)
+                                                 for q in questions], policy.device)
+        eos_ids = rollout.eos_token_ids(policy, tok)
+        comp = rollout.sample(policy, ids, mask, None, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
+                              greedy=True)
+        texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, eos_ids), tok.pad_token_id),
+                                 skip_special_tokens=True)
+        plans = [parse_workflow(CONDUCTOR_PREFIX + t, len(self.workers), self.max_steps) for t in texts]
+        return self.run_workflows(questions, plans)
+
+    def grpo_step(self, step, run, args, score_batch):
+        """rollout (workflow text) -> workers -> reward -> advantage -> (reference) -> loss -> step -> log."""
+        from lora import lora_disabled
+        from train import batch_indices, clip_gradients
+        policy, tok, optimizer, G, device = run["policy"], run["tok"], run["optimizer"], args.group_size, run["device"]
+        eos_ids, K, t0 = run["eos_ids"], len(self.workers), time.time()
+        batches = []
+        for micro in range(args.grad_accum):
+            items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                                  len(run["train_items"]), args.seed)]
+            questions = [it["question"] for it in items]
+            # ---- rollout: G workflows per question, written by the policy --------------------------------------
+            ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, self.max_steps) for q in questions],
+                                               device)
+            comp = rollout.sample(policy, ids, mask, None, G, args.max_new_tokens, args.temperature, eos_ids,
+                                  tok.pad_token_id)
+            comp_mask = grpo.completion_mask(comp, eos_ids)
+            texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
+            plans = [parse_workflow(CONDUCTOR_PREFIX + t, K, self.max_steps) for t in texts]
+            # ---- the workers carry the workflows out; the last answer is scored -------------------------------
+            rows = [q for q in questions for _ in range(G)]
+            outputs = self.run_workflows(rows, plans)
+            parsed = [n for n, p in enumerate(plans) if p is not None]
+            item_rows = [it for it in items for _ in range(G)]
+            scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
+                if parsed else ([], {})
+            score_of = dict(zip(parsed, scores))
+            r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
+            adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
+            logp_ref = None
+            if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
+                with torch.no_grad(), lora_disabled(policy):
+                    logp_ref = rollout.completion_logprobs(policy, ids, mask, None, comp, comp_mask, args.temperature)
+            batches.append(dict(questions=questions, items=items, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
+                                r=r, adv=adv, logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
+                                texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
+        # ---- loss and step (mu = 1: logp_old = logp, detached) ----------------------------------------------------
+        optimizer.zero_grad(set_to_none=True)
+        losses, stats = [], []
+        for b in batches:
+            logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None, b["comp"], b["comp_mask"],
+                                               args.temperature)
+            logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
+            loss, m = grpo.grpo_loss(logp, logp.detach(), logp_ref, b["adv"], b["comp_mask"], args.clip_eps,
+                                     args.beta, args.loss_aggregation)
+            (loss / args.grad_accum).backward()
+            losses.append(loss.item()), stats.append(m)
+        grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
+        finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
+        if finite:
+            optimizer.step()
+        # ---- log ----------------------------------------------------------------------------------------------------
+        r_all = torch.cat([b["r"] for b in batches])
+        plans = [p for b in batches for p in b["plans"]]
+        n_parsed = sum(b["n_parsed"] for b in batches)
+        same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+        rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+               "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
+               **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+               "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
+               "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
+               "truncated_fraction": torch.cat([~torch.isin(b["comp"], torch.tensor(eos_ids, device=device)).any(-1)
+                                                for b in batches]).float().mean().item(),
+               "zero_std_fraction": same.float().mean().item(),
+               "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
+               "answer_rate": (n_parsed - sum(b["counts"].get("no_answer", 0) for b in batches)) / len(plans),
+               "parse_rate": n_parsed / len(plans),
+               "mean_steps": sum(len(p[0]) for p in plans if p) / n_parsed if n_parsed else 0.0,
+               "skipped_update": not finite}
+        A = self.usage(plans)
+        if A is not None:
+            rec["entropy"], rec["utilization"] = routing_stats(A)
+            rec["utilization_names"] = self.names
+        rec["seconds"] = time.time() - t0
+        return rec, batches
+
+
+def conductor(team, out_dim, args, device, dtype):
+    """baselines.py's signature. Workers: the team's experts that can write (decoders), "Model 0..k-1" in order."""
+    from experts import is_encoder, load_model
+    workers, names = [], []
+    for name in team["experts"]:
+        model, tok = load_model(name, device, dtype)
+        if not is_encoder(model):
+            workers.append((model, tok)), names.append(name)
+    if not workers:
+        raise ValueError(f"--method conductor: team {team['experts']} has no generative expert to be a worker")
+    return Conductor(workers, names, args.max_workflow_steps, args.max_new_tokens,
+                     (args.system_prompt, args.worked_example, args.response_prefix))

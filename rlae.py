@@ -1,0 +1,370 @@
+"""
+RLAE: a small trained agent picks the ensemble weights of frozen language models, span by span, during decoding.
+
+    python train.py --task chain_sum --team tiny --method rlae --steps 2 --batch-size 2 --grad-accum 1 \
+        --group-size 2 --max-new-tokens 16 --out runs/try-rlae            # seconds, on any CPU
+
+RLAE (Fu et al., EMNLP 2025) casts ensembling as a Markov decision process. The state s_j is the question and
+the text generated so far; every L tokens (a span j) the agent takes an action, the weights w_j over the K
+frozen members; within the span each next token comes from the weighted mixture of the members' next-token
+distributions; the episode's reward is the exact match of the final answer. Here:
+
+    s_j   = (E(question + text so far), j)              E: the team's frozen sentence encoder (mean pooled)
+    alpha = ALPHA_INIT * exp(MLP([E(.) ; emb(j)]))       [K] concentrations; the MLP's last layer starts at 0
+    w_j   ~ Dirichlet(alpha)                             training; the mean alpha / sum(alpha) in evaluation
+    p(y)  = sum_k w_jk softmax(z_k / T)(y)              on the union vocabulary, for the L tokens of span j
+    logp  = sum_j log Dir(w_j | alpha(s_j))              what the policy gradient uses
+
+Training is GRPO-style: G weight trajectories per question, the group advantage of grpo.group_advantages, and
+grpo.grpo_loss with one "token" per span (log Dir(w_j | alpha) in place of a token's log-prob, mu = 1, no KL),
+so the loss is -mean_i A_i * mean_j log Dir(w_ij | alpha_ij). Only the agent trains: the members, the encoder and
+the policy's LoRA (a member, never updated) stay frozen.
+
+The union vocabulary (UnionVocab) is built once per team from token strings: every member token is turned into
+the bytes it stands for (byte-level BPE through GPT-2's byte alphabet, SentencePiece's "\u2581" as a space and
+its <0xNN> byte tokens as bytes), equal bytes share one union entry, the members' end-of-sequence tokens share
+one, and other special tokens are dropped (each member's distribution is renormalised over what remains). A
+chosen union token is re-tokenised for each member (its bytes as text, or as byte tokens when they are not
+valid UTF-8 alone) and appended to that member's KV cache.
+
+The released RLAE trainer departs from the paper's MDP: it takes the PPO ratio on the weight vectors themselves
+(no action is sampled, so there is no log-probability of an action), and uses the raw reward as the advantage.
+We implement the paper's MDP: a stochastic policy over weights (Dirichlet) with its real log-probabilities.
+
+Deviations from the paper (numbered):
+  1. The agent's encoder is the team's frozen sentence encoder (all-MiniLM-L6-v2 on the pocket team), not a
+     trained DeBERTa, plus a learned embedding of the span index; only the MLP trains.
+  2. GRPO's group baseline over G trajectories instead of PPO's learned critic; single agent (no MAPPO).
+  3. Members: the team's generative experts and the policy model, each once (the pocket team's SmolLM2 is both
+     an expert and the policy: one member). Each member reads the question with its own chat template and the
+     task's prompt flags (system prompt, worked example, response prefix).
+  4. A chosen token is re-tokenised piece by piece (the union token alone, not the whole text again), so a
+     member may see "1", "2" where its own tokenizer would have written "12".
+  5. Reward: the task's scorer (rewards.score_batch), which is exact match for chain_sum.
+
+Cost: every generated token runs all K members once (K forwards of one token each, on their KV caches), and every
+L tokens the encoder reads the text so far; no member runs a backward pass. On the pocket team (K = 2: Gemma-3-270M
+with a 262k-token head, SmolLM2-135M) a token costs about as much as the two models' decoding steps together.
+"""
+import math
+import time
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import grpo
+import rewards
+from adapter import entropy
+from rollout import draw
+
+ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
+EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The union vocabulary
+
+
+def gpt2_byte_alphabet():
+    """GPT-2's printable stand-in for each byte (byte-level BPE token strings are written in it): byte -> char."""
+    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
+    chars, n = {}, 0
+    for b in range(256):
+        if b in keep:
+            chars[b] = chr(b)
+        else:
+            chars[b] = chr(256 + n)
+            n += 1
+    return chars
+
+
+def token_scheme(tok):
+    """'bytelevel' (GPT-2 style), 'sentencepiece' (\u2581 for a space, <0xNN> byte tokens) or 'plain'."""
+    first = tok.convert_ids_to_tokens(tok.encode(" a", add_special_tokens=False))[0]
+    return {"\u0120": "bytelevel", "\u2581": "sentencepiece"}.get(first[:1], "plain")
+
+
+def token_bytes(tok, scheme):
+    """The bytes each token id of `tok` stands for; None for special tokens."""
+    special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    strings = tok.convert_ids_to_tokens(list(range(len(tok))))
+    if scheme == "bytelevel":
+        to_byte = {c: b for b, c in gpt2_byte_alphabet().items()}
+    out = []
+    for i, s in enumerate(strings):
+        if i in special or s is None:
+            out.append(None)
+        elif scheme == "bytelevel":
+            out.append(bytes(to_byte[c] for c in s) if all(c in to_byte for c in s) else s.encode())
+        elif scheme == "sentencepiece" and len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            out.append(bytes([int(s[3:5], 16)]))
+        else:
+            out.append(s.replace("\u2581", " ").encode() if scheme == "sentencepiece" else s.encode())
+    return out
+
+
+class UnionVocab:
+    """One entry per distinct byte string over the members' vocabularies. to_union[k] [V_k] maps member k's ids to
+    union ids (-1: dropped). piece(k, u) re-tokenises union token u for member k."""
+
+    def __init__(self, tokenizers, eos_ids, vocab_sizes):
+        self.tokenizers, self.schemes = tokenizers, [token_scheme(t) for t in tokenizers]
+        self.index, self.strings, self.to_union, self.pieces = {EOS: 0}, [EOS], [], [{} for _ in tokenizers]
+        self.member_bytes = [token_bytes(tok, scheme) for tok, scheme in zip(tokenizers, self.schemes)]
+        for spell, eos, V in zip(self.member_bytes, eos_ids, vocab_sizes):
+            m = torch.full((V,), -1, dtype=torch.long)     # model rows beyond the tokenizer stay -1
+            for i, b in enumerate(spell):
+                if i in eos:
+                    m[i] = 0
+                elif b:
+                    if b not in self.index:
+                        self.index[b] = len(self.strings)
+                        self.strings.append(b)
+                    m[i] = self.index[b]
+            self.to_union.append(m)
+
+    def __len__(self):
+        return len(self.strings)
+
+    def member_probs(self, k, logits, temperature):
+        """softmax(z_k / T) moved onto the union vocabulary and renormalised over the kept tokens: [N, U]."""
+        probs = torch.softmax(logits.float() / temperature, -1)                  # (N, V_k)
+        m = self.to_union[k].to(logits.device)
+        keep = m >= 0
+        pu = probs.new_zeros(probs.shape[0], len(self)).index_add_(1, m[keep], probs[:, keep])  # (N, U)
+        return pu / pu.sum(-1, keepdim=True).clamp_min(1e-30)
+
+    def piece(self, k, u):
+        """Member k's ids for union token u: its tokenizer's ids for the bytes as text, or else its byte tokens,
+        whichever spells exactly these bytes (a tokenizer may normalise text: SmolLM2's drops control
+        characters); [] if neither does (bytes the member has no token for, e.g. 0xC0 in SmolLM2: that member
+        does not see the token)."""
+        if u not in self.pieces[k]:
+            tok, b, spell = self.tokenizers[k], self.strings[u], self.member_bytes[k]
+            tries = []
+            try:
+                tries.append(tok.encode(b.decode("utf-8"), add_special_tokens=False))
+            except UnicodeDecodeError:
+                pass
+            alphabet = gpt2_byte_alphabet()
+            byte_tokens = [alphabet[x] for x in b] if self.schemes[k] == "bytelevel" else [f"<0x{x:02X}>" for x in b]
+            tries.append(tok.convert_tokens_to_ids(byte_tokens))
+            ok = [ids for ids in tries if all(i is not None and i < len(spell) for i in ids)
+                  and b"".join(spell[i] or b"\0special" for i in ids) == b]
+            self.pieces[k][u] = ok[0] if ok else []
+        return self.pieces[k][u]
+
+    def decode(self, units):
+        """Union ids -> text (EOS and everything after it dropped; invalid UTF-8 becomes U+FFFD)."""
+        out = b""
+        for u in units:
+            if u == 0:
+                break
+            out += self.strings[u]
+        return out.decode("utf-8", "replace")
+
+
+def mixture(member_probs, w):
+    """p = sum_k w_k p_k: member_probs [K, N, U], w [N, K] -> [N, U]."""
+    return torch.einsum("knu,nk->nu", member_probs, w)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The agent
+
+
+class Agent(nn.Module):
+    """(encoder state e [N, d_e], span index j [N]) -> Dirichlet concentrations alpha [N, K]."""
+
+    def __init__(self, d_e, K, max_spans, hidden=128, d_span=16):
+        super().__init__()
+        self.span = nn.Embedding(max_spans, d_span)
+        self.w1, self.w2 = nn.Linear(d_e + d_span, hidden), nn.Linear(hidden, K)
+        nn.init.zeros_(self.w2.weight), nn.init.zeros_(self.w2.bias)    # alpha = ALPHA_INIT for every state at init
+        self.max_spans = max_spans
+
+    def forward(self, e, j):
+        x = torch.cat([e, self.span(j.clamp(max=self.max_spans - 1))], -1)     # (N, d_e + d_span)
+        return ALPHA_INIT * torch.exp(self.w2(torch.tanh(self.w1(x))).clamp(-6, 6))  # (N, K)
+
+
+def dirichlet_logprob(alpha, w):
+    """log Dir(w | alpha), written out: lgamma(sum a) - sum lgamma(a_k) + sum (a_k - 1) log w_k."""
+    return torch.lgamma(alpha.sum(-1)) - torch.lgamma(alpha).sum(-1) + ((alpha - 1) * w.log()).sum(-1)
+
+
+class Member:
+    """One frozen member decoding N rows on its own KV cache."""
+
+    def __init__(self, model, tok):
+        self.model, self.tok = model, tok
+
+    @torch.no_grad()
+    def start(self, prompts, G):
+        tok = self.tok
+        tok.padding_side = "left"
+        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+        ids, mask = enc["input_ids"].to(self.model.device), enc["attention_mask"].to(self.model.device)
+        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
+                         use_cache=True, logits_to_keep=1)
+        self.cache = out.past_key_values
+        self.cache.batch_repeat_interleave(G)                                   # (B, ...) -> (B*G, ...)
+        self.mask, self.logits = mask.repeat_interleave(G, 0), out.logits[:, -1].repeat_interleave(G, 0)
+
+    @torch.no_grad()
+    def extend(self, pieces):
+        """Append each row's ids (a list, empty for finished rows) and keep the logits after its last new id."""
+        L = max(len(p) for p in pieces)
+        if L == 0:
+            return
+        pad = self.tok.pad_token_id
+        ids = torch.tensor([p + [pad] * (L - len(p)) for p in pieces], device=self.mask.device)       # (N, L)
+        new = torch.tensor([[1] * len(p) + [0] * (L - len(p)) for p in pieces], device=self.mask.device)
+        self.mask = torch.cat([self.mask, new], 1)                                                      # (N, S + L)
+        pos = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -L:]
+        logits = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
+                            use_cache=True).logits                                                      # (N, L, V)
+        n = new.sum(-1)                                                                                 # (N,)
+        rows = (n > 0).nonzero().squeeze(-1)
+        self.logits[rows] = logits[rows, n[rows] - 1].to(self.logits.dtype)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The method
+
+
+class RLAE(nn.Module):
+    """The frozen members, their union vocabulary, the frozen encoder and the trainable Agent (its only
+    parameters, so its state_dict is what a checkpoint keeps)."""
+
+    def __init__(self, members, names, encoder, span, max_new_tokens, prompt_args):
+        super().__init__()
+        self.members, self.names, self.encoder = [Member(m, t) for m, t in members], names, encoder  # frozen
+        self.vocab = UnionVocab([t for _, t in members],
+                                [set(eos_ids(m, t)) for m, t in members],
+                                [m.get_output_embeddings().weight.shape[0] for m, _ in members])
+        self.span, self.max_new_tokens, self.prompt_args = span, max_new_tokens, prompt_args
+        self.agent = Agent(encoder.dims[0], len(members), math.ceil(max_new_tokens / span))
+
+    def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
+        return {"C": None, "A": None, "hints": [None] * len(questions)}
+
+    @torch.no_grad()
+    def decode(self, questions, G, temperature=1.0, greedy=False):
+        """G ensemble completions per question. Returns (texts [N], trajectory) with the trajectory's encoder
+        states e [N, J, d_e], span indices, drawn weights w [N, J, K] and span mask [N, J] (spans the row was
+        still decoding in), for the loss pass."""
+        sp, we, rp = self.prompt_args
+        for m in self.members:
+            m.start([rewards.build_prompt(m.tok, q, sp, we, rp) for q in questions], G)
+        N, K, J = len(questions) * G, len(self.members), math.ceil(self.max_new_tokens / self.span)
+        rows_q = [q for q in questions for _ in range(G)]
+        units = [[] for _ in range(N)]
+        done = torch.zeros(N, dtype=torch.bool)
+        E, W, span_mask = [], [], torch.zeros(N, J, dtype=torch.bool)
+        for t in range(self.max_new_tokens):
+            j = t // self.span
+            if t % self.span == 0:  # a new span: the agent reads the state and sets the weights
+                e = self.encoder.encode([q + "\n" + self.vocab.decode(u) for q, u in zip(rows_q, units)])[0]  # (N, d_e)
+                alpha = self.agent(e, torch.full((N,), j, dtype=torch.long))                               # (N, K)
+                w = alpha / alpha.sum(-1, keepdim=True) if greedy else torch.distributions.Dirichlet(alpha).sample()
+                w = w.clamp_min(1e-6)
+                w = w / w.sum(-1, keepdim=True)
+                E.append(e), W.append(w)
+                span_mask[:, j] = ~done
+            P = torch.stack([self.vocab.member_probs(k, m.logits, temperature) for k, m in enumerate(self.members)])
+            p = mixture(P, w)                                                                               # (N, U)
+            nxt = p.argmax(-1) if greedy else draw(p.log(), 1.0)  # (N,) inverse-CDF draw from p itself
+            for n in range(N):
+                if not done[n]:
+                    units[n].append(int(nxt[n]))
+            done = done | (nxt == 0)
+            if done.all():
+                break
+            for k, m in enumerate(self.members):  # K forwards of the chosen token, re-tokenised per member
+                m.extend([[] if done[n] else self.vocab.piece(k, int(nxt[n])) for n in range(N)])
+        Jr = len(E)
+        traj = {"e": torch.stack(E, 1), "j": torch.arange(Jr).expand(N, Jr), "w": torch.stack(W, 1),
+                "span_mask": span_mask[:, :Jr], "length": torch.tensor([len(u) for u in units]),
+                "eos": torch.tensor([bool(u) and u[-1] == 0 for u in units])}
+        return [self.vocab.decode(u) for u in units], traj
+
+    def span_logprobs(self, traj):
+        """log Dir(w_j | alpha(s_j)) for every span of every row: [N, J], with gradient into the agent."""
+        N, J = traj["w"].shape[:2]
+        alpha = self.agent(traj["e"].flatten(0, 1), traj["j"].flatten()).view(N, J, -1)          # (N, J, K)
+        return dirichlet_logprob(alpha, traj["w"]), alpha
+
+    def answer(self, policy, tok, questions, args):
+        """Greedy: the mean weights of each Dirichlet and the most likely union token (evaluate.py)."""
+        return self.decode(questions, 1, greedy=True)[0]
+
+    def grpo_step(self, step, run, args, score_batch):
+        """rollout (G weight trajectories per question) -> reward -> advantage -> loss on the agent -> step -> log."""
+        from train import batch_indices, clip_gradients
+        optimizer, G, device, t0 = run["optimizer"], args.group_size, run["device"], time.time()
+        batches = []
+        for micro in range(args.grad_accum):
+            items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                                  len(run["train_items"]), args.seed)]
+            questions = [it["question"] for it in items]
+            texts, traj = self.decode(questions, G, args.temperature)                       # ---- rollout
+            r, counts = score_batch([it for it in items for _ in range(G)], texts)          # ---- reward
+            r = torch.tensor(r, dtype=torch.float32, device=device)
+            adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
+            batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
+        optimizer.zero_grad(set_to_none=True)                                               # ---- loss and step
+        losses, stats, W = [], [], []
+        for b in batches:
+            logp, alpha = self.span_logprobs(b["traj"])                                     # (N, J)
+            mask = b["traj"]["span_mask"]
+            loss, m = grpo.grpo_loss(logp, logp.detach(), logp.detach(), b["adv"], mask, args.clip_eps, 0.0,
+                                     args.loss_aggregation)
+            (loss / args.grad_accum).backward()
+            losses.append(loss.item()), stats.append(m)
+            W.append(b["traj"]["w"][mask])                                                  # (spans, K)
+        grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
+        finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
+        if finite:
+            optimizer.step()
+        r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
+        same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+        W = torch.cat(W)
+        rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+               "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
+               **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+               "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
+               "completion_length": torch.cat([b["traj"]["length"] for b in batches]).float().mean().item(),
+               "truncated_fraction": 1 - torch.cat([b["traj"]["eos"] for b in batches]).float().mean().item(),
+               "zero_std_fraction": same.float().mean().item(),
+               "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
+               "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
+               # the weights as the routing distribution of Eq. 15: one row per span decision
+               "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": self.names,
+               "concentration": torch.cat([self.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
+                                           for b in batches]).mean().item(),
+               "skipped_update": not finite}
+        rec["seconds"] = time.time() - t0
+        return rec, batches
+
+
+def eos_ids(model, tok):
+    ids = model.generation_config.eos_token_id
+    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
+    return sorted({tok.eos_token_id, *ids} - {None})
+
+
+def rlae(team, out_dim, args, device, dtype):
+    """baselines.py's signature. Members: the team's generative experts, then the policy model, each once."""
+    from experts import ExpertPool, is_encoder, load_model
+    members, names = [], []
+    for name in dict.fromkeys(team["experts"] + [team["policy"]]):
+        if name.startswith("oracle:"):
+            continue  # an oracle reads the gold answer: it cannot take part in decoding
+        model, tok = load_model(name, device, dtype)
+        if not is_encoder(model):
+            members.append((model, tok)), names.append(name)
+    encoder = ExpertPool([team["router"]], device, dtype, pooling="mean")
+    return RLAE(members, names, encoder, args.ensemble_span, args.max_new_tokens,
+                (args.system_prompt, args.worked_example, args.response_prefix)).to(device)
