@@ -184,7 +184,9 @@ def run_one(folder, kind, flags, seed, a):
         if os.path.exists(os.path.join(folder, "metrics.jsonl")):  # ours and single (TRL keeps its own)
             with open(os.path.join(folder, "metrics.jsonl")) as f:
                 steps = [json.loads(ln) for ln in f]
-        result = dict(seed=seed, seconds_to_target=first and first["seconds"], steps_to_target=first and first["step"],
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+                                cwd=ROOT).stdout.strip()
+        result = dict(seed=seed, commit=commit, seconds_to_target=first and first["seconds"], steps_to_target=first and first["step"],
                       evals=evals, seconds_per_step=statistics.median([s["seconds"] for s in steps]) if steps else
                       (evals[-1]["seconds"] / evals[-1]["step"] if evals else None))
         with open(os.path.join(folder, "result.json"), "w") as f:
@@ -225,6 +227,7 @@ def main():
     seeds = lambda c: a.trl_seeds if c == "trl" and a.trl_seeds is not None else a.seeds  # noqa: E731
     plan = [(c, c, SPEEDRUN, s) for s in a.seeds for c in a.contenders if s in seeds(c)]  # seed by seed
     if not a.no_ablations:
+        plan += [("ours (reference of the ablations)", "ours", SPEEDRUN, a.seeds[0])]  # the same code as they
         plan += [(f"ours without {lever}", "ours", SPEEDRUN + off, a.seeds[0]) for lever, off in LEVERS.items()]
     t_start = time.time()
     for label, kind, flags, seed in plan:
