@@ -211,6 +211,8 @@ def main():
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2])
     p.add_argument("--trl-seeds", nargs="+", type=int, default=None, help="seeds for trl (default: --seeds)")
     p.add_argument("--no-ablations", action="store_true", help="skip the one-lever-off runs of ours")
+    p.add_argument("--levers", nargs="*", default=list(LEVERS), choices=list(LEVERS), help="the levers to ablate")
+    p.add_argument("--no-reference", action="store_true", help="skip the ablations' reference run of ours")
     p.add_argument("--target", type=float, default=0.30, help="validation score to reach")
     p.add_argument("--items", type=int, default=100, help="validation items (greedy)")
     p.add_argument("--max-steps", type=int, default=60)
@@ -227,8 +229,9 @@ def main():
     seeds = lambda c: a.trl_seeds if c == "trl" and a.trl_seeds is not None else a.seeds  # noqa: E731
     plan = [(c, c, SPEEDRUN, s) for s in a.seeds for c in a.contenders if s in seeds(c)]  # seed by seed
     if not a.no_ablations:
-        plan += [("ours (reference of the ablations)", "ours", SPEEDRUN, a.seeds[0])]  # the same code as they
-        plan += [(f"ours without {lever}", "ours", SPEEDRUN + off, a.seeds[0]) for lever, off in LEVERS.items()]
+        if not a.no_reference:  # run on the same code as the ablations
+            plan += [("ours (reference of the ablations)", "ours", SPEEDRUN, a.seeds[0])]
+        plan += [(f"ours without {lever}", "ours", SPEEDRUN + LEVERS[lever], a.seeds[0]) for lever in a.levers]
     t_start = time.time()
     for label, kind, flags, seed in plan:
         folder = os.path.join(a.runs, label.replace(" ", "_").replace("/", "-"), f"s{seed}")
