@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import distributed
+from test_hardening import read_metrics as metrics  # whole lines, steps 1, 2, ... once each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # 4 micro-batches of 1 prompt, so that 2 ranks sum (g0 + g1) + (g2 + g3) where one process sums
@@ -45,15 +46,6 @@ def start(driver, out, *extra, nproc=None, env=None):
 def finish(proc):
     out, err = proc.communicate(timeout=600)
     return proc.returncode, out, err
-
-
-def metrics(out):
-    with open(os.path.join(out, "metrics.jsonl")) as f:
-        text = f.read()
-    assert text == "" or text.endswith("\n"), "torn last line"
-    rows = [json.loads(line) for line in text.splitlines()]
-    assert [r["step"] for r in rows] == list(range(1, len(rows) + 1)), "missing or duplicated steps"
-    return rows
 
 
 def checkpoint(out):
