@@ -255,6 +255,8 @@ def write(a, report):
     ours, trl = report.get("ours", {}), report.get("trl", {})
     o, t = ours.get("median_seconds_to_target"), trl.get("median_seconds_to_target")
     report["ratio_ours_vs_trl"] = o / t if o and t else None
+    one = report.get("single", {}).get("median_seconds_to_target")
+    report["ratio_single_vs_trl"] = one / t if one and t else None  # the same maths in both engines
     report["setup"] = dict(task=TASK, speedrun_flags=SPEEDRUN, pocket_flags=POCKET, levers=LEVERS, target=a.target,
                            items=a.items, eval_schedule=[s for s in range(1, a.max_steps + 1) if due(s)], max_steps=a.max_steps, max_seconds=a.max_seconds,
                            threads=1, core=a.core)
@@ -280,8 +282,9 @@ def markdown(report, target):
         per_step = statistics.median([r["seconds_per_step"] for r in by_seed.values() if r["seconds_per_step"]])
         out.append(f"| {label} | " + " | ".join(cell(by_seed[s]) if s in by_seed else "–" for s in seeds)
                    + f" | {'not reached' if med is None else f'{med:.0f}'} | {per_step:.1f} |")
-    if report.get("ratio_ours_vs_trl"):
-        out += ["", f"ours / TRL (medians): {report['ratio_ours_vs_trl']:.2f}"]
+    for k in ("ours", "single"):
+        if report.get(f"ratio_{k}_vs_trl"):
+            out += ["", f"{k} / TRL (medians): {report[f'ratio_{k}_vs_trl']:.2f}"]
     return "\n".join(out) + "\n"
 
 
