@@ -294,11 +294,13 @@ def plot(report, path, target):
     import matplotlib.pyplot as plt
     fig, ax = plt.subplots(figsize=(8, 5))
     colours = {"ours": "C0", "single": "C1", "trl": "C2"}
+    ablations = iter(f"C{k}" for k in range(3, 10))  # the one-lever-off runs: dotted, a colour each
     for label, runs in report.get("runs", {}).items():
+        colour = colours.get(label) or next(ablations)
         for seed, r in runs.items():
-            xs, ys = [0] + [e["seconds"] for e in r["evals"]], [None] + [100 * e["score"] for e in r["evals"]]
-            ax.plot(xs[1:], ys[1:], "o-" if label in colours else ":", color=colours.get(label, "grey"), alpha=0.8,
-                    label=label if seed == min(runs) else None, markersize=3)
+            ax.plot([e["seconds"] for e in r["evals"]], [100 * e["score"] for e in r["evals"]],
+                    "o-" if label in colours else "o:", color=colour, alpha=0.8, markersize=3,
+                    label=label if seed == min(runs) else None)
     ax.axhline(100 * target, color="k", lw=0.8, ls="--")
     ax.set_xlabel("training seconds (one core; loading and evaluation excluded)")
     ax.set_ylabel("greedy validation score, % (100 items)")
