@@ -51,6 +51,8 @@ Deviations and choices the paper leaves open (numbered):
    (r - mean) to round to 0: in float32 eight rewards of 0.6 give (r - mean) = 6e-8 and std = 6e-8,
    so (r - mean) / (std + eps) = +0.056 for every member, a spurious push that is not even mean-zero.
 6. metrics: kl uses the loss's aggregation; clip_fraction and ratio_mean are means over all masked tokens.
+7. Not in the paper, off by default: when the rollout samples from a bfloat16 copy of the policy (train.py
+   --rollout-dtype), truncated_is_weights reweights each token's surrogate toward pi_old (--tis-cap).
 
 Try it on CPU:  python -m pytest tests/test_grpo.py -q
 """
