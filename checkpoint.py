@@ -10,6 +10,7 @@ python, CUDA, the experts' draws for random pooling). Together with the data ord
   load_checkpoint    refuses a file that does not fit the run, in one line that says why
   check_resume       --resume refuses flags that would change the maths of the run it continues
   keep_metrics_upto  drops the log lines written after the checkpoint
+  write_json         a JSON file written the same way (config.json, validation.json, evaluate.py's results)
 
 Try it on CPU:  python -m pytest tests/test_hardening.py -q -k resume
 """
@@ -102,3 +103,11 @@ def keep_metrics_upto(path, step):
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+
+def write_json(path, obj):
+    """Atomically: a reader (or a kill) sees the old file or the new one, never half of one."""
+    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with open(path + ".tmp", "w") as f:
+        json.dump(obj, f, indent=2)
+    os.replace(path + ".tmp", path)
+

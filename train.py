@@ -12,6 +12,7 @@ context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 prompts 
 lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default below is the paper's.
 
 The loop, one optimiser step (grpo_step):  rollout -> reward -> advantage -> reference -> loss -> step -> log
+Every flag, its default and its checks are in config.py; `python train.py --help` lists them.
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
   1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop: one
@@ -30,13 +31,11 @@ in --out is written; --max-bad-steps non-finite steps in a row exit with code 3,
 last good weights; a killed run continues exactly with --resume (checkpoint.py); under torchrun, a rank that dies
 stops the job with exit code 3 (distributed.py).
 """
-import argparse
 import glob
 import json
 import math
 import os
 import random
-import sys
 import time
 
 import numpy as np
@@ -47,158 +46,11 @@ import grpo
 import rewards
 import rollout
 from adapter import context_probes
-from baselines import METHODS, WITHOUT_TEAM_EXPERTS
-from checkpoint import check_resume, keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
-from experts import POOLINGS, TEAMS, check_models, load_model, pick_device, team_models
+from baselines import METHODS
+from checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook, write_json
+from config import check_run, fail, parse_args
+from experts import load_model, pick_device, team_models
 from lora import apply_lora, lora_disabled, save_peft
-
-# ----------------------------------------------------------------------------------------------------------
-# Configuration: one flat argparse block. Flags use dashes, variables underscores. Each number is checked by
-# its type, so a bad value fails on its own line, naming its flag.
-
-
-def number(kind, low, low_ok=True):
-    """An argparse type: a finite `kind` (int or float) >= low (> low when not low_ok)."""
-    def parse(text):
-        try:
-            v = kind(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
-        if not (math.isfinite(v) and (v >= low if low_ok else v > low)):  # `not`, so that NaN fails too
-            raise argparse.ArgumentTypeError(f"must be {'>=' if low_ok else '>'} {low}, got {text}")
-        return v
-    return parse
-
-
-COUNT, NONNEG, POSITIVE = number(int, 1), number(float, 0), number(float, 0, low_ok=False)
-
-
-class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block), like every other bad-input error here."""
-
-    def error(self, message):
-        fail(message)
-
-
-def parse_args(argv=None):
-    p = ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
-    a = p.add_argument
-    a("--task", default="arithmetic",
-      help="a family (arithmetic, algorithmic, logic), gsm8k, or any reasoning-gym dataset name")
-    a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
-    a("--method", default="ours", choices=sorted(METHODS), help="how experts reach the policy (baselines.py)")
-    a("--policy", default=None, help="policy model: hub id, local folder or .gguf (default: the team's)")
-    a("--experts", default=None, help="comma-separated expert models, overriding the team's")
-    a("--steps", type=COUNT, default=None, help="optimiser steps (default 500; 233 for gsm8k: one epoch)")
-    a("--batch-size", type=COUNT, default=4, help="prompts per micro-batch")
-    a("--grad-accum", type=COUNT, default=8, help="micro-batches per optimiser step (paper: 4 x 8 = 32 prompts)")
-    a("--group-size", type=number(int, 2), default=8, help="GRPO group size G: completions per prompt (>= 2)")
-    a("--max-new-tokens", type=COUNT, default=128, help="generation budget for the policy and expert hints")
-    a("--temperature", type=POSITIVE, default=1.0, help="sampling temperature (log-probs use the same)")
-    a("--lr", type=POSITIVE, default=1e-4, help="learning rate of the LoRA policy")
-    a("--router-lr", type=POSITIVE, default=1e-4, help="learning rate of the adapter / router g_phi")
-    a("--lr-schedule", default="constant", choices=["constant", "cosine"], help="constant (paper) or cosine "
-      "decay to 0 at --steps; both after --warmup-steps of linear warm-up")
-    a("--warmup-steps", type=number(int, 0), default=0, help="linear learning-rate warm-up, in optimiser steps")
-    a("--weight-decay", type=NONNEG, default=1e-2, help="AdamW weight decay")
-    a("--adam-eps", type=POSITIVE, default=1e-6, help="AdamW epsilon")
-    a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
-    a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
-      "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
-    a("--beta", type=NONNEG, default=None, help="KL coefficient beta (Eq. 4; default 0.04, and 0 for --method "
-      "conductor, whose paper trains without KL)")
-    a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
-    a("--max-workflow-steps", type=COUNT, default=2, help="--method conductor: most steps a workflow may have "
-      "(paper: 5; 2 keeps a CPU step affordable)")
-    a("--ensemble-span", type=COUNT, default=8, help="--method rlae: tokens between two weight decisions (paper: L = 8)")
-    a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
-    a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
-    a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
-    a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
-    a("--reward", default="task", choices=["task", "random"], help="task: the task's own scorer; random: a "
-      "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
-    a("--format-bonus", type=NONNEG, default=0.0, help="a deviation, for training only: add this to the reward "
-      "of a completion with a non-empty <answer>...</answer> block; evaluation never sees it (0: off, the paper)")
-    a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
-      "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
-    a("--rollout-dtype", default="float32", choices=["float32", "bfloat16"], help="the rollout's matmuls on a "
-      "copy of the weights in this dtype (rollout.low_precision_linears); the scoring pass stays as it is")
-    a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
-      "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 (grpo.truncated_is_weights; 0: off)")
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
-      "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
-    a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
-    a("--lora-alpha", type=POSITIVE, default=16.0, help="LoRA alpha (scaling alpha / r)")
-    a("--latent-dim", type=COUNT, default=512, help="adapter latent width d")
-    a("--num-latents", type=COUNT, default=8, help="m: number of latent queries = context tokens")
-    a("--num-heads", type=COUNT, default=8, help="cross-attention heads")
-    a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
-    a("--expert-depth", type=number(float, 0, low_ok=False), default=1.0, help="pool the output of the block at this "
-      "fraction of each expert's depth, in (0, 1] (paper: 1, the final layer); e.g. 0.5 for a middle layer")
-    a("--state-norm", default="none", choices=["none", "standardize"], help="standardise each expert's pooled "
-      "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
-    a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
-    a("--context-position", default="after", choices=["after", "before"],
-      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
-    a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
-      help="reasoning-gym system prompt")
-    a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
-    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")
-    a("--dataset-size", type=COUNT, default=20000, help="reasoning-gym items per split (paper: 20000)")
-    a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
-      "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
-    a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
-    a("--seed", type=number(int, 0), default=0, help="seed for data order, sampling and initialisation")
-    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
-      "process takes cuda:LOCAL_RANK)")
-    a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
-      "their pooled states move to the policy's device")
-    a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
-      "nothing downloaded or allocated) and exit without writing (plan.py)")
-    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
-    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
-    a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
-    a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
-    a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
-    a("--eval-items", type=number(int, 0), default=0, help="score N validation items (greedy, the task's scorer) "
-      "before the first step and after the last, and print both on one line (0: off)")
-    args = p.parse_args(argv)
-    checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
-              (args.latent_dim % args.num_heads == 0,
-               f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
-              (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
-              (not args.tis_cap or args.rollout_dtype != "float32",
-               "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
-              (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
-               f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
-              (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),
-               f"--expert-device must be cpu, cuda[:N] or mps, got {args.expert_device!r}"),
-              (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
-              (args.data_path is None or os.path.exists(args.data_path),
-               f"--data-path {args.data_path}: no such file or folder"),
-              (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
-              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task" and not
-               (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32")),
-               f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
-               "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")]
-    for ok, msg in checks:
-        if not ok:
-            p.error(msg)
-    if args.beta is None:
-        args.beta = 0.0 if args.method == "conductor" else 0.04
-    if args.steps is None:
-        args.steps = 233 if args.task == "gsm8k" else 500
-    args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
-    return args
-
-
-def fail(msg, code=2):
-    """One line on stderr, then exit: code 2 for bad input, before anything is written; code 3 when
-    --max-bad-steps stops a run."""
-    if distributed.world_from_env().rank == 0:  # under torchrun every rank fails alike: one line, from rank 0
-        print(f"error: {msg}", file=sys.stderr)
-    sys.exit(code)
-
 
 # ----------------------------------------------------------------------------------------------------------
 # Building a run: the policy (frozen + LoRA), the context builder g of the chosen method, data, optimiser
@@ -359,6 +211,16 @@ def grpo_step(step, run, args, score_batch):
 
     # ---- log: the step's metrics (README "Metrics"); reward and the like describe the first draw ----------------
     batches = distributed.gather(world, batches, device)  # every rank's micro-batches, in order
+    rec = step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args)
+    rec["seconds"] = time.time() - t0
+    return rec, batches
+
+
+def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
+    """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the first draw's
+    rewards, the loss terms averaged over micro-batches, gradient norms before clipping, what the completions
+    looked like, and the context probes (adapter.context_probes)."""
+    device, optimizer = run["device"], run["optimizer"]
     r_all = torch.cat([b["task_r"] for b in batches])
     eos, trained = torch.tensor(run["eos_ids"], device=device), [b for b in batches if len(b["comp"])]
     mean = lambda xs: float(np.mean(xs)) if len(xs) else float("nan")  # noqa: E731
@@ -383,8 +245,7 @@ def grpo_step(step, run, args, score_batch):
         rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
         if args.tis_cap:
             rec["is_weight_mean"] = torch.cat([b["is_weight"][b["comp_mask"]] for b in trained]).mean().item()
-    rec["seconds"] = time.time() - t0
-    return rec, batches
+    return rec
 
 
 def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
@@ -471,27 +332,8 @@ def main(argv=None, score_batch=None):
     ckpt_path, metrics_path = os.path.join(args.out, "checkpoint.pt"), os.path.join(args.out, "metrics.jsonl")
     config_path = os.path.join(args.out, "config.json")
     # ---- check everything before writing anything into --out ---------------------------------------------------
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        fail(f"--out {args.out} is a file, not a folder")
-    if args.resume and (msg := check_resume(args, config_path)):
-        fail(msg)
-    elif not args.resume and any(os.path.exists(os.path.join(args.out, n))
-                                 for n in ("config.json", "metrics.jsonl", "checkpoint.pt")):
-        fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
-    team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
-    models = [(team["policy"], "--policy" if args.policy else by_team)]
-    if args.method not in WITHOUT_TEAM_EXPERTS:
-        models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
-    if args.method in ("hard_routing", "rlae"):  # their sentence encoder
-        models.append((team["router"], by_team))
     try:
-        check_models(models)
-        if args.expert_device:
-            if args.expert_device.startswith("cuda") and not torch.cuda.is_available():
-                raise ValueError(f"--expert-device {args.expert_device}: CUDA is not available")
-            if world.size > 1 and args.expert_device.startswith("cuda"):
-                raise ValueError(f"--expert-device {args.expert_device}: under torchrun every process would load "
-                                 "its experts there; use --expert-device cpu, or one process")
+        check_run(args, world, config_path)
         run = build_run(args, distributed.rank_device(pick_device(args.device), world))
         # a run killed before its first checkpoint resumes from step 0
         start = load_checkpoint(ckpt_path, run["policy"], run["method"], run["optimizer"], run["pool"]) \
@@ -575,14 +417,6 @@ def validation_scores(run, args):
     per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args, batch_size=50)
     run["policy"].train(), run["method"].train()
     return per_item["with_C"]["score"]
-
-
-def write_json(path, obj):
-    """Atomically: a reader (or a kill) sees the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
-        json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
 
 
 if __name__ == "__main__":

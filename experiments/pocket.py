@@ -43,6 +43,8 @@ TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2
 # the prompt and generation budget: the same for training, the untrained baseline and every evaluation
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
 
+STATE_NORM_METHODS = {"ours", "identical", "no_xattn"}  # the methods with a fit_state_norm (baselines.py)
+
 
 def run(cmd, log):
     print("$", " ".join(cmd), flush=True)
@@ -62,10 +64,13 @@ def main():
                    "500 steps of 256 completions; here far fewer samples)")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run")
     p.add_argument("--teams", nargs="+", default=["pocket", "pocket-naive", "pocket-oracle"],
-                   choices=["pocket", "pocket-naive", "pocket-oracle"], help="pocket-naive (pocket + a random-init "
-                   "GPT-2, Fig. 4) and pocket-oracle (the diagnostic oracle team) train `ours` only")
+                   choices=["pocket", "pocket-naive", "pocket-oracle", "pocket-strong"], help="pocket-naive (pocket + "
+                   "a random-init GPT-2, Fig. 4), pocket-oracle (the diagnostic oracle team) and pocket-strong (pocket "
+                   "+ Qwen2.5-Coder-1.5B-Instruct, an optional install) train `ours` only")
     p.add_argument("--random-reward", action=argparse.BooleanOptionalAction, default=True,
                    help="also train `ours` on the pocket team with --reward random (the control for rho)")
+    p.add_argument("--state-norm", default="none", choices=["none", "standardize"], help="train.py --state-norm "
+                   "for the methods that read expert states (ours, identical, no_xattn); the others cannot take it")
     p.add_argument("--train-flags", default="", help="extra train.py flags for every run, e.g. a channel option")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "pocket"), help="folder for the runs")
     p.add_argument("--results", default=os.path.join(ROOT, "results", "pocket"), help="folder for table and plots")
@@ -90,8 +95,9 @@ def main():
         if not os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
             resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []  # started before
             done = os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
+            norm = ["--state-norm", a.state_norm] if method in STATE_NORM_METHODS else []
             if not done:
-                run(["train.py", *TASK, *PROMPT, *hyper, *extra, *flags, "--team", team, "--method", method,
+                run(["train.py", *TASK, *PROMPT, *hyper, *extra, *norm, *flags, "--team", team, "--method", method,
                      "--seed", str(seed), "--out", out, *resume], log)
             run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
     run(["evaluate.py", "--summarize", a.out, "--out", a.results], log)

@@ -1,0 +1,194 @@
+"""
+The configuration of a training run: every train.py flag, its default (the paper's, unless the help says
+otherwise), its type check and the checks between flags; and the one-line error every bad input gets.
+
+    python train.py --help                                    # every flag, grouped as below
+    python -c "import config; print(vars(config.parse_args(['--team', 'tiny'])))"
+
+One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is
+checked by its type (COUNT, NONNEG, POSITIVE, number(...)), so a bad value fails on its own line, naming its
+flag, with exit code 2 and before anything is written. train.py, evaluate.py, plan.py and the experiments all
+parse their training flags here, so a flag means the same everywhere.
+"""
+import argparse
+import math
+import os
+import sys
+
+import distributed
+import rewards
+from baselines import METHODS, WITHOUT_TEAM_EXPERTS
+from checkpoint import check_resume
+from experts import POOLINGS, TEAMS, check_models, team_models
+
+DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
+
+
+def number(kind, low, low_ok=True):
+    """An argparse type: a finite `kind` (int or float) >= low (> low when not low_ok)."""
+    def parse(text):
+        try:
+            v = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
+        if not (math.isfinite(v) and (v >= low if low_ok else v > low)):  # `not`, so that NaN fails too
+            raise argparse.ArgumentTypeError(f"must be {'>=' if low_ok else '>'} {low}, got {text}")
+        return v
+    return parse
+
+
+COUNT, NONNEG, POSITIVE = number(int, 1), number(float, 0), number(float, 0, low_ok=False)
+
+
+class ArgumentParser(argparse.ArgumentParser):
+    """argparse with a one-line error (no usage block), like every other bad-input error here."""
+
+    def error(self, message):
+        fail(message)
+
+
+def parse_args(argv=None):
+    p = ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
+    a = p.add_argument
+    a("--task", default="arithmetic",
+      help="a family (arithmetic, algorithmic, logic), gsm8k, or any reasoning-gym dataset name")
+    a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
+    a("--method", default="ours", choices=sorted(METHODS), help="how experts reach the policy (baselines.py)")
+    a("--policy", default=None, help="policy model: hub id, local folder or .gguf (default: the team's)")
+    a("--experts", default=None, help="comma-separated expert models, overriding the team's")
+    a("--steps", type=COUNT, default=None, help="optimiser steps (default 500; 233 for gsm8k: one epoch)")
+    a("--batch-size", type=COUNT, default=4, help="prompts per micro-batch")
+    a("--grad-accum", type=COUNT, default=8, help="micro-batches per optimiser step (paper: 4 x 8 = 32 prompts)")
+    a("--group-size", type=number(int, 2), default=8, help="GRPO group size G: completions per prompt (>= 2)")
+    a("--max-new-tokens", type=COUNT, default=128, help="generation budget for the policy and expert hints")
+    a("--temperature", type=POSITIVE, default=1.0, help="sampling temperature (log-probs use the same)")
+    a("--lr", type=POSITIVE, default=1e-4, help="learning rate of the LoRA policy")
+    a("--router-lr", type=POSITIVE, default=1e-4, help="learning rate of the adapter / router g_phi")
+    a("--lr-schedule", default="constant", choices=["constant", "cosine"], help="constant (paper) or cosine "
+      "decay to 0 at --steps; both after --warmup-steps of linear warm-up")
+    a("--warmup-steps", type=number(int, 0), default=0, help="linear learning-rate warm-up, in optimiser steps")
+    a("--weight-decay", type=NONNEG, default=1e-2, help="AdamW weight decay")
+    a("--adam-eps", type=POSITIVE, default=1e-6, help="AdamW epsilon")
+    a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
+    a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
+      "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
+    a("--beta", type=NONNEG, default=None, help="KL coefficient beta (Eq. 4; default 0.04, and 0 for --method "
+      "conductor, whose paper trains without KL)")
+    a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
+    a("--max-workflow-steps", type=COUNT, default=2, help="--method conductor: most steps a workflow may have "
+      "(paper: 5; 2 keeps a CPU step affordable)")
+    a("--ensemble-span", type=COUNT, default=8, help="--method rlae: tokens between two weight decisions (paper: L = 8)")
+    a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
+    a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
+    a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
+    a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
+    a("--reward", default="task", choices=["task", "random"], help="task: the task's own scorer; random: a "
+      "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
+    a("--format-bonus", type=NONNEG, default=0.0, help="a deviation, for training only: add this to the reward "
+      "of a completion with a non-empty <answer>...</answer> block; evaluation never sees it (0: off, the paper)")
+    a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
+      "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
+    a("--rollout-dtype", default="float32", choices=["float32", "bfloat16"], help="the rollout's matmuls on a "
+      "copy of the weights in this dtype (rollout.low_precision_linears); the scoring pass stays as it is")
+    a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
+      "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 (grpo.truncated_is_weights; 0: off)")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
+      "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
+    a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
+    a("--lora-alpha", type=POSITIVE, default=16.0, help="LoRA alpha (scaling alpha / r)")
+    a("--latent-dim", type=COUNT, default=512, help="adapter latent width d")
+    a("--num-latents", type=COUNT, default=8, help="m: number of latent queries = context tokens")
+    a("--num-heads", type=COUNT, default=8, help="cross-attention heads")
+    a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
+    a("--expert-depth", type=number(float, 0, low_ok=False), default=1.0, help="pool the output of the block at this "
+      "fraction of each expert's depth, in (0, 1] (paper: 1, the final layer); e.g. 0.5 for a middle layer")
+    a("--state-norm", default="none", choices=["none", "standardize"], help="standardise each expert's pooled "
+      "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
+    a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
+    a("--context-position", default="after", choices=["after", "before"],
+      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
+    a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
+      help="reasoning-gym system prompt")
+    a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
+    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")
+    a("--dataset-size", type=COUNT, default=20000, help="reasoning-gym items per split (paper: 20000)")
+    a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
+      "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
+    a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
+    a("--seed", type=number(int, 0), default=0, help="seed for data order, sampling and initialisation")
+    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
+      "process takes cuda:LOCAL_RANK)")
+    a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
+      "their pooled states move to the policy's device")
+    a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
+      "nothing downloaded or allocated) and exit without writing (plan.py)")
+    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
+    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
+    a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
+    a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
+    a("--eval-items", type=number(int, 0), default=0, help="score N validation items (greedy, the task's scorer) "
+      "before the first step and after the last, and print both on one line (0: off)")
+    args = p.parse_args(argv)
+    checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
+              (args.latent_dim % args.num_heads == 0,
+               f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
+              (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
+              (not args.tis_cap or args.rollout_dtype != "float32",
+               "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
+              (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
+               f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
+              (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),
+               f"--expert-device must be cpu, cuda[:N] or mps, got {args.expert_device!r}"),
+              (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
+              (args.data_path is None or os.path.exists(args.data_path),
+               f"--data-path {args.data_path}: no such file or folder"),
+              (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
+              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task" and not
+               (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32")),
+               f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
+               "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")]
+    for ok, msg in checks:
+        if not ok:
+            p.error(msg)
+    if args.beta is None:
+        args.beta = 0.0 if args.method == "conductor" else 0.04
+    if args.steps is None:
+        args.steps = 233 if args.task == "gsm8k" else 500
+    args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
+    return args
+
+
+def fail(msg, code=2):
+    """One line on stderr, then exit: code 2 for bad input, before anything is written; code 3 when
+    --max-bad-steps stops a run."""
+    if distributed.world_from_env().rank == 0:  # under torchrun every rank fails alike: one line, from rank 0
+        print(f"error: {msg}", file=sys.stderr)
+    sys.exit(code)
+
+
+def check_run(args, world, config_path):
+    """What parse_args cannot see: the --out folder (a new run, or one that --resume can continue), every model
+    the run will load (present, or one line saying how to get it) and --expert-device. Fails with exit code 2,
+    or raises ValueError / FileNotFoundError with a one-line message; writes nothing."""
+    if os.path.exists(args.out) and not os.path.isdir(args.out):
+        fail(f"--out {args.out} is a file, not a folder")
+    if args.resume and (msg := check_resume(args, config_path)):
+        fail(msg)
+    elif not args.resume and any(os.path.exists(os.path.join(args.out, n))
+                                 for n in ("config.json", "metrics.jsonl", "checkpoint.pt")):
+        fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
+    models = [(team["policy"], "--policy" if args.policy else by_team)]
+    if args.method not in WITHOUT_TEAM_EXPERTS:
+        models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
+    if args.method in ("hard_routing", "rlae"):  # their sentence encoder
+        models.append((team["router"], by_team))
+    check_models(models)
+    if args.expert_device:
+        import torch
+        if args.expert_device.startswith("cuda") and not torch.cuda.is_available():
+            raise ValueError(f"--expert-device {args.expert_device}: CUDA is not available")
+        if world.size > 1 and args.expert_device.startswith("cuda"):
+            raise ValueError(f"--expert-device {args.expert_device}: under torchrun every process would load "
+                             "its experts there; use --expert-device cpu, or one process")
