@@ -51,7 +51,6 @@ import time
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 
 import grpo
 import rewards
@@ -246,6 +245,7 @@ class RLAE(nn.Module):
                                 [m.get_output_embeddings().weight.shape[0] for m, _ in members])
         self.span, self.max_new_tokens, self.prompt_args = span, max_new_tokens, prompt_args
         self.agent = Agent(encoder.dims[0], len(members), math.ceil(max_new_tokens / span))
+        self.fixed_weights = None  # a [K] tensor: greedy decoding with these weights, not the agent's (a control)
 
     def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
         return {"C": None, "A": None, "hints": [None] * len(questions)}
@@ -271,6 +271,8 @@ class RLAE(nn.Module):
                 w = alpha / alpha.sum(-1, keepdim=True) if greedy else torch.distributions.Dirichlet(alpha).sample()
                 w = w.clamp_min(1e-6)
                 w = w / w.sum(-1, keepdim=True)
+                if greedy and self.fixed_weights is not None:  # experiments/rlae_members.py: one member alone
+                    w = self.fixed_weights.to(w).expand(N, K)
                 E.append(e), W.append(w)
                 span_mask[:, j] = ~done
             P = torch.stack([self.vocab.member_probs(k, m.logits, temperature) for k, m in enumerate(self.members)])

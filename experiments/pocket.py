@@ -19,9 +19,16 @@ Deviations from the paper's protocol (all forced by a 2-core CPU; the GPU recipe
   3. A worked example in the system prompt, the response pre-filled with "<think>", C in front of the prompt,
      behind its first token (--context-position before).
   4. G = 4 (paper 8), 4 prompts per step (paper 32), 48 new tokens (paper 128; the policy's answers take 10-30),
-     --steps 30 (paper 500), lr 5e-4 for LoRA and g_phi (paper 1e-4: we see ~1/200 of its samples).
-  5. Validation on --n-eval items (greedy), not 4,000.
-  6. Two cores: run one process per core with disjoint --seeds (each pinned to its core with
+     --steps 15 (paper 500), lr 1e-3 for LoRA and g_phi (paper 1e-4: we see ~1/500 of its samples).
+  5. The speedrun's levers (--levers, on by default; README "Speedrun"): a format bonus of 0.1 in the training
+     reward only, one re-draw of flat groups (dynamic sampling), a bfloat16 copy of the policy for the rollout with
+     truncated importance sampling (cap 2). With them a step gets a reward signal from the first step; without
+     them (the first pocket table: 30 steps, lr 5e-4) the first 4-8 steps were mostly flat.
+  6. --state-norm standardize for the methods that read expert states (ours, identical, no_xattn): without it C
+     is the same for every prompt (README "Does C carry expert information?"), so the question of this table
+     could not even be asked. --state-norm none gives the paper's adapter.
+  7. Validation on --n-eval items (greedy), not 4,000.
+  8. Two cores: run one process per core with disjoint --seeds (each pinned to its core with
      OMP_NUM_THREADS=1 taskset -c K); every run is a separate folder, so they never collide.
 
 The controls (what could produce the same number without the experts): `identical` (the policy's own frozen
@@ -43,6 +50,7 @@ TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2
 # the prompt and generation budget: the same for training, the untrained baseline and every evaluation
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
 
+LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1", "--rollout-dtype", "bfloat16", "--tis-cap", "2"]
 STATE_NORM_METHODS = {"ours", "identical", "no_xattn"}  # the methods with a fit_state_norm (baselines.py)
 
 
@@ -59,9 +67,11 @@ def main():
     p.add_argument("--methods", nargs="+", default=["single", "ours", "identical", "soft_prompt", "no_xattn",
                                                     "hard_routing", "output_collab"], help="methods to compare")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds per method")
-    p.add_argument("--steps", type=int, default=30, help="GRPO steps per run")
-    p.add_argument("--lr", type=float, default=5e-4, help="learning rate of LoRA and g_phi (paper: 1e-4 over "
-                   "500 steps of 256 completions; here far fewer samples)")
+    p.add_argument("--steps", type=int, default=15, help="GRPO steps per run (the first pocket table: 30)")
+    p.add_argument("--lr", type=float, default=1e-3, help="learning rate of LoRA and g_phi (paper: 1e-4 over "
+                   "500 steps of 256 completions; here far fewer samples; the first pocket table: 5e-4)")
+    p.add_argument("--levers", action=argparse.BooleanOptionalAction, default=True, help="the speedrun's levers "
+                   "(deviation 5); --no-levers and --steps 30 --lr 5e-4 --state-norm none: the first pocket table")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run")
     p.add_argument("--teams", nargs="+", default=["pocket", "pocket-naive", "pocket-oracle"],
                    choices=["pocket", "pocket-naive", "pocket-oracle", "pocket-strong"], help="pocket-naive (pocket + "
@@ -69,7 +79,7 @@ def main():
                    "+ Qwen2.5-Coder-1.5B-Instruct, an optional install) train `ours` only")
     p.add_argument("--random-reward", action=argparse.BooleanOptionalAction, default=True,
                    help="also train `ours` on the pocket team with --reward random (the control for rho)")
-    p.add_argument("--state-norm", default="none", choices=["none", "standardize"], help="train.py --state-norm "
+    p.add_argument("--state-norm", default="standardize", choices=["none", "standardize"], help="train.py --state-norm "
                    "for the methods that read expert states (ours, identical, no_xattn); the others cannot take it")
     p.add_argument("--train-flags", default="", help="extra train.py flags for every run, e.g. a channel option")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "pocket"), help="folder for the runs")
@@ -88,7 +98,7 @@ def main():
             for m in (a.methods if team == "pocket" else ["ours"])]
     if a.random_reward:
         jobs += [("ours", s, "pocket", ["--reward", "random"]) for s in a.seeds]
-    extra = a.train_flags.split()
+    extra = (LEVERS if a.levers else []) + a.train_flags.split()
     for method, seed, team, flags in jobs:
         out = os.path.join(a.out, f"{team}-{method}{'-random-reward' if flags else ''}-s{seed}")
         has_context = method not in ("single", "output_collab", "conductor", "rlae")  # these have no C to pair

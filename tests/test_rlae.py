@@ -10,6 +10,7 @@ import pytest
 import torch
 
 import grpo
+import rewards
 import rlae
 from experts import TEAMS, tiny_tokenizer
 
@@ -148,6 +149,35 @@ def test_members_agent_start_and_gradient(tiny_rlae):
 def test_greedy_answer_is_deterministic(tiny_rlae):
     a = tiny_rlae.answer(None, None, ["What is 5 + 6?"], None)
     assert a == tiny_rlae.answer(None, None, ["What is 5 + 6?"], None) and isinstance(a[0], str)
+
+
+def test_fixed_weights_decode_one_member_alone_whatever_the_agent(tiny_rlae):
+    """experiments/rlae_members.py's control: with weights (0, 1, 0) the greedy decoder picks member 1's most
+    likely union token at every step, whatever the agent says, and the weights it records are the fixed ones."""
+    m, q = tiny_rlae, ["What is 5 + 6?"]
+    bias = m.agent.w2.bias.detach().clone()
+    try:
+        m.fixed_weights = torch.tensor([0.0, 1.0, 0.0])
+        texts, traj = m.decode(q, 1, greedy=True)
+        assert torch.equal(traj["w"], torch.tensor([0.0, 1.0, 0.0]).expand_as(traj["w"]))
+        with torch.no_grad():
+            m.agent.w2.bias.add_(torch.tensor([5.0, -5.0, 5.0]))  # an agent that would pick the others
+        assert m.decode(q, 1, greedy=True)[0] == texts
+        # the same text, token by token, from member 1's own distribution on the union vocabulary
+        member = m.members[1]
+        member.start([rewards.build_prompt(member.tok, q[0], *m.prompt_args)], 1)
+        units = []
+        for _ in range(m.max_new_tokens):
+            u = int(m.vocab.member_probs(1, member.logits, 1.0).argmax(-1))
+            units.append(u)
+            if u == 0:
+                break
+            member.extend([m.vocab.piece(1, u)])
+        assert m.vocab.decode(units) == texts[0]
+    finally:
+        m.fixed_weights = None
+        with torch.no_grad():
+            m.agent.w2.bias.copy_(bias)
 
 
 def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
