@@ -36,6 +36,7 @@ from report import plot_runs, summarize
 from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
 from config import ArgumentParser, fail, parse_args
 from checkpoint import write_json
+from stats import paired_comparison
 from train import frozen_dtype, policy_prompts
 
 # ----------------------------------------------------------------------------------------------------------
@@ -170,33 +171,6 @@ def summary(scores, sources, per_dataset=True):
 
 # ----------------------------------------------------------------------------------------------------------
 # Paired statistics: the same items under two conditions
-
-
-def sign_test_p(wins, losses):
-    """Exact two-sided sign test (McNemar's exact test for binary outcomes): under H0 each of the wins + losses
-    discordant items goes either way with probability 1/2; ties carry no information and are dropped.
-    p = min(1, 2 P[Binomial(k, 1/2) <= min(wins, losses)])."""
-    from math import comb
-    k = wins + losses
-    if k == 0:
-        return 1.0
-    return min(1.0, 2 * sum(comb(k, j) for j in range(min(wins, losses) + 1)) / 2 ** k)
-
-
-def paired_bootstrap_ci(diffs, level=0.95, n_boot=10_000, seed=0):
-    """Percentile bootstrap interval of mean(diffs), resampling items (the pairs stay together)."""
-    d = np.asarray(diffs, dtype=float)
-    means = d[np.random.default_rng(seed).integers(0, len(d), (n_boot, len(d)))].mean(1)
-    return [float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, (1 + level) / 2))]
-
-
-def paired_comparison(a, b):
-    """a, b: one value per item, same items. Mean difference a - b, its 95 % bootstrap interval, the sign
-    test's p over the items that differ, and how many went each way."""
-    d = np.asarray(a, dtype=float) - np.asarray(b, dtype=float)
-    wins, losses = int((d > 0).sum()), int((d < 0).sum())
-    return {"diff": float(d.mean()), "ci95": paired_bootstrap_ci(d), "p_sign": sign_test_p(wins, losses),
-            "better": wins, "worse": losses, "n": len(d)}
 
 
 def paired_comparisons(per_item):

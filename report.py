@@ -22,55 +22,16 @@ Choices the paper leaves open:
 Try it on CPU:  python -m pytest tests/test_baselines.py -q -k "summarize or plot"
 """
 import glob
-import itertools
 import json
 import os
 import sys
 
 import numpy as np
 
+from stats import hierarchical_bootstrap_ci, mean_std, partial_spearman, permutation_p, spearman
+
 # ----------------------------------------------------------------------------------------------------------
-# Statistics over runs
-
-
-def ranks(x):
-    """Ranks 1..n with ties given their average rank (as scipy.stats.rankdata)."""
-    x = np.asarray(x, dtype=float)
-    order = np.argsort(x, kind="mergesort")
-    r = np.empty(len(x))
-    r[order] = np.arange(1, len(x) + 1)
-    for v in np.unique(x):
-        tie = x == v
-        r[tie] = r[tie].mean()
-    return r
-
-
-def spearman(a, b):
-    """Spearman rho = Pearson correlation of the ranks. NaN when either series is constant."""
-    ra, rb = ranks(a), ranks(b)
-    ra, rb = ra - ra.mean(), rb - rb.mean()
-    denom = np.sqrt((ra ** 2).sum() * (rb ** 2).sum())
-    return float((ra * rb).sum() / denom) if denom > 0 else float("nan")
-
-
-def mean_std(values):
-    """(mean, sample std with ddof = 1; 0 for a single value)."""
-    v = np.asarray(values, dtype=float)
-    return float(v.mean()), float(v.std(ddof=1)) if len(v) > 1 else 0.0
-
-
-def permutation_p(a, b):
-    """Exact two-sided permutation test of mean(a) - mean(b): the share of all ways to split the pooled values
-    into groups of len(a) and len(b) whose mean difference is at least as large in size as the observed one.
-    With 3 seeds against 3 there are only 20 splits, so p can never fall below 2/20 = 0.1."""
-    pooled, k = np.asarray(list(a) + list(b), dtype=float), len(a)
-    observed = abs(np.mean(a) - np.mean(b))
-    diffs = []
-    for idx in itertools.combinations(range(len(pooled)), k):
-        inside = np.zeros(len(pooled), bool)
-        inside[list(idx)] = True
-        diffs.append(abs(pooled[inside].mean() - pooled[~inside].mean()))
-    return float(np.mean(np.asarray(diffs) >= observed - 1e-12))
+# Reading runs (the statistics are in stats.py)
 
 
 def read_json(path):
@@ -108,25 +69,6 @@ def method_key(cfg):
             + (" [random reward]" if cfg.get("reward") == "random" else "")
             + (" [state-norm]" if cfg.get("state_norm", "none") != "none" else "")
             + (f" [depth {cfg['expert_depth']:g}]" if cfg.get("expert_depth", 1.0) != 1.0 else ""))
-
-
-def hierarchical_bootstrap_ci(diffs_by_seed, level=0.95, n_boot=10_000, seed=0):
-    """Percentile interval of the mean over seeds of each seed's mean difference, resampling seeds and then
-    items within each drawn seed: the training seed and the item are both sources of variance."""
-    rng = np.random.default_rng(seed)
-    d = [np.asarray(x, dtype=float) for x in diffs_by_seed]
-    means = [np.mean([d[s][rng.integers(0, len(d[s]), len(d[s]))].mean() for s in rng.integers(0, len(d), len(d))])
-             for _ in range(n_boot)]
-    return [float(np.quantile(means, (1 - level) / 2)), float(np.quantile(means, (1 + level) / 2))]
-
-
-def partial_spearman(x, y, z):
-    """Spearman correlation of x and y with z held fixed: the partial correlation of the ranks,
-    (r_xy - r_xz r_yz) / sqrt((1 - r_xz^2)(1 - r_yz^2)). With z = the step, it removes the part of
-    rho(reward, H) that any two series drifting over training would share."""
-    rxy, rxz, ryz = spearman(x, y), spearman(x, z), spearman(y, z)
-    denom = np.sqrt((1 - rxz ** 2) * (1 - ryz ** 2))
-    return float((rxy - rxz * ryz) / denom) if denom > 0 else float("nan")
 
 
 def collect(folders, out):

@@ -606,6 +606,7 @@ SUITE = [
     _A + ["--normalize", "standardize"],                                  # remove the constant massive dims
     _A[:2] + ["--normalize", "standardize", "--steps", "400", "--eval-every", "100"],   # the trend with steps
     _A + ["--normalize", "standardize", "--expert", "gemma3-270m"],       # a base decoder as the oracle
+    _A + ["--normalize", "standardize", "--expert", "all-minilm-l6-v2"],  # an encoder as the oracle
 ]
 
 

@@ -29,6 +29,7 @@ sys.path.insert(0, ROOT)
 import config  # noqa: E402
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
+import stats  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
 
@@ -64,7 +65,7 @@ def main():
     if a.compare:
         with open(a.compare) as f:
             other = json.load(f)["per_item"]["with_C"]["score"]
-        result["compare"] = {"file": a.compare, **evaluate.paired_comparison(np.array(scores), np.array(other))}
+        result["compare"] = {"file": a.compare, **stats.paired_comparison(np.array(scores), np.array(other))}
     name = "rlae_members_" + "_".join(f"{x:g}" for x in a.weights) + f"_s{a.seed}.json"
     write_json(os.path.join(a.out, name), result)
     print(json.dumps({k: v for k, v in result.items() if k != "per_item"}, indent=1))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from baselines import METHODS
-from evaluate import derangement, paired_bootstrap_ci, paired_comparison, sign_test_p
+from evaluate import derangement
+from stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
 from train import clip_gradients, coin_rewards, main, parse_args

@@ -1,0 +1,46 @@
+"""stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
+hand-worked cases are in tests/test_baselines.py and tests/test_collaboration.py)."""
+import numpy as np
+import pytest
+
+from stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_test_p, spearman
+
+scipy_stats = pytest.importorskip("scipy.stats")
+
+
+def test_ranks_and_spearman_match_scipy_with_ties():
+    rng = np.random.default_rng(0)
+    for _ in range(20):
+        a, b = rng.integers(0, 6, 25), rng.normal(size=25).round(1)  # many ties in both
+        assert np.allclose(ranks(a), scipy_stats.rankdata(a))
+        assert spearman(a, b) == pytest.approx(scipy_stats.spearmanr(a, b).statistic, abs=1e-12)
+
+
+def test_sign_test_matches_scipy_binomtest():
+    for wins, losses in [(5, 0), (3, 1), (10, 2), (7, 7), (30, 18), (0, 9)]:
+        ref = scipy_stats.binomtest(wins, wins + losses, 0.5).pvalue
+        assert sign_test_p(wins, losses) == pytest.approx(ref, rel=1e-9)
+
+
+def test_permutation_p_matches_scipy_exact_permutation_test():
+    a, b = [0.54, 0.40, 0.42], [0.38, 0.26, 0.35]
+    ref = scipy_stats.permutation_test((a, b), lambda x, y: np.mean(x) - np.mean(y), permutation_type="independent",
+                                       alternative="two-sided", n_resamples=np.inf).pvalue
+    assert permutation_p(a, b) == pytest.approx(ref)
+
+
+def test_partial_spearman_matches_the_pearson_partial_of_the_ranks():
+    rng = np.random.default_rng(1)
+    z = np.arange(40.0)
+    x, y = z + rng.normal(0, 10, 40), 0.5 * z + rng.normal(0, 10, 40)
+    rx, ry, rz = (scipy_stats.rankdata(v) for v in (x, y, z))
+    r = lambda u, v: scipy_stats.pearsonr(u, v).statistic  # noqa: E731
+    ref = (r(rx, ry) - r(rx, rz) * r(ry, rz)) / np.sqrt((1 - r(rx, rz) ** 2) * (1 - r(ry, rz) ** 2))
+    assert partial_spearman(x, y, z) == pytest.approx(ref, abs=1e-12)
+
+
+def test_paired_comparison_counts_and_mean():
+    a, b = np.array([1, 1, 0, 0, 1, 0]), np.array([0, 1, 0, 1, 0, 0])
+    out = paired_comparison(a, b)
+    assert (out["better"], out["worse"], out["n"]) == (2, 1, 6) and out["diff"] == pytest.approx(1 / 6)
+    assert out["p_sign"] == pytest.approx(scipy_stats.binomtest(2, 3, 0.5).pvalue)
