@@ -1,0 +1,65 @@
+"""
+How the policy reacts to the size of C: is a small C a small change? (It is not, for a pre-norm policy.)
+
+    python experiments/scale_probe.py        # ~1 min on one CPU core -> results/pocket/scale_probe.json
+
+The untrained pocket policy (SmolLM2-135M-Instruct, no LoRA) reads the pocket prompt with m = 8 context tokens
+C = eps * u behind its first token (--context-position before), u a fixed random direction with rms 1, for eps
+from 0 to the token embeddings' rms; we measure the summed log-prob of the gold answer on the same 32 validation
+items and its mean absolute change from C = 0. Why it matters: g_phi starts at C = 0 (W_out = 0, Eq. 11) so
+that step 0 is the reference policy, and the KL anchor (Eq. 4) feeds zeros at C's positions. But the first
+thing a pre-norm decoder does to a position is RMSNorm, x / sqrt(mean(x^2) + eps_norm), which maps every
+vector much larger than sqrt(eps_norm) to the same length: a C of rms 0.01 is, to the first layer, as loud as
+a real token, while C = 0 stays 0. So the change from C = 0 is not small when C is small.
+"""
+import json
+import os
+import sys
+
+import torch
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+import config  # noqa: E402
+import rewards  # noqa: E402
+from checkpoint import write_json  # noqa: E402
+from evaluate import gold_logprobs  # noqa: E402
+from experts import load_model, team_models  # noqa: E402
+from train import policy_prompts  # noqa: E402
+
+POCKET = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
+          "--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--team", "pocket"]
+EPS = [0.0, 1e-5, 1e-4, 1e-3, 3e-3, 1e-2, 3e-2, 0.136]
+
+
+@torch.no_grad()
+def main(n=32, m=8):
+    args = config.parse_args(POCKET)
+    policy, tok = load_model(team_models(args)["policy"], torch.device("cpu"), torch.float32)
+    policy.eval()
+    items = rewards.load_entries(args.task, "val", n, 0, None, args.task_config)[:n]
+    prompts = policy_prompts(tok, [it["question"] for it in items], [None] * n, args)
+    golds = [it["answer"] for it in items]
+    u = torch.randn(m, policy.config.hidden_size, generator=torch.Generator().manual_seed(0))
+    u = (u / u.pow(2).mean().sqrt()).expand(n, m, -1)                       # (n, m, D), rms 1
+    rows = []
+    for eps in EPS:
+        lp = torch.tensor(gold_logprobs(policy, tok, prompts, golds, eps * u, args, "cpu"))
+        rows.append({"eps": eps, "gold_logprob": lp.mean().item(), "per_item": lp.tolist()})
+    base = torch.tensor(rows[0]["per_item"])
+    for r in rows:
+        r["mean_abs_change_from_zero"] = (torch.tensor(r["per_item"]) - base).abs().mean().item()
+    embed_rms = policy.get_input_embeddings().weight.pow(2).mean().sqrt().item()
+    out = {"rms_norm_eps": policy.config.rms_norm_eps, "embed_rms": embed_rms, "n": n, "m": m, "rows": rows}
+    write_json(os.path.join(ROOT, "results", "pocket", "scale_probe.json"), out)
+    print(f"RMSNorm eps {policy.config.rms_norm_eps:g} (sqrt {policy.config.rms_norm_eps ** 0.5:.4f}); "
+          f"token embeddings' rms {embed_rms:.3f}")
+    for r in rows:
+        print(f"rms(C) {r['eps']:<8g} gold log-prob {r['gold_logprob']:8.3f}   mean |change from C = 0| "
+              f"{r['mean_abs_change_from_zero']:.3f}")
+    print(json.dumps({"done": True}))
+
+
+if __name__ == "__main__":
+    main()
