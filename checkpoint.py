@@ -4,7 +4,7 @@ Checkpoints and resume for train.py: a killed run continues to the very numbers 
 Nothing here is in the paper; it is what makes a 500-step run on a shared GPU safe to stop. What a checkpoint
 holds: the step, LoRA's tensors, g_phi's state, the optimiser's state and every random generator (torch, numpy,
 python, CUDA, the experts' draws for random pooling). Together with the data order, which is a pure function of
-(seed, step) (train.batch_indices), that is all a step depends on.
+(seed, step) (rewards.batch_indices), that is all a step depends on.
 
   save_checkpoint    one file, written to a temporary name and renamed: it is the old one or the new one
   load_checkpoint    refuses a file that does not fit the run, in one line that says why

@@ -292,7 +292,8 @@ class Conductor(nn.Module):
     def grpo_step(self, step, run, args, score_batch):
         """rollout (workflow text) -> workers -> reward -> advantage -> (reference) -> loss -> step -> log."""
         from lora import lora_disabled
-        from train import batch_indices, clip_gradients
+        from rewards import batch_indices
+        from train import clip_gradients
         policy, tok, optimizer, G, device = run["policy"], run["tok"], run["optimizer"], args.group_size, run["device"]
         eos_ids, K, t0 = run["eos_ids"], len(self.workers), time.time()
         batches = []

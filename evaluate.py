@@ -37,7 +37,7 @@ from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
 from config import ArgumentParser, fail, parse_args
 from checkpoint import write_json
 from stats import paired_comparison
-from train import frozen_dtype, policy_prompts
+from train import frozen_dtype
 
 # ----------------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
@@ -113,7 +113,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
         for s in range(0, len(items), batch_size):
             batch = items[s:s + batch_size]
             C = None if C_cond is None else C_cond[s:s + len(batch)]
-            prompts = policy_prompts(tok, [it["question"] for it in batch], hints[s:s + len(batch)], args)
+            prompts = rewards.policy_prompts(tok, [it["question"] for it in batch], hints[s:s + len(batch)], args)
             ids, mask = encode_prompts(tok, prompts, device)
             if hasattr(method, "answer"):  # conductor.py, rlae.py write the answer their own way (greedy)
                 texts = method.answer(policy, tok, [it["question"] for it in batch], args)

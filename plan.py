@@ -140,7 +140,7 @@ def prompt_tokens(args, team):
     tokenizer and the task's items are at hand; else DEFAULT_PROMPT_TOKENS."""
     try:
         import rewards
-        from train import batch_indices, policy_prompts
+        from rewards import batch_indices, policy_prompts
         spec = team["policy"]
         if spec.startswith("tiny:"):
             tok = experts.tiny_tokenizer()

@@ -23,6 +23,9 @@ Deviations from the paper (which only names the datasets):
    Val = the 1,319 test items in file order; train is shuffled with the seed. The splits are fixed, so a larger
    `size` (the default 4,000 validation items, 16,000 training items) gets the whole split: one epoch.
 6. A single dataset name (`--task chain_sum`) uses the config of its paper family if it has one.
+7. Training helpers, each a pure function so that --resume needs no state: `batch_indices` (the data order of
+   (seed, step, micro-batch)), `policy_prompts` (x for a batch, shared by training and evaluation, so a fork's
+   prompt change reaches both) and `coin_rewards` (the random-reward control: a seeded coin per completion).
 
 Try it on CPU (about 5 s, no network):
     python rewards.py --task arithmetic --n 3
@@ -35,6 +38,8 @@ import re
 from collections.abc import Sequence
 from decimal import Decimal
 from pathlib import Path
+
+import numpy as np
 
 from safe_scoring import STATUSES, score_answers
 
@@ -167,6 +172,18 @@ def _load_gsm8k(split, size, seed, data_path):
             for i, row in rows[:size]]
 
 
+
+def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
+    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch in order
+    (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on load), every later
+    epoch a fresh seeded permutation."""
+    start = (step * grad_accum + micro) * batch_size
+    out = []
+    for k in range(start, start + batch_size):
+        epoch, i = divmod(k, n_items)
+        out.append(i if epoch == 0 else int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
+    return out
+
 # -----------------------------------------------------------------------------
 # Prompt: system prompt + question through the chat template (paper §8, developer_prompt: DeepSeekZero)
 
@@ -194,6 +211,13 @@ def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_examp
     return text + response_prefix
 
 
+
+def policy_prompts(tok, questions, hints, args):
+    """The policy's input text x for each question (hints: output_collab's expert hints, else None). Training
+    and evaluation both call this, so a fork that changes the prompt changes it in both."""
+    return [build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
+                                 args.response_prefix) for q, h in zip(questions, hints)]
+
 # -----------------------------------------------------------------------------
 # Answer extraction and reward
 
@@ -216,6 +240,13 @@ def format_bonus(completions, bonus):
     else 0. It rewards the form, not the answer, so it gives a group reward variance before any answer is
     right; evaluation (evaluate.score_items) scores with the task's scorer alone and never calls this."""
     return [float(bonus) if (extract_answer(c) or "") else 0.0 for c in completions]
+
+
+def coin_rewards(seed, step, micro, draw, n):
+    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch, draw), so a
+    resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The text is never read."""
+    key = [seed, step, micro, 7] + ([draw] if draw else [])
+    return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
 
 
 _GSM8K_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")

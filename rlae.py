@@ -304,7 +304,8 @@ class RLAE(nn.Module):
 
     def grpo_step(self, step, run, args, score_batch):
         """rollout (G weight trajectories per question) -> reward -> advantage -> loss on the agent -> step -> log."""
-        from train import batch_indices, clip_gradients
+        from rewards import batch_indices
+        from train import clip_gradients
         optimizer, G, device, t0 = run["optimizer"], args.group_size, run["device"], time.time()
         batches = []
         for micro in range(args.grad_accum):

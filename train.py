@@ -101,32 +101,6 @@ def frozen_dtype(name, device):
     return getattr(torch, name)
 
 
-def policy_prompts(tok, questions, hints, args):
-    """The policy's input text x for each question (hints: output_collab's expert hints, else None). Training
-    and evaluation both call this, so a fork that changes the prompt changes it in both."""
-    return [rewards.build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
-                                 args.response_prefix) for q, h in zip(questions, hints)]
-
-
-def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
-    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch in order
-    (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on load), every later
-    epoch a fresh seeded permutation."""
-    start = (step * grad_accum + micro) * batch_size
-    out = []
-    for k in range(start, start + batch_size):
-        epoch, i = divmod(k, n_items)
-        out.append(i if epoch == 0 else int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
-    return out
-
-
-def coin_rewards(seed, step, micro, draw, n):
-    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch, draw), so a
-    resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The text is never read."""
-    key = [seed, step, micro, 7] + ([draw] if draw else [])
-    return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
-
-
 # ----------------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
 
@@ -143,14 +117,14 @@ def grpo_step(step, run, args, score_batch):
     batches = []
     for micro in distributed.my_micro_batches(world, args.grad_accum):
         distributed.seed_micro_batch(args.seed, step, micro, run["pool"])  # same draws on any rank, after a resume
-        items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
+        items = [run["train_items"][i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
                                                               len(run["train_items"]), args.seed)]
         questions, answers = [it["question"] for it in items], [it["answer"] for it in items]
         # ---- rollout: C = g(x), then G samples per prompt, all conditioned on the same C ---------------------
         method.train()  # training behaviour in the rollout too: hard routing draws its Gumbel expert here
         with torch.no_grad():
             ctx = method(questions, answers)  # answers: read only by oracle experts (a diagnostic)
-        ids, mask = rollout.encode_prompts(tok, policy_prompts(tok, questions, ctx["hints"], args), device)
+        ids, mask = rollout.encode_prompts(tok, rewards.policy_prompts(tok, questions, ctx["hints"], args), device)
         drawn = draw_and_score(run, args, items, ids, mask, ctx["C"], (step, micro, 0), score_batch)
         r = drawn["r"]
         first = dict(task_r=drawn["task_r"].clone(), flat=flat_groups(r, G), first_counts=drawn["counts"])
@@ -261,7 +235,7 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, run["eos_ids"]), tok.pad_token_id),
                              skip_special_tokens=True)
     if args.reward == "random":
-        task_r, counts = coin_rewards(args.seed, *key, len(texts)), {}
+        task_r, counts = rewards.coin_rewards(args.seed, *key, len(texts)), {}
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])

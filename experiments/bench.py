@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 
 
 def step_items(items, step, prompts):
-    from train import batch_indices
+    from rewards import batch_indices
     return [items[i] for i in batch_indices(step, 0, prompts, 1, len(items), SEED)]
 
 

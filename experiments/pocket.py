@@ -81,7 +81,8 @@ def main():
                    help="also train `ours` on the pocket team with --reward random (the control for rho)")
     p.add_argument("--state-norm", default="standardize", choices=["none", "standardize"], help="train.py --state-norm "
                    "for the methods that read expert states (ours, identical, no_xattn); the others cannot take it")
-    p.add_argument("--train-flags", default="", help="extra train.py flags for every run, e.g. a channel option")
+    p.add_argument("--train-flags", default="", help="extra train.py flags for every run, e.g. a channel option; "
+                   "write --train-flags=--one-flag when it is a single flag (argparse would take it for one of ours)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "pocket"), help="folder for the runs")
     p.add_argument("--results", default=os.path.join(ROOT, "results", "pocket"), help="folder for table and plots")
     a = p.parse_args()

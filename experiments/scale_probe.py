@@ -26,7 +26,6 @@ import rewards  # noqa: E402
 from checkpoint import write_json  # noqa: E402
 from evaluate import gold_logprobs  # noqa: E402
 from experts import load_model, team_models  # noqa: E402
-from train import policy_prompts  # noqa: E402
 
 POCKET = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
           "--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--team", "pocket"]
@@ -39,7 +38,7 @@ def main(n=32, m=8):
     policy, tok = load_model(team_models(args)["policy"], torch.device("cpu"), torch.float32)
     policy.eval()
     items = rewards.load_entries(args.task, "val", n, 0, None, args.task_config)[:n]
-    prompts = policy_prompts(tok, [it["question"] for it in items], [None] * n, args)
+    prompts = rewards.policy_prompts(tok, [it["question"] for it in items], [None] * n, args)
     golds = [it["answer"] for it in items]
     u = torch.randn(m, policy.config.hidden_size, generator=torch.Generator().manual_seed(0))
     u = (u / u.pow(2).mean().sqrt()).expand(n, m, -1)                       # (n, m, D), rms 1

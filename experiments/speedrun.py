@@ -116,15 +116,14 @@ def trl_train(folder, args, o):
     from trl import GRPOConfig, GRPOTrainer
     import evaluate
     import rewards
-    import train
     from experts import load_model, team_models
     from lora import DEFAULT_TARGETS, load_lora_state_dict
     args.team_models = team = team_models(args)
     policy, tok = load_model(team["policy"])
     items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, None, args.task_config)
-    rows = [items[i] for s in range(args.steps) for i in train.batch_indices(s, 0, args.batch_size, 1, len(items),
-                                                                             args.seed)]  # our data order
-    prompts = train.policy_prompts(tok, [it["question"] for it in rows], [None] * len(rows), args)
+    rows = [items[i] for s in range(args.steps) for i in rewards.batch_indices(s, 0, args.batch_size, 1, len(items),
+                                                                               args.seed)]  # our data order
+    prompts = rewards.policy_prompts(tok, [it["question"] for it in rows], [None] * len(rows), args)
     data = Dataset.from_list([{"prompt": p, "row": i} for i, p in enumerate(prompts)])
 
     def reward(prompts, completions, row, **_):

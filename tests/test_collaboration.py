@@ -13,7 +13,8 @@ from evaluate import derangement
 from stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
-from train import clip_gradients, coin_rewards, main, parse_args
+from rewards import coin_rewards
+from train import clip_gradients, main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]

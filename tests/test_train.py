@@ -8,7 +8,8 @@ import sys
 import pytest
 import torch
 
-from train import batch_indices, main
+from rewards import batch_indices
+from train import main
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "64",
