@@ -2,7 +2,7 @@
 The configuration of a training run: every train.py flag, its default (the paper's, unless the help says
 otherwise), its type check and the checks between flags; and the one-line error every bad input gets.
 
-    python train.py --help                                    # every flag, grouped as below
+    python train.py --help                                    # every flag, with its default and help
     python -c "import config; print(vars(config.parse_args(['--team', 'tiny'])))"
 
 One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is

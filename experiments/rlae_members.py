@@ -11,8 +11,8 @@ through this decoder scored like the mixture, the gain would come from the decod
 fixed weights the agent is never consulted, so no trained run is needed. The items are the validation items of
 --seed (100 by default): the same items as every pocket run of that seed, so the scores pair item by item with
 them (--compare FILE: an eval.json with per_item scores, e.g. an RLAE run's). Writes
-results/pocket/rlae_members_<weights>_s<seed>.json. Cost: one K-member decoding of the items (~15 min for 100
-items on one CPU core).
+results/pocket/rlae_members_<weights>_s<seed>.json. Cost: one K-member greedy decoding of the items (3.5-5 min
+for 100 pocket items on one shared CPU core).
 """
 import argparse
 import json

@@ -1,7 +1,7 @@
 """
 How the policy reacts to the size of C: is a small C a small change? (It is not, for a pre-norm policy.)
 
-    python experiments/scale_probe.py        # ~1 min on one CPU core -> results/pocket/scale_probe.json
+    python experiments/scale_probe.py        # 8 x 32 teacher-forced passes, minutes on one CPU core -> results/pocket/scale_probe.json
 
 The untrained pocket policy (SmolLM2-135M-Instruct, no LoRA) reads the pocket prompt with m = 8 context tokens
 C = eps * u behind its first token (--context-position before), u a fixed random direction with rms 1, for eps
