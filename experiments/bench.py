@@ -284,7 +284,7 @@ def main():
     p.add_argument("--no-scaling", action="store_true", help="skip the G and number-of-experts scaling runs")
     p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
     p.add_argument("--profile-only", action="store_true", help="only the phase profile of `ours` (loads one worker): "
-                   "where a step's time goes, e.g. what the probes of C cost")
+                   "where a step's time goes, e.g. what the probes of C cost -> bench_profile.json beside --out")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench.json"),
                    help="JSON output; the Markdown table goes beside it")
     p.add_argument("--worker", help=argparse.SUPPRESS)
@@ -307,11 +307,21 @@ def main():
         w = Worker("ours", "ours", o, log_dir)
         w.recv()
         [w.run(step=DATASET_SIZE - 1 - k) for k in range(a.warmup)]
+        steps = []
         for k in range(a.steps):
             v = w.run(step=k, profile=True)
+            steps.append(v)
             log(f"profile ours {v['seconds']:.1f} s: " + ", ".join(f"{ph} {x:.3f}" for ph, x in sorted(
                 v["phases"].items(), key=lambda x: -x[1])))
-        return w.close()
+        w.close()
+        share = [v["phases"].get("probes of C", 0.0) / v["seconds"] for v in steps]
+        res = dict(environment=env, options=o, steps=steps, probes_share_median=float(np.median(share)),
+                   probes_seconds_median=float(np.median([v["phases"].get("probes of C", 0.0) for v in steps])),
+                   step_seconds_median=float(np.median([v["seconds"] for v in steps])))
+        path = os.path.join(os.path.dirname(a.out), "bench_profile.json")  # never overwrites bench.json
+        with open(path, "w") as f:
+            json.dump(res, f, indent=1)
+        return log(f"probes of C: {100 * res['probes_share_median']:.3f} % of a step (median of {a.steps}); {path}")
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
     W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "trl_default", "trl_no_gc", "floor"]}

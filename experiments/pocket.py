@@ -41,6 +41,7 @@ the gold answer + a random GPT-2) is a diagnostic: it tells whether the channel 
 import argparse
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -60,6 +61,16 @@ def run(cmd, log):
     with open(log, "a") as f:
         subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True)
     print(f"  done in {time.time() - t0:.0f} s", flush=True)
+
+
+def archive(run_dir, into):
+    """Copy a finished run's small records (config, per-step metrics, evaluations; ~40 KB) into results/, which
+    is in git: `evaluate.py --summarize results/pocket/runs` rebuilds the table, item by item, without runs/."""
+    dest = os.path.join(into, os.path.basename(run_dir))
+    os.makedirs(dest, exist_ok=True)
+    for name in sorted(os.listdir(run_dir)):
+        if name in ("config.json", "metrics.jsonl") or name.startswith("eval"):
+            shutil.copy2(os.path.join(run_dir, name), dest)
 
 
 def main():
@@ -111,6 +122,7 @@ def main():
                 run(["train.py", *TASK, *PROMPT, *hyper, *extra, *norm, *flags, "--team", team, "--method", method,
                      "--seed", str(seed), "--out", out, *resume], log)
             run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
+        archive(out, os.path.join(a.results, "runs"))
     run(["evaluate.py", "--summarize", a.out, "--out", a.results], log)
     print(open(os.path.join(a.results, "table.md")).read())
     with open(os.path.join(a.results, "spearman.json")) as f:
