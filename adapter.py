@@ -34,6 +34,16 @@ Deviations / choices the paper leaves open:
      gradient still reaches W_out at step 0 (dC/dW_out = C'), like LoRA's B = 0; the rest of g_phi gets
      gradient from the second step on. `out_init_std` restores a random near-zero init.
   3. W_i have no bias (Eq. 6 has none); W_Q, W_K, W_V, W1, W2 have none either; W_out has b_out.
+  4. Zero tokens are a no-op only at exactly 0 (deviation 2): the first thing a pre-norm policy does at C's
+     positions is RMSNorm, which gives any vector much longer than sqrt(eps) (0.003 for eps = 1e-5) the
+     length of a real token. One Adam step puts C there, so step 1 switches on m full-strength tokens of an
+     arbitrary direction. `--context-anchor newline` (not the paper's) starts every token at the policy's
+     embedding of "\n" instead, C = a + C' W_out + b_out: a real token that the policy nearly ignores, around
+     which a small change of C is a small change of the policy. Measured (experiments/scale_probe.py, the
+     untrained pocket policy, 8 tokens, 32 items): the gold answer's log-prob moves from C = 0's by 0.48 nats
+     at rms(C) = 0.001, and from the anchor's by 0.0005 at rms 0.001 and 0.005 at rms 0.01; the anchor alone
+     moves it by 0.07 from the prompt without any C. The reference policy and the "C = 0" arm of evaluation
+     then read the anchor tokens (empty_context).
 
 Try it on CPU:  python adapter.py   (prints C and A for random expert states)
 """
@@ -55,12 +65,38 @@ class FFN(nn.Module):
 
 
 class OutputProjection(nn.Linear):
-    """Eq. 11: C = C' W_out + b_out, initialised at zero so C starts as a no-op (deviation 2)."""
+    """Eq. 11: C = C' W_out + b_out, initialised at zero so C starts as a no-op (deviation 2).
+
+    With an anchor a (`--context-anchor newline`, not in the paper): C = a + C' W_out + b_out, every context
+    token starting as the same fixed vector a, the policy's own embedding of "\n" (deviation 4)."""
 
     def __init__(self, d, out_dim, init_std=0.0):
         super().__init__(d, out_dim, bias=True)
         nn.init.normal_(self.weight, std=init_std)
         nn.init.zeros_(self.bias)
+        self.register_buffer("anchor", None)  # (out_dim,) once set_context_anchor gives one; then in checkpoints
+
+    def forward(self, x):
+        y = super().forward(x)
+        return y if self.anchor is None else y + self.anchor.to(y.dtype)
+
+
+def set_context_anchor(method, vector):
+    """Make every context token of `method` start from `vector` [D] instead of 0. Raises ValueError if the
+    method has no output projection (single, output_collab, conductor, rlae: nothing to anchor)."""
+    outs = [m for m in method.modules() if isinstance(m, OutputProjection)]
+    if not outs:
+        raise ValueError("--context-anchor: this --method has no context tokens to anchor")
+    for m in outs:
+        m.anchor = vector.detach().float().clone().to(m.weight.device)
+
+
+def empty_context(method, C):
+    """What stands where C was for the reference policy (Eq. 4) and in the C = 0 arm of evaluation: zero
+    tokens (the paper), or the anchor tokens when the method has one (C with g_phi's own part at 0)."""
+    anchor = next((m.anchor for m in method.modules() if isinstance(m, OutputProjection)
+                   and m.anchor is not None), None)
+    return torch.zeros_like(C) if anchor is None else anchor.to(C.dtype).expand_as(C).clone()
 
 
 class StateNorm(nn.Module):

@@ -105,6 +105,9 @@ def parse_args(argv=None):
     a("--state-norm", default="none", choices=["none", "standardize"], help="standardise each expert's pooled "
       "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
     a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
+    a("--context-anchor", default="zero", choices=["zero", "newline"], help="what each context token starts "
+      "from: zero (Eq. 11; a step-1 jump through the policy's RMSNorm) or the policy's embedding of a newline, "
+      "around which a small C is a small change (adapter.py, deviation 4)")
     a("--context-position", default="after", choices=["after", "before"],
       help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
     a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
@@ -144,6 +147,8 @@ def parse_args(argv=None):
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
+              (args.context_anchor == "zero" or args.method not in ("single", "output_collab", "conductor", "rlae"),
+               f"--context-anchor newline: --method {args.method} has no context tokens to anchor"),
               (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task" and not
                (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32")),
                f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "

@@ -28,6 +28,7 @@ import numpy as np
 import torch
 
 import rewards
+from adapter import empty_context
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import check_models, load_model, pick_device, team_models
 from grpo import completion_mask
@@ -37,7 +38,7 @@ from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
 from config import ArgumentParser, fail, parse_args
 from checkpoint import write_json
 from stats import paired_comparison
-from train import frozen_dtype
+from train import anchor_context, frozen_dtype
 
 # ----------------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
@@ -51,6 +52,8 @@ def load_policy(args, lora_state=None, method_state=None, untrained=False, devic
     team = args.team_models
     policy, tok = load_model(team["policy"], device, dtype)
     method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args, device, dtype)
+    if not untrained:
+        anchor_context(method, policy, tok, args)
     if lora_state is not None:
         apply_lora(policy, args.lora_rank, args.lora_alpha)
         load_lora_state_dict(policy, lora_state)
@@ -107,7 +110,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
     for cond in conditions:
         if C_all is None and cond != "with_C":
             continue  # no context tokens: nothing to zero or shuffle
-        C_cond = None if C_all is None else {"with_C": C_all, "zero_C": torch.zeros_like(C_all),
+        C_cond = None if C_all is None else {"with_C": C_all, "zero_C": empty_context(method, C_all),
                                              "shuffled_C": C_all[perm]}[cond]
         scores, logps = [], []
         for s in range(0, len(items), batch_size):

@@ -45,7 +45,7 @@ import distributed
 import grpo
 import rewards
 import rollout
-from adapter import context_probes
+from adapter import context_probes, empty_context, set_context_anchor
 from baselines import METHODS
 from checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook, write_json
 from config import check_run, fail, parse_args
@@ -70,6 +70,7 @@ def build_run(args, device):
             raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to standardise")
         calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
         method.fit_state_norm([it["question"] for it in calibration], [it["answer"] for it in calibration])
+    anchor_context(method, policy, tok, args)
     apply_lora(policy, args.lora_rank, args.lora_alpha)
     if args.freeze_policy:
         for p in policy.parameters():
@@ -92,6 +93,14 @@ def build_run(args, device):
     return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer, train_items=train_items,
                 eos_ids=rollout.eos_token_ids(policy, tok), device=device, pool=getattr(method, "pool", None),
                 embed_rms=embed_rms)
+
+
+def anchor_context(method, policy, tok, args):
+    """--context-anchor newline (adapter.py, deviation 4): every context token starts at the policy's embedding
+    of "\n" instead of at 0. Before a checkpoint of g_phi is loaded (the anchor is in it)."""
+    if getattr(args, "context_anchor", "zero") == "newline":  # configs written before the flag: zero
+        newline = tok.encode("\n", add_special_tokens=False)[-1]
+        set_context_anchor(method, policy.get_input_embeddings().weight[newline])
 
 
 def frozen_dtype(name, device):
@@ -145,7 +154,7 @@ def grpo_step(step, run, args, score_batch):
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off) with zero tokens where C was (paper §4.1) -----
         with torch.no_grad(), lora_disabled(policy):
-            C0 = None if ctx["C"] is None else torch.zeros_like(ctx["C"][keep])
+            C0 = None if ctx["C"] is None else empty_context(method, ctx["C"][keep])  # zeros or the anchor
             logp_ref = rollout.completion_logprobs(policy, ids[keep], mask[keep], C0, comp[rows], comp_mask[rows],
                                                    args.temperature, args.context_position) if keep.any() else None
         batches.append(dict(questions=questions, ctx=ctx, ids=ids[keep], mask=mask[keep], comp=comp[rows],

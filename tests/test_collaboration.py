@@ -246,3 +246,61 @@ def test_an_oracle_team_trains_and_is_scored_three_ways(tmp_path):
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     r = evaluate(cfg, 4, 2, state["lora"], state["method"], conditions=("with_C", "zero_C", "shuffled_C"))
     assert set(r["paired"]) == {"with_C - zero_C", "with_C - shuffled_C"}
+
+
+# ---- --context-anchor: where C starts ------------------------------------------------------------------------
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_an_anchored_C_moves_the_policy_smoothly_and_a_zero_one_jumps(position):
+    """adapter.py deviation 4. The same random direction u of C at rms 1e-3 and 1e-2, added to zero tokens and to
+    the anchor a (a token embedding): around 0 the policy's RMSNorm makes the two changes about equal (the
+    step-1 jump), around a the change is small and grows about in proportion (a smooth start). At rms 0 both
+    are exactly their reference: empty_context is what the reference policy and the C = 0 arm read."""
+    from adapter import OutputProjection, empty_context, set_context_anchor
+    from experts import load_model
+    from rollout import completion_logprobs, encode_prompts
+    policy, tok = load_model("tiny:llama")
+    D = policy.config.hidden_size
+    proj = OutputProjection(16, D)
+    ids, mask = encode_prompts(tok, ["What is 2 + 3?", "Add 14 and 9."], "cpu")
+    comp = torch.randint(3, 200, (2, 5), generator=torch.Generator().manual_seed(0))
+    cmask = torch.ones_like(comp, dtype=torch.bool)
+    u = torch.randn(2, 4, D, generator=torch.Generator().manual_seed(1))
+    u = u / u.pow(2).mean().sqrt()
+
+    def change(C, ref):
+        with torch.no_grad():
+            lp = completion_logprobs(policy, ids, mask, C, comp, cmask, 1.0, position)
+            return (lp - completion_logprobs(policy, ids, mask, ref, comp, cmask, 1.0, position)).abs().mean().item()
+
+    C0 = proj(torch.zeros(2, 4, 16))                                        # W_out = 0, no anchor: zeros
+    assert torch.equal(C0, empty_context(proj, C0)) and not C0.any()
+    set_context_anchor(proj, policy.get_input_embeddings().weight[tok.encode("\n", add_special_tokens=False)[-1]])
+    A = proj(torch.zeros(2, 4, 16))                                         # W_out = 0, anchored: the anchor
+    assert torch.equal(A, empty_context(proj, A)) and A.abs().sum() > 0
+    zero = [change(C0 + e * u, C0) for e in (1e-3, 1e-2)]
+    anchored = [change(A + e * u, A) for e in (1e-3, 1e-2)]
+    assert zero[0] > 0.5 * zero[1]                      # around 0: a 10x smaller C is not a 10x smaller change
+    assert anchored[1] > 4 * anchored[0]                # around the anchor: it is, about
+    assert anchored[0] < 0.1 * zero[0], (zero, anchored)
+
+
+def test_train_and_evaluate_with_an_anchored_context(tmp_path):
+    """--context-anchor newline end to end: the anchor is the policy's embedding of "\\n", it travels in the
+    checkpoint, and at W_out = 0 the with-C and "C = 0" arms both read it, so they agree exactly."""
+    from types import SimpleNamespace
+    from evaluate import evaluate, load_policy
+    out = str(tmp_path / "anchored")
+    main(TINY + ["--context-anchor", "newline", "--method", "soft_prompt", "--reward", "random", "--steps", "2", "--batch-size", "2",
+                 "--grad-accum", "1", "--group-size", "2", "--max-new-tokens", "4", "--lr", "1e-2", "--out", out])
+    cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    policy, tok, _, _ = load_policy(cfg)
+    newline = policy.get_input_embeddings().weight[tok.encode("\n", add_special_tokens=False)[-1]]
+    assert torch.equal(state["method"]["out.anchor"], newline)
+    fresh = METHODS["soft_prompt"](cfg.team_models, 64, cfg, "cpu", torch.float32).state_dict()
+    fresh["out.anchor"] = newline                                           # W_out = 0, anchored
+    r = evaluate(cfg, 4, 2, None, fresh, conditions=("with_C", "zero_C"))
+    assert r["per_item"]["with_C"] == r["per_item"]["zero_C"]
+    r = evaluate(cfg, 4, 2, state["lora"], state["method"], conditions=("with_C", "zero_C"))
+    assert r["per_item"]["with_C"]["gold_logprob"] != r["per_item"]["zero_C"]["gold_logprob"]

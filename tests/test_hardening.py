@@ -186,6 +186,7 @@ BAD_INPUT = [
     ("train", "fresh", ["--router-lr", "-0.0001"], "--router-lr", False),
     ("train", "fresh", ["--beta", "-0.1"], "--beta", False),
     ("train", "fresh", ["--clip-eps", "1.5"], "--clip-eps", False),
+    ("train", "fresh", ["--context-anchor", "newline", "--method", "single"], "--context-anchor", False),
     ("train", "fresh", ["--grad-clip", "0"], "--grad-clip", False),
     ("train", "fresh", ["--seed", "-1"], "--seed", False),
     ("train", "fresh", ["--max-bad-steps", "0"], "--max-bad-steps", False),
