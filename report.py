@@ -68,7 +68,8 @@ def method_key(cfg):
     return (cfg["method"] + ("" if cfg["team"] in ("default", "pocket", "tiny") else f" ({cfg['team']})")
             + (" [random reward]" if cfg.get("reward") == "random" else "")
             + (" [state-norm]" if cfg.get("state_norm", "none") != "none" else "")
-            + (f" [depth {cfg['expert_depth']:g}]" if cfg.get("expert_depth", 1.0) != 1.0 else ""))
+            + (f" [depth {cfg['expert_depth']:g}]" if cfg.get("expert_depth", 1.0) != 1.0 else "")
+            + (f" [{cfg['context_anchor']} anchor]" if cfg.get("context_anchor", "zero") != "zero" else ""))
 
 
 def collect(folders, out):
