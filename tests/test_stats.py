@@ -3,7 +3,7 @@ hand-worked cases are in tests/test_baselines.py and tests/test_collaboration.py
 import numpy as np
 import pytest
 
-from stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_test_p, spearman
+from stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p, spearman
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -29,6 +29,14 @@ def test_permutation_p_matches_scipy_exact_permutation_test():
     assert permutation_p(a, b) == pytest.approx(ref)
 
 
+def test_sign_flip_p_matches_scipy_exact_paired_permutation_test():
+    for d in ([-10.8, -29.0, -10.5, 4.0, -2.0], [1.0, 2.0, 3.0], [0.5, -0.5, 0.25, -0.25], [-3.0, -1.0, -4.0, -1.0, -5.0]):
+        ref = scipy_stats.permutation_test((d,), np.mean, permutation_type="samples", alternative="two-sided",
+                                           n_resamples=np.inf).pvalue
+        assert sign_flip_p(d) == pytest.approx(ref)
+    assert sign_flip_p([-1.0, -2.0, -3.0, -4.0, -5.0]) == pytest.approx(2 / 32)  # the smallest p with 5 seeds
+
+
 def test_partial_spearman_matches_the_pearson_partial_of_the_ranks():
     rng = np.random.default_rng(1)
     z = np.arange(40.0)
@@ -44,3 +52,26 @@ def test_paired_comparison_counts_and_mean():
     out = paired_comparison(a, b)
     assert (out["better"], out["worse"], out["n"]) == (2, 1, 6) and out["diff"] == pytest.approx(1 / 6)
     assert out["p_sign"] == pytest.approx(scipy_stats.binomtest(2, 3, 0.5).pvalue)
+
+
+def test_seed_table_pairs_each_method_with_single_on_the_same_seed(tmp_path):
+    """experiments/seeds.py: runs' eval.json and per-seed scores from a file enter the same table; the
+    difference to single is taken seed by seed, its p is the exact sign-flip p."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+    from seeds import scores_by_row, table
+    for method, seed, score in [("single", 3, 0.17), ("ours", 3, 0.165), ("single", 4, 0.30), ("ours", 4, 0.20)]:
+        d = tmp_path / f"{method}-s{seed}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"method": method, "team": "pocket", "seed": seed, "task": "t"}))
+        (d / "eval.json").write_text(json.dumps({"score": score}))
+    extra = tmp_path / "old.json"
+    extra.write_text(json.dumps({"score": {"single": {"0": 50.0}, "ours": {"0": 39.0}}}))
+    rows = scores_by_row([str(tmp_path)], [str(extra)])
+    assert rows["ours"] == {0: 39.0, 3: 16.5, 4: 20.0}
+    line = next(ln for ln in table(rows).splitlines() if ln.startswith("| ours "))
+    d = [39.0 - 50.0, 16.5 - 17.0, 20.0 - 30.0]                               # -11, -0.5, -10
+    assert f"{np.mean(d):+.1f} ± {np.std(d, ddof=1):.1f} | 0 / 3 | {sign_flip_p(d):.3g}" in line
+    assert sign_flip_p(d) == 0.25                                               # 2 of the 8 sign patterns
