@@ -188,7 +188,8 @@ def summarize(folders, out):
 def plot_runs(folders, out):
     """Every figure for a folder of runs, read once: fig4_<task>_<team>.png (routing of `ours`), fig5.png (with
     vs without C), reward_<task>.png (training reward of every method), probes_<task>_<team>.png (what C
-    does over training), fig6.png (score vs m). Returns the paths written."""
+    does over training), conductor_<task>_<team>.png (parse rate), fig6.png (score vs m). Returns the paths
+    written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -199,7 +200,7 @@ def plot_runs(folders, out):
     os.makedirs(out, exist_ok=True)
     runs = load_runs(folders)
     written = []
-    for draw in (fig4, fig5, reward_curves, probe_curves, fig6):
+    for draw in (fig4, fig5, reward_curves, probe_curves, conductor_curves, fig6):
         for name, fig in draw(runs, plt):
             path = os.path.join(out, name)
             fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
@@ -332,6 +333,23 @@ def probe_curves(runs, plt):
             ax.set_title(title, fontsize=9), ax.legend(fontsize=7)
         axes[1, 0].set_yscale("log"), axes[1, 0].set_xlabel("step"), axes[1, 1].set_xlabel("step")
         yield f"probes_{task}_{team}.png", fig
+
+
+def conductor_curves(runs, plt):
+    """The conductor's training signal over steps: the share of sampled workflows that parse, their mean number
+    of steps and the training reward (0 unparsed, 0.5 wrong, 1 right). Runs stopped early are drawn too."""
+    for (task, team), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"]),
+                                      lambda r: r["cfg"]["method"] == "conductor" and r["metrics"]):
+        fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharex=True)
+        for run in group:
+            steps = [m["step"] for m in run["metrics"]]
+            label = f"seed {run['cfg'].get('seed', '?')}"
+            for ax, key in zip(axes, ("parse_rate", "mean_steps", "reward")):
+                ax.plot(steps, [m.get(key, np.nan) for m in run["metrics"]], marker="o", label=label)
+        for ax, title in zip(axes, ("workflows that parse", "mean steps of parsed workflows", "training reward")):
+            ax.set_title(title, fontsize=9), ax.set_xlabel("step"), ax.legend(fontsize=7)
+        axes[0].set_ylim(-0.05, 1.05)
+        yield f"conductor_{task}_{team}.png", fig
 
 
 def fig6(runs, plt):

@@ -160,7 +160,8 @@ def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
         json.dump({"score": 0.25, "solve_rate": 0.25}, open(run / "eval.json", "w"))
         with open(run / "metrics.jsonl", "w") as f:
             for step in (1, 2, 3):
-                row = {"step": step, "reward": step / 10}
+                row = {"step": step, "reward": step / 10, **({"parse_rate": step / 4, "mean_steps": 1.5}
+                                                              if method == "conductor" else {})}
                 if not (method == "conductor" and step == 2):
                     row.update(entropy=0.5, utilization=[0.7, 0.3], utilization_names=["w0", "w1"])
                 f.write(json.dumps(row) + "\n")
@@ -168,6 +169,7 @@ def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
     assert "| conductor | 25.0 |" in table and "| rlae | 25.0 |" in table
     names = sorted(os.path.basename(p) for p in plot_runs([str(tmp_path)], str(tmp_path / "out")))
     assert "fig4_chain_sum_tiny_conductor.png" in names and "fig4_chain_sum_tiny_rlae.png" in names
+    assert "conductor_chain_sum_tiny.png" in names                      # the parse-rate curve
 
 
 def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypatch):
