@@ -228,3 +228,19 @@ def test_completion_logprobs_rejects_ungrouped_rows(lora_policy):
 def test_position_ids():
     m = torch.tensor([[0, 0, 1, 1, 1], [1, 1, 1, 1, 1]])
     assert position_ids(m).tolist() == [[0, 0, 0, 1, 2], [0, 1, 2, 3, 4]]
+
+
+def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
+    """Regression: encode_prompts dropped the <bos> that a base model's tokenizer adds to plain text (Gemma-3-270M
+    as the policy scored 0.0 without it). A chat template writes its own special tokens: nothing is added then."""
+    from tokenizers import processors
+    from experts import tiny_tokenizer
+    for chat in (False, True):
+        tok = tiny_tokenizer(chat=chat)
+        bos = tok.bos_token_id
+        tok._tokenizer.post_processor = processors.TemplateProcessing(single=f"{tok.bos_token} $A",
+                                                                      special_tokens=[(tok.bos_token, bos)])
+        ids, mask = encode_prompts(tok, ["Add 2 and 3.", "What is 14 + 9?"], "cpu")
+        first = ids[mask].new_tensor([row[m][0] for row, m in zip(ids, mask)])   # each prompt's first real token
+        assert (first == bos).all() != chat, chat
+        assert len(ids[1][mask[1]]) == len(tok.encode("What is 14 + 9?", add_special_tokens=False)) + (not chat)
