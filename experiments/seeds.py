@@ -1,8 +1,10 @@
 """
 Seed-level comparison of methods: every seed's validation score, the mean over seeds, and each method minus
-`single` on the same seed (the same validation items), with an exact paired sign-flip test over seeds.
+`single` (or --versus ROW) on the same seed (the same validation items), with an exact paired sign-flip test
+over seeds, and item by item where both runs kept their items (a two-level bootstrap over seeds and items).
 
     python experiments/seeds.py results/pocket/runs --extra results/pocket/seeds_0-2.json --out results/pocket/seeds.md
+    python experiments/seeds.py results/pocket/runs --versus "soft_prompt"     # e.g. the anchored soft prompt vs it
 
 Reads the eval.json of every run under the folders (as evaluate.py --summarize does; rows named by
 report.method_key), plus, with --extra, per-seed scores recorded elsewhere ({"score": {row: {seed: percent}}}):
@@ -20,15 +22,19 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from report import load_runs, method_key  # noqa: E402
-from stats import mean_std, sign_flip_p  # noqa: E402
+from stats import hierarchical_bootstrap_ci, mean_std, sign_flip_p  # noqa: E402
 
 
-def scores_by_row(folders, extra):
-    """{row: {seed: score in percent}} from the runs' eval.json and the --extra file."""
+def scores_by_row(folders, extra, items=None):
+    """{row: {seed: score in percent}} from the runs' eval.json and the --extra file; `items`, if a dict, gets
+    {row: {seed: [per-item score with C]}} for the runs that kept them."""
     rows = {}
     for run in load_runs(folders):
         if "eval" in run:
-            rows.setdefault(method_key(run["cfg"]), {})[int(run["cfg"]["seed"])] = 100 * run["eval"]["score"]
+            row, seed = method_key(run["cfg"]), int(run["cfg"]["seed"])
+            rows.setdefault(row, {})[seed] = 100 * run["eval"]["score"]
+            if items is not None and "per_item" in run["eval"]:
+                items.setdefault(row, {})[seed] = run["eval"]["per_item"]["with_C"]["score"]
     for path in extra:
         with open(path) as f:
             for row, by_seed in json.load(f)["score"].items():
@@ -39,24 +45,38 @@ def scores_by_row(folders, extra):
     return rows
 
 
-def table(rows):
+def same_items(mine, theirs):
+    """Mean over seeds of (score - the other row's score) on the same items, with its 95 % two-level bootstrap
+    interval, over the seeds where both kept their items; '–' if none."""
+    seeds = [s for s in sorted(set(mine) & set(theirs)) if len(mine[s]) == len(theirs[s])]
+    if not seeds:
+        return "–"
+    diffs = [100 * np.subtract(mine[s], theirs[s]) for s in seeds]
+    lo, hi = hierarchical_bootstrap_ci(diffs)
+    return f"{np.mean([d.mean() for d in diffs]):+.1f} [{lo:+.1f}, {hi:+.1f}] ({len(seeds)})"
+
+
+def table(rows, items=None, versus="single"):
+    items = items or {}
     seeds = sorted({s for v in rows.values() for s in v})
-    single = rows.get("single", {})
-    lines = ["| method | " + " | ".join(f"s{s}" for s in seeds) + " | mean ± std | − single, same seeds "
-             "(mean ± std) | better / worse seeds | sign-flip p | seeds |", "|---|" + "---|" * (len(seeds) + 5)]
+    base = rows.get(versus, {})
+    lines = ["| method | " + " | ".join(f"s{s}" for s in seeds) + f" | mean ± std | − {versus}, same seeds "
+             f"(mean ± std) | better / worse seeds | sign-flip p | − {versus}, same items [95 % CI] (seeds) | seeds |",
+             "|---|" + "---|" * (len(seeds) + 6)]
     for row in sorted(rows):
         v = rows[row]
         m, sd = mean_std(list(v.values()))
         cells = [f"{v[s]:.1f}" if s in v else "–" for s in seeds]
-        both = [s for s in v if s in single]
-        if row != "single" and len(both) > 1:
-            d = [v[s] - single[s] for s in both]
+        both = [s for s in v if s in base]
+        if row != versus and len(both) > 1:
+            d = [v[s] - base[s] for s in both]
             dm, dsd = mean_std(d)
             vs = (f"{dm:+.1f} ± {dsd:.1f} | {sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} | "
                   f"{sign_flip_p(d):.3g}")
         else:
             vs = "– | – | –"
-        lines.append(f"| {row} | " + " | ".join(cells) + f" | {m:.1f} ± {sd:.1f} | {vs} | {len(v)} |")
+        paired = same_items(items.get(row, {}), items.get(versus, {})) if row != versus else "–"
+        lines.append(f"| {row} | " + " | ".join(cells) + f" | {m:.1f} ± {sd:.1f} | {vs} | {paired} | {len(v)} |")
     return "\n".join(lines) + "\n"
 
 
@@ -64,12 +84,17 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("folders", nargs="+", help="folders of runs (train.py outputs or their archived records)")
     p.add_argument("--extra", nargs="*", default=[], help="JSON files of per-seed scores without run records")
+    p.add_argument("--versus", default="single", help="the row every other row is compared with, seed by seed")
     p.add_argument("--out", default=None, help="write the Markdown table here too")
     a = p.parse_args()
     missing = [d for d in a.folders + a.extra if not os.path.exists(d)]
     if missing:
         p.error(f"no such file or folder: {missing[0]}")
-    md = table(scores_by_row(a.folders, a.extra))
+    items = {}
+    rows = scores_by_row(a.folders, a.extra, items)
+    if a.versus not in rows:
+        p.error(f"--versus {a.versus!r}: no such row; rows: {', '.join(sorted(rows))}")
+    md = table(rows, items, a.versus)
     print(md)
     if a.out:
         with open(a.out, "w") as f:

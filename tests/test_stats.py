@@ -73,5 +73,10 @@ def test_seed_table_pairs_each_method_with_single_on_the_same_seed(tmp_path):
     assert rows["ours"] == {0: 39.0, 3: 16.5, 4: 20.0}
     line = next(ln for ln in table(rows).splitlines() if ln.startswith("| ours "))
     d = [39.0 - 50.0, 16.5 - 17.0, 20.0 - 30.0]                               # -11, -0.5, -10
-    assert f"{np.mean(d):+.1f} ± {np.std(d, ddof=1):.1f} | 0 / 3 | {sign_flip_p(d):.3g}" in line
+    assert f"{np.mean(d):+.1f} ± {np.std(d, ddof=1):.1f} | 0 / 3 | {sign_flip_p(d):.3g} | – |" in line
     assert sign_flip_p(d) == 0.25                                               # 2 of the 8 sign patterns
+    # item by item, where both runs kept their items: one seed, the plain paired mean (the interval resamples
+    # that one seed's 4 items)
+    items = {"ours": {3: [1, 0, 1, 1]}, "single": {3: [0, 0, 1, 0]}}
+    line = next(ln for ln in table(rows, items).splitlines() if ln.startswith("| ours "))
+    assert "| +50.0 [" in line and "] (1) |" in line
