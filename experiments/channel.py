@@ -607,6 +607,9 @@ SUITE = [
     _A[:2] + ["--normalize", "standardize", "--steps", "400", "--eval-every", "100"],   # the trend with steps
     _A + ["--normalize", "standardize", "--expert", "gemma3-270m"],       # a base decoder as the oracle
     _A + ["--normalize", "standardize", "--expert", "all-minilm-l6-v2"],  # an encoder as the oracle
+    _A[:2] + ["--normalize", "standardize", "--layer", "8", "--lr", "3e-3", "--steps", "400", "--eval-every", "100"],
+    _A[:2] + ["--normalize", "standardize", "--layer", "8", "--lr", "3e-3", "--steps", "200", "--eval-every", "100",
+              "--lora"],                                                  # LoRA trains beside g_phi
 ]
 
 
