@@ -48,7 +48,8 @@ Deviations / choices (numbered):
      exact match unless greedy writes the same answer with other tokens; the final numbers are greedy.
   7. Train items are distinct (steps x batch of them, one pass) unless --train-n is smaller (then cycled).
 
-Machine: one core (OMP_NUM_THREADS=1 taskset -c 1); --suite takes about 50 minutes (a 150 x 8 run with C
+Machine: one core (OMP_NUM_THREADS=1 taskset -c 1); --suite takes about 2 h 10 min, of which the middle-layer run
+~35 min and the run with LoRA ~45 min (10 s a step: LoRA needs the full forward and backward; a 150 x 8 run with C
 "after" about 6.5 minutes; with C "before" a step costs ~12 s instead of ~1.6 s).
 """
 import argparse
