@@ -91,6 +91,14 @@ def set_context_anchor(method, vector):
         m.anchor = vector.detach().float().clone().to(m.weight.device)
 
 
+def anchor_context(method, policy, tok, args):
+    """--context-anchor newline (deviation 4): every context token of `method` starts at the policy's embedding of
+    "\n" instead of at 0. Call it before a checkpoint of g_phi is loaded (the anchor is in it)."""
+    if getattr(args, "context_anchor", "zero") == "newline":  # configs written before the flag: zero
+        newline = tok.encode("\n", add_special_tokens=False)[-1]
+        set_context_anchor(method, policy.get_input_embeddings().weight[newline])
+
+
 def empty_context(method, C):
     """What stands where C was for the reference policy (Eq. 4) and in the C = 0 arm of evaluation: zero
     tokens (the paper), or the anchor tokens when the method has one (C with g_phi's own part at 0)."""

@@ -28,7 +28,7 @@ import numpy as np
 import torch
 
 import rewards
-from adapter import empty_context
+from adapter import anchor_context, empty_context
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import check_models, load_model, pick_device, team_models
 from grpo import completion_mask
@@ -38,7 +38,7 @@ from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
 from config import ArgumentParser, fail, parse_args
 from checkpoint import write_json
 from stats import paired_comparison
-from train import anchor_context, frozen_dtype
+from train import frozen_dtype
 
 # ----------------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split

@@ -45,7 +45,7 @@ import distributed
 import grpo
 import rewards
 import rollout
-from adapter import context_probes, empty_context, set_context_anchor
+from adapter import anchor_context, context_probes, empty_context
 from baselines import METHODS
 from checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook, write_json
 from config import check_run, fail, parse_args
@@ -93,14 +93,6 @@ def build_run(args, device):
     return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer, train_items=train_items,
                 eos_ids=rollout.eos_token_ids(policy, tok), device=device, pool=getattr(method, "pool", None),
                 embed_rms=embed_rms)
-
-
-def anchor_context(method, policy, tok, args):
-    """--context-anchor newline (adapter.py, deviation 4): every context token starts at the policy's embedding
-    of "\n" instead of at 0. Before a checkpoint of g_phi is loaded (the anchor is in it)."""
-    if getattr(args, "context_anchor", "zero") == "newline":  # configs written before the flag: zero
-        newline = tok.encode("\n", add_special_tokens=False)[-1]
-        set_context_anchor(method, policy.get_input_embeddings().weight[newline])
 
 
 def frozen_dtype(name, device):
