@@ -12,9 +12,9 @@ items and its mean absolute change from C = 0. Why it matters: g_phi starts at C
 that step 0 is the reference policy, and the KL anchor (Eq. 4) feeds zeros at C's positions. But the first
 thing a pre-norm decoder does to a position is RMSNorm, x / sqrt(mean(x^2) + eps_norm), which maps every
 vector much larger than sqrt(eps_norm) to the same length: a C of rms 0.01 is, to the first layer, as loud as
-a real token, while C = 0 stays 0. So the change from C = 0 is not small when C is small. With --anchor newline, C = a + eps * u, a the policy's
-embedding of "\n" (train.py --context-anchor newline), and changes are measured from C = a; the log-prob without
-any context tokens is recorded too.
+a real token, while C = 0 stays 0. So the change from C = 0 is not small when C is small. With --anchor newline,
+C = a + eps * u, a the policy's embedding of "\n" (train.py --context-anchor newline), and changes are measured
+from C = a; the log-prob without any context tokens is recorded too.
 """
 import argparse
 import json
