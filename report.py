@@ -124,12 +124,18 @@ def items_vs_single(evs, single):
     items), with a 95 % interval from a two-level bootstrap (seeds, then items): a paired comparison."""
     runs = {e["seed"]: e["per_item"]["with_C"]["score"] for e in evs if "per_item" in e}
     base = {e["seed"]: e["per_item"]["with_C"]["score"] for e in single if "per_item" in e}
+    return same_items_cell(runs, base)[0]
+
+
+def same_items_cell(runs, base):
+    """({seed: per-item scores}, the same for the other row) -> ("+mean [lo, hi]" in points, or "–"; the number of
+    seeds both have with the same items). The interval: two-level bootstrap over seeds, then items."""
     seeds = [s for s in sorted(set(runs) & set(base)) if len(runs[s]) == len(base[s])]
     if not seeds:
-        return "–"
+        return "–", 0
     diffs = [np.subtract(runs[s], base[s]) for s in seeds]
     lo, hi = hierarchical_bootstrap_ci(diffs)
-    return f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]", len(seeds)
 
 
 def summarize(folders, out):

@@ -16,13 +16,12 @@ import json
 import os
 import sys
 
-import numpy as np
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from report import load_runs, method_key  # noqa: E402
-from stats import hierarchical_bootstrap_ci, mean_std, sign_flip_p  # noqa: E402
+from report import load_runs, method_key, same_items_cell  # noqa: E402
+from stats import mean_std, sign_flip_p  # noqa: E402
 
 
 def scores_by_row(folders, extra, items=None):
@@ -47,13 +46,9 @@ def scores_by_row(folders, extra, items=None):
 
 def same_items(mine, theirs):
     """Mean over seeds of (score - the other row's score) on the same items, with its 95 % two-level bootstrap
-    interval, over the seeds where both kept their items; '–' if none."""
-    seeds = [s for s in sorted(set(mine) & set(theirs)) if len(mine[s]) == len(theirs[s])]
-    if not seeds:
-        return "–"
-    diffs = [100 * np.subtract(mine[s], theirs[s]) for s in seeds]
-    lo, hi = hierarchical_bootstrap_ci(diffs)
-    return f"{np.mean([d.mean() for d in diffs]):+.1f} [{lo:+.1f}, {hi:+.1f}] ({len(seeds)})"
+    interval (report.same_items_cell), and how many seeds had their items; '–' if none."""
+    cell, n = same_items_cell(mine, theirs)
+    return f"{cell} ({n})" if n else cell
 
 
 def table(rows, items=None, versus="single"):
