@@ -137,6 +137,9 @@ def parse_args(argv=None):
               (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
               (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
+              (args.reward == "task" or not args.format_bonus,
+               "--format-bonus with --reward random: the random-reward control pays a coin and nothing else; "
+               "use --format-bonus 0"),
               (not args.tis_cap or args.rollout_dtype != "float32",
                "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),

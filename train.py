@@ -235,8 +235,9 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     comp, logp_mu = out if dtype is not None else (out, None)
     texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, run["eos_ids"]), tok.pad_token_id),
                              skip_special_tokens=True)
-    if args.reward == "random":
-        task_r, counts = rewards.coin_rewards(args.seed, *key, len(texts)), {}
+    if args.reward == "random":  # the control pays the coin and nothing else (config refuses --format-bonus)
+        task_r = rewards.coin_rewards(args.seed, *key, len(texts))
+        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}  # for answer_rate
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])

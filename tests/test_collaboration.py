@@ -10,6 +10,7 @@ import torch
 
 from baselines import METHODS
 from evaluate import derangement
+from evaluate import SHUFFLE_NA, paired_table
 from stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
@@ -160,9 +161,27 @@ def test_paired_evaluation_scores_the_same_items_three_ways(tmp_path):
     g = METHODS["ours"](cfg.team_models, 64, cfg, "cpu", torch.float32).state_dict()  # W_out = 0
     r = evaluate(cfg, 5, 2, None, g, conditions=("with_C", "zero_C", "shuffled_C"))
     assert set(r["per_item"]) == {"with_C", "zero_C", "shuffled_C"}
-    assert all(len(v["score"]) == len(v["gold_logprob"]) == 5 for v in r["per_item"].values())
+    assert all(len(r["per_item"][c]["score"]) == len(r["per_item"][c]["gold_logprob"]) == 5
+               for c in ("with_C", "zero_C"))
     assert r["per_item"]["with_C"] == r["per_item"]["zero_C"]
     assert r["paired"]["with_C - zero_C"]["gold_logprob"]["diff"] == 0
+    # at init every prompt gets the same C (zeros), so shuffling it is no test: the cell says n/a and why
+    assert r["paired"]["with_C - shuffled_C"] == {"n/a": SHUFFLE_NA} and "n/a" in paired_table(r)
+
+
+def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
+    """Regression: soft_prompt's "with C - shuffled C = 0.0" was reported as if it were a measurement; it is
+    0 by construction, because its C is the same for every prompt."""
+    from evaluate import context_depends_on_prompt
+    C = torch.randn(1, 4, 8).expand(5, 4, 8)
+    assert not context_depends_on_prompt(C) and not context_depends_on_prompt(C[:1])
+    C = C.clone()
+    C[3, 2, 1] += 1e-6
+    assert context_depends_on_prompt(C)
+    g = build("soft_prompt")
+    randomise_output(g)
+    assert not context_depends_on_prompt(g(QUESTIONS)["C"])
+    assert context_depends_on_prompt(torch.randn(3, 4, 64))
 
 
 # ---- oracle and controls -------------------------------------------------------------------------------------
@@ -189,6 +208,28 @@ def test_soft_prompt_is_the_same_for_every_prompt_and_zero_at_init():
     randomise_output(g)
     C = g(QUESTIONS)["C"]
     assert C.abs().sum() > 0 and torch.equal(C[0], C[1]) and torch.equal(C[0], C[2])
+
+
+def test_random_reward_pays_the_coin_only_and_still_counts_answers(tmp_path):
+    """Regression: --reward random added --format-bonus to the coin (not a pure random reward) and logged
+    answer_rate = 1.0 whatever the text (the coin returned no counts). Now the reward is the coin alone, the
+    scorer is never called, answer_rate is read off the completions, and a format bonus is refused."""
+    from rewards import extract_answer
+    out = str(tmp_path / "coin")
+
+    def scorer_must_not_run(items, texts):
+        raise AssertionError("the random-reward control read the text")
+
+    main(TINY + ["--reward", "random", "--steps", "1", "--batch-size", "1", "--grad-accum", "1", "--group-size",
+                 "4", "--max-new-tokens", "4", "--out", out], score_batch=scorer_must_not_run)
+    rec = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    texts = [json.loads(line)["completion"] for line in open(os.path.join(out, "samples.jsonl"))]
+    assert len(texts) == 4                                           # one prompt, G = 4: every completion
+    assert rec["reward"] == pytest.approx(np.mean(coin_rewards(0, 0, 0, 0, 4)))
+    assert rec["answer_rate"] == pytest.approx(np.mean([extract_answer(t) is not None for t in texts]))
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--reward", "random", "--format-bonus", "0.1", "--out", str(tmp_path / "bonus")])
+    assert e.value.code == 2 and not os.path.exists(tmp_path / "bonus")
 
 
 def test_random_reward_is_a_seeded_coin_that_ignores_the_text():
