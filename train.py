@@ -173,6 +173,8 @@ def grpo_step(step, run, args, score_batch):
                     if args.tis_cap and b["logp_mu"] is not None else None
             loss, m = grpo.grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"], args.clip_eps,
                                      args.beta, args.loss_aggregation, b["is_weight"])
+            if args.channel_weight:  # not the paper's: + lambda * the contrastive term (grpo.channel_forcing_loss)
+                loss, m = add_channel_forcing(loss, m, logp, b, C, policy, args)
             # each trained completion weighs the same, however many groups dynamic sampling left per micro-batch
             (loss / args.grad_accum if not args.dynamic_sampling else loss * (len(b["comp"]) / n_trained)).backward()
             losses.append(loss.item()), stats.append(m)
@@ -191,6 +193,19 @@ def grpo_step(step, run, args, score_batch):
     return rec, batches
 
 
+def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
+    """--channel-weight lambda: loss + lambda * grpo.channel_forcing_loss, where each prompt's mismatched context
+    is the C of the next prompt of the micro-batch (a cyclic shift: no prompt keeps its own). With fewer than two
+    prompts left in the micro-batch there is no other prompt, and the term is 0 for it."""
+    if len(C) < 2:
+        return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
+    C_mismatched = C.roll(-1, dims=0)                                     # (B, m, D) prompt b reads C of b + 1
+    logp_mismatched = rollout.completion_logprobs(policy, b["ids"], b["mask"], C_mismatched, b["comp"],
+                                                  b["comp_mask"], args.temperature, args.context_position)
+    cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b["adv"], b["comp_mask"])
+    return loss + args.channel_weight * cf, {**metrics, **m}
+
+
 def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
     """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the first draw's
     rewards, the loss terms averaged over micro-batches, gradient norms before clipping, what the completions
@@ -202,6 +217,8 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
            **{k: mean([m[k] for m in stats]) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+           **{k: mean([m[k] for m in stats if np.isfinite(m[k])]) for k in ("cf_loss", "cf_margin", "cf_fraction")
+              if args.channel_weight},  # cf_margin is NaN in a micro-batch with no A > 0
            "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
            "completion_length": mean(torch.cat([b["comp_mask"].sum(-1) for b in trained]).float().tolist()
                                      if trained else []),

@@ -345,3 +345,59 @@ def test_train_and_evaluate_with_an_anchored_context(tmp_path):
     assert r["per_item"]["with_C"] == r["per_item"]["zero_C"]
     r = evaluate(cfg, 4, 2, state["lora"], state["method"], conditions=("with_C", "zero_C"))
     assert r["per_item"]["with_C"]["gold_logprob"] != r["per_item"]["zero_C"]["gold_logprob"]
+
+
+# ---- --channel-weight: the channel-forcing term in the loop ---------------------------------------------------
+
+def odd_length_reward(items, texts):
+    """A synthetic reward with variance in every group of the tiny team: 1 for a completion of odd length."""
+    return [float(len(t) % 2) for t in texts], {}
+
+
+def run_cf(tmp_path, name, method, *flags):
+    out = str(tmp_path / name)
+    main(TINY + ["--method", method, "--steps", "2", "--batch-size", "3", "--grad-accum", "1", "--group-size", "4",
+                 "--max-new-tokens", "6", "--lr", "1e-2", "--router-lr", "1e-2", "--out", out, *flags],
+         score_batch=odd_length_reward)
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return state, [{k: v for k, v in m.items() if k != "seconds"} for m in metrics]
+
+
+def test_channel_weight_zero_is_plain_grpo_bit_for_bit_and_a_positive_weight_moves_g_phi(tmp_path):
+    plain, m_plain = run_cf(tmp_path, "plain", "ours")
+    zero, m_zero = run_cf(tmp_path, "zero", "ours", "--channel-weight", "0")
+    cf, m_cf = run_cf(tmp_path, "cf", "ours", "--channel-weight", "1")
+    assert m_plain == m_zero
+    for part in ("lora", "method"):
+        assert all(torch.equal(plain[part][k], zero[part][k]) for k in plain[part])
+    assert "cf_loss" in m_cf[0] and "cf_loss" not in m_plain[0] and m_cf[0]["cf_fraction"] > 0
+    assert m_cf[0]["reward"] == m_plain[0]["reward"]               # the same rollout: only the loss differs
+    assert any(not torch.equal(cf["method"][k], plain["method"][k]) for k in plain["method"])  # g_phi moved
+
+
+def test_channel_forcing_gives_no_gradient_when_C_is_the_same_for_every_prompt():
+    """soft_prompt's C does not depend on the prompt, so its mismatched context is itself: l_i = l'_i as functions
+    of the one shared C, and the term's gradient cancels; with a C that varies over prompts it does not."""
+    import rollout
+    from experts import load_model
+    from grpo import channel_forcing_loss
+    policy, tok = load_model(TEAMS["tiny"]["policy"], "cpu", torch.float32)
+    ids, mask = rollout.encode_prompts(tok, QUESTIONS, "cpu")
+    comp, comp_mask = torch.randint(5, 50, (6, 4)), torch.ones(6, 4, dtype=torch.bool)     # G = 2 per prompt
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+    g = build("soft_prompt")
+    randomise_output(g)
+    shared = g(QUESTIONS)["C"]                                                     # (3, m, D), equal rows
+    varying = shared.detach() + 0.5 * torch.randn_like(shared)
+    varying.requires_grad_(True)
+    for C, params in ((shared, [p for p in g.parameters() if p.requires_grad]), (varying, [varying])):
+        logp = rollout.completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0)
+        logp_mis = rollout.completion_logprobs(policy, ids, mask, C.roll(-1, dims=0), comp, comp_mask, 1.0)
+        loss, m = channel_forcing_loss(logp, logp_mis, adv, comp_mask)
+        grads = torch.autograd.grad(loss, params)
+        largest = max(gr.abs().max().item() for gr in grads)
+        if C is shared:
+            assert m["cf_margin"] == 0.0 and largest < 1e-6, largest
+        else:
+            assert largest > 1e-3, largest
