@@ -29,6 +29,8 @@ fine-tuned alone scored 36.8 on MMLU, fused with *itself* 42.2, with another mod
   soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the same for
                  every prompt, built by the same layers as ours (so the same learning dynamics). What C
                  amounts to if it carries nothing about the prompt.
+  bare_anchor    soft_prompt frozen at init (W_out = 0): C is the anchor alone (--context-anchor), nothing in g
+                 trains. What m fixed tokens do without any training of the interface.
 
 Deviations / choices: (1) the FFN output goes through the same near-zero output projection W_out as ours, so
 every method starts as the reference policy; (2) encoders cannot write hints, so output_collab uses only
@@ -108,6 +110,13 @@ class SoftPrompt(nn.Module):
 
 def soft_prompt(team, out_dim, args, device, dtype):
     return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device)
+
+
+def bare_anchor(team, out_dim, args, device, dtype):
+    """Control: the soft prompt frozen at init, W_out = 0, so C is the anchor alone for ever (with --context-anchor
+    newline: m newline embeddings; with zero: m zero vectors). Only LoRA trains. It tells what the anchored
+    soft prompt gains by training from what m fixed tokens in front of the answer do by themselves."""
+    return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device).requires_grad_(False)
 
 
 class NoContext(nn.Module):
@@ -224,7 +233,7 @@ def output_collab(team, out_dim, args, device, dtype):
 
 # Methods that read none of the team's experts (identical's only expert is the policy itself): their runs need
 # only the policy's weights.
-WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "identical"}
+WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "bare_anchor", "identical"}
 
 # Two methods from other papers that need loop pieces of their own live in their own files: conductor.py (a
 # policy that writes workflows for frozen workers) and rlae.py (RL-chosen ensemble weights over the experts'
@@ -233,5 +242,6 @@ from conductor import conductor  # noqa: E402  (imported here so that the regist
 from rlae import rlae  # noqa: E402
 
 METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt, "conductor": conductor,
+           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt, "bare_anchor": bare_anchor,
+           "conductor": conductor,
            "rlae": rlae}

@@ -210,6 +210,25 @@ def test_soft_prompt_is_the_same_for_every_prompt_and_zero_at_init():
     assert C.abs().sum() > 0 and torch.equal(C[0], C[1]) and torch.equal(C[0], C[2])
 
 
+def odd_length_reward(items, texts):
+    """A synthetic reward with variance in every group of the tiny team: 1 for a completion of odd length."""
+    return [float(len(t) % 2) for t in texts], {}
+
+
+def test_bare_anchor_is_the_anchor_for_ever_and_only_lora_trains(tmp_path):
+    """The control for "m newline tokens": C = the anchor at every step, g has nothing to train."""
+    out = str(tmp_path / "bare")
+    main(TINY + ["--method", "bare_anchor", "--context-anchor", "newline", "--steps", "2", "--batch-size", "3",
+                 "--grad-accum", "1", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-2", "--out", out],
+         score_batch=odd_length_reward)
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert not any(p.requires_grad for p in build("bare_anchor").parameters())
+    # W_out = 0 and b_out = 0 after training as at init: C = FFN(Q_lat) W_out + b_out + anchor = the anchor
+    assert not state["method"]["out.weight"].any() and not state["method"]["out.bias"].any()
+    assert state["method"]["out.anchor"].abs().sum() > 0                            # the newline embedding
+    assert any(v.abs().sum() > 0 for k, v in state["lora"].items() if "lora_B" in k)  # LoRA did train
+
+
 def test_random_reward_pays_the_coin_only_and_still_counts_answers(tmp_path):
     """Regression: --reward random added --format-bonus to the coin (not a pure random reward) and logged
     answer_rate = 1.0 whatever the text (the coin returned no counts). Now the reward is the coin alone, the
@@ -348,11 +367,6 @@ def test_train_and_evaluate_with_an_anchored_context(tmp_path):
 
 
 # ---- --channel-weight: the channel-forcing term in the loop ---------------------------------------------------
-
-def odd_length_reward(items, texts):
-    """A synthetic reward with variance in every group of the tiny team: 1 for a completion of odd length."""
-    return [float(len(t) % 2) for t in texts], {}
-
 
 def run_cf(tmp_path, name, method, *flags):
     out = str(tmp_path / name)
