@@ -35,6 +35,11 @@ def test_sign_flip_p_matches_scipy_exact_paired_permutation_test():
                                            n_resamples=np.inf).pvalue
         assert sign_flip_p(d) == pytest.approx(ref)
     assert sign_flip_p([-1.0, -2.0, -3.0, -4.0, -5.0]) == pytest.approx(2 / 32)  # the smallest p with 5 seeds
+    for d in ([1.0, 2.0, 3.0, -0.5, 4.0, 2.0, 1.0, 0.5], [-1.0, 2.0, -3.0], [0.0, 0.0, 1.0]):
+        ref = scipy_stats.permutation_test((d,), np.mean, permutation_type="samples", alternative="greater",
+                                           n_resamples=np.inf).pvalue
+        assert sign_flip_p(d, "greater") == pytest.approx(ref)
+    assert sign_flip_p([1.0] * 8, "greater") == 1 / 256 and sign_flip_p([-1.0] * 8, "greater") == 1.0
 
 
 def test_partial_spearman_matches_the_pearson_partial_of_the_ranks():
