@@ -29,8 +29,8 @@ fine-tuned alone scored 36.8 on MMLU, fused with *itself* 42.2, with another mod
   soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the same for
                  every prompt, built by the same layers as ours (so the same learning dynamics). What C
                  amounts to if it carries nothing about the prompt.
-  bare_anchor    soft_prompt frozen at init (W_out = 0): C is the anchor alone (--context-anchor), nothing in g
-                 trains. What m fixed tokens do without any training of the interface.
+  bare_anchor    soft_prompt frozen at init (W_out = 0): C is the anchor alone (--context-anchor),
+                 nothing in g trains. What m fixed tokens do without any training of the interface.
 
 Deviations / choices: (1) the FFN output goes through the same near-zero output projection W_out as ours, so
 every method starts as the reference policy; (2) encoders cannot write hints, so output_collab uses only
@@ -113,9 +113,9 @@ def soft_prompt(team, out_dim, args, device, dtype):
 
 
 def bare_anchor(team, out_dim, args, device, dtype):
-    """Control: the soft prompt frozen at init, W_out = 0, so C is the anchor alone for ever (with --context-anchor
-    newline: m newline embeddings; with zero: m zero vectors). Only LoRA trains. It tells what the anchored
-    soft prompt gains by training from what m fixed tokens in front of the answer do by themselves."""
+    """Control: the soft prompt frozen at init, W_out = 0, so C is the anchor alone for ever (with
+    --context-anchor newline: m newline embeddings; with zero: m zero vectors). Only LoRA trains. It
+    separates what the anchored soft prompt gains by training from what m fixed tokens do alone."""
     return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device).requires_grad_(False)
 
 
@@ -242,6 +242,6 @@ from conductor import conductor  # noqa: E402  (imported here so that the regist
 from rlae import rlae  # noqa: E402
 
 METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt, "bare_anchor": bare_anchor,
-           "conductor": conductor,
+           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt,
+           "bare_anchor": bare_anchor, "conductor": conductor,
            "rlae": rlae}

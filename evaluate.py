@@ -91,13 +91,14 @@ def derangement(n, seed=0):
 
 
 CONDITIONS = ("with_C", "zero_C", "shuffled_C")
-SHUFFLE_NA = "n/a: C is the same for every prompt (e.g. soft_prompt), so shuffled C equals C by construction"
+SHUFFLE_NA = ("n/a: C is the same for every prompt (e.g. soft_prompt), so shuffled C equals C "
+              "by construction")
 
 
 def context_depends_on_prompt(C_all):
-    """Whether the n items' context tokens [n, m, D] differ at all. When they do not (a soft prompt, the adapter
-    on constant states), shuffling C across items changes nothing and with C - shuffled C is 0 by construction,
-    not by measurement: evaluate() then reports that cell as n/a with the reason."""
+    """Whether the n items' context tokens [n, m, D] differ at all. When they do not (a soft
+    prompt, the adapter on constant states), shuffling C across items changes nothing: with C -
+    shuffled C is 0 by construction, not by measurement, and evaluate() reports it as n/a."""
     return len(C_all) > 1 and bool((C_all != C_all[:1]).any())
 
 
@@ -119,7 +120,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
         if C_all is None and cond != "with_C":
             continue  # no context tokens: nothing to zero or shuffle
         if cond == "shuffled_C" and not context_depends_on_prompt(C_all):
-            per_item[cond] = {"n/a": SHUFFLE_NA}  # shuffled C = C: a difference of 0 would test nothing
+            per_item[cond] = {"n/a": SHUFFLE_NA}  # shuffled C = C: a 0 would test nothing
             continue
         C_cond = None if C_all is None else {"with_C": C_all, "zero_C": empty_context(method, C_all),
                                              "shuffled_C": C_all[perm]}[cond]

@@ -173,7 +173,7 @@ def grpo_step(step, run, args, score_batch):
                     if args.tis_cap and b["logp_mu"] is not None else None
             loss, m = grpo.grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"], args.clip_eps,
                                      args.beta, args.loss_aggregation, b["is_weight"])
-            if args.channel_weight:  # not the paper's: + lambda * the contrastive term (grpo.channel_forcing_loss)
+            if args.channel_weight:  # not the paper's: + lambda * grpo.channel_forcing_loss
                 loss, m = add_channel_forcing(loss, m, logp, b, C, policy, args)
             # each trained completion weighs the same, however many groups dynamic sampling left per micro-batch
             (loss / args.grad_accum if not args.dynamic_sampling else loss * (len(b["comp"]) / n_trained)).backward()
@@ -194,14 +194,15 @@ def grpo_step(step, run, args, score_batch):
 
 
 def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
-    """--channel-weight lambda: loss + lambda * grpo.channel_forcing_loss, where each prompt's mismatched context
-    is the C of the next prompt of the micro-batch (a cyclic shift: no prompt keeps its own). With fewer than two
-    prompts left in the micro-batch there is no other prompt, and the term is 0 for it."""
+    """--channel-weight lambda: loss + lambda * grpo.channel_forcing_loss, where each prompt's
+    mismatched context is the C of the next prompt of the micro-batch (a cyclic shift: no prompt
+    keeps its own). With fewer than two prompts left there is no other prompt: the term is 0."""
     if len(C) < 2:
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
-    C_mismatched = C.roll(-1, dims=0)                                     # (B, m, D) prompt b reads C of b + 1
-    logp_mismatched = rollout.completion_logprobs(policy, b["ids"], b["mask"], C_mismatched, b["comp"],
-                                                  b["comp_mask"], args.temperature, args.context_position)
+    C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
+    logp_mismatched = rollout.completion_logprobs(policy, b["ids"], b["mask"], C_mismatched,
+                                                  b["comp"], b["comp_mask"], args.temperature,
+                                                  args.context_position)
     cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b["adv"], b["comp_mask"])
     return loss + args.channel_weight * cf, {**metrics, **m}
 
@@ -217,8 +218,8 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
            **{k: mean([m[k] for m in stats]) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
-           **{k: mean([m[k] for m in stats if np.isfinite(m[k])]) for k in ("cf_loss", "cf_margin", "cf_fraction")
-              if args.channel_weight},  # cf_margin is NaN in a micro-batch with no A > 0
+           **{k: mean([m[k] for m in stats if np.isfinite(m[k])])  # NaN: a batch with no A > 0
+              for k in ("cf_loss", "cf_margin", "cf_fraction") if args.channel_weight},
            "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
            "completion_length": mean(torch.cat([b["comp_mask"].sum(-1) for b in trained]).float().tolist()
                                      if trained else []),
@@ -252,9 +253,9 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     comp, logp_mu = out if dtype is not None else (out, None)
     texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, run["eos_ids"]), tok.pad_token_id),
                              skip_special_tokens=True)
-    if args.reward == "random":  # the control pays the coin and nothing else (config refuses --format-bonus)
+    if args.reward == "random":  # the coin and nothing else (config refuses --format-bonus with it)
         task_r = rewards.coin_rewards(args.seed, *key, len(texts))
-        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}  # for answer_rate
+        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
