@@ -25,8 +25,8 @@ base SmolLM2-135M-Instruct, Gemma-3-270M, all-MiniLM-L6-v2, Qwen2.5-Coder-1.5B-I
       the per-position majority (channel.py's "chance").
   (c) single: the policy with LoRA and no experts (`python train.py --method single ...`) with the pocket
       protocol's flags (experiments/pocket.py: the worked example, "<think>", 48 new tokens, batch 4 x G 4,
-      lr 1e-3, 15 steps, the speedrun's levers), seed 0, then `evaluate.py --run ... --n N_EVAL`: the same
-      first --n-eval validation items of seed 0 as (a).
+      lr 1e-3, 15 steps, the speedrun's levers but a float32 rollout: deviation 5), seed 0, then
+      `evaluate.py --run ... --n N_EVAL`: the same first --n-eval validation items of seed 0 as (a).
 
 The RULE that picks the testbed is `pick_testbed` (its docstring); it was committed before the screen ran.
 Among the tasks whose `single` <= 60 % and whose best expert alone (Gemma or Qwen; not the policy's own base) is
@@ -35,8 +35,10 @@ expert, any of the three depths) and the policy's probe (SmolLM2, any depth); ti
 If no task qualifies, the table says "none met the rule".
 
 Order of the work (so that a partial screen is still a useful table): phase 1 runs (a) and (b) for every task,
-task by task in CANDIDATES order; phase 2 runs (c), most promising task first (the largest best-expert-alone
-minus policy-alone margin); a task whose best expert alone is below 20 % cannot meet the rule (single >= 0), so
+task by task in CANDIDATES order; phase 2 runs (c), most promising task first (`single_order`: the
+largest best-expert-alone minus policy-alone margin, or with --single-by gap the largest probe gap, the rule's own
+criterion, so that the first eligible task met is the one the rule picks; the screen used --single-by gap after
+its first single, see the table's notes); a task whose best expert alone is below 20 % cannot meet the rule (single >= 0), so
 its single is not run ("cannot meet the rule"). With --deadline HH:MM (UTC) nothing new starts after it and the
 rows not reached read "not run (time)".
 
@@ -52,6 +54,12 @@ Deviations / choices (numbered):
   3. One seed, --n-eval items per task (default 64) for (a) and (c); the probe's items are separate from (c)'s
      training items only by split (train / val), like channel.py.
   4. Only integer answers are probed (sign + digits); every candidate here has integer answers.
+  5. `single` uses the pocket protocol's flags except --rollout-dtype float32 (pocket.py: bfloat16). This
+     machine's CPU has AVX2 but no AVX-512 / bf16 instructions, and the first single run with the bf16 rollout
+     copy took 91 s for its first step (the pocket table's steps: 12-28 s), which would have left time for two
+     singles. With a float32 rollout the rollout policy is the trained policy, so the truncated importance
+     weight would be 1 (train.py refuses --tis-cap with it, so it is dropped): GRPO with the other two levers
+     (format bonus 0.1, one re-draw of flat groups). Steps then take ~25-30 s on this core.
 """
 import argparse
 import copy
@@ -114,7 +122,9 @@ POCKET_PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-
                  "--max-new-tokens", "48"]
 POCKET_HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--lr", "1e-3", "--router-lr", "1e-3",
                 "--steps", "15", "--save-every", "5", "--dataset-size", "2000"]
-POCKET_LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1", "--rollout-dtype", "bfloat16", "--tis-cap", "2"]
+# pocket.py's levers, but the rollout copy in float32, not bfloat16 (deviation 5): this CPU has AVX2 only (no
+# AVX-512 / bf16 instructions) and a bf16 rollout ran at 91 s per step instead of the pocket table's 12-28 s
+POCKET_LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1", "--rollout-dtype", "float32"]
 
 MAX_SINGLE, MIN_MARGIN = 0.60, 0.20
 
@@ -471,6 +481,8 @@ def markdown(res, policy="smollm2"):
         al = [secs((row.get("alone") or {}).get(m)) for m in decoders]
         pr = [secs((row.get("probe") or {}).get(m)) for m in models]
         L.append(f"| {task} | " + " | ".join(al + pr) + f" | {secs(row.get('single'))} |")
+    dev = (__doc__ or "").split("Deviations / choices (numbered):")[-1].strip("\n")
+    L += ["", "## Deviations / choices (from the script's docstring)", "", "```", dev.rstrip(), "```"]
     L += ["", "## Set-up", ""]
     for k, v in meta.items():
         if k != "command":
@@ -547,17 +559,20 @@ def phase1(a, res, models, names, policy):
                 save(res, a.out)
 
 
-def single_order(rows, policy="smollm2"):
-    """Phase 2's order: the largest best-expert-alone minus policy-alone margin first; tasks whose best expert
-    alone is below MIN_MARGIN cannot meet the rule (single >= 0) and come back separately."""
+def single_order(rows, policy="smollm2", by="margin"):
+    """Phase 2's order. by="margin": the largest best-expert-alone minus policy-alone margin first; by="gap": the
+    largest probe gap (the rule's criterion) first, so the first eligible task met is the one the rule picks.
+    Tasks whose best expert alone is below MIN_MARGIN cannot meet the rule (single >= 0) and come back apart."""
     keyed, hopeless = [], []
     for task, row in rows.items():
         alone = {m: a["score"] for m, a in (row.get("alone") or {}).items()}
         best = max([v for m, v in alone.items() if m != policy], default=None)
+        probes = {m: max(p["exact"].values()) for m, p in (row.get("probe") or {}).items() if p.get("exact")}
+        gap = max([v for m, v in probes.items() if m != policy], default=-1.0) - probes.get(policy, 0.0)
         if best is None or best < MIN_MARGIN - 1e-9:
             hopeless.append(task)
         else:
-            keyed.append((best - alone.get(policy, 0.0), task))
+            keyed.append(((gap if by == "gap" else best - alone.get(policy, 0.0)), task))
     return [t for _, t in sorted(keyed, reverse=True)], hopeless
 
 
@@ -565,10 +580,12 @@ def phase2(a, res):
     log = os.path.join(RUNS, "log.txt")
     os.makedirs(RUNS, exist_ok=True)
     rows = {t: r for t, r in res["rows"].items() if not a.only or t in a.only}
-    todo, hopeless = single_order(rows)
+    todo, hopeless = single_order(rows, by=a.single_by)
     for task in hopeless:
         if not res["rows"][task].get("single") and not a.single_all:
-            res["rows"][task]["status"]["single"] = "not run: best expert alone < 20 %, cannot meet the rule"
+            res["rows"][task]["status"]["single"] = (
+                "not run: best expert alone < 20 %, cannot meet the rule" if res["rows"][task].get("alone")
+                else "not run (time): phase 1 did not reach this task")
     if a.single_all:
         todo += hopeless
     for task in todo:
@@ -589,6 +606,16 @@ def phase2(a, res):
     save(res, a.out)
 
 
+def cpu_name():
+    try:
+        line = next(x for x in open("/proc/cpuinfo") if x.startswith("model name"))
+        flags = next(x for x in open("/proc/cpuinfo") if x.startswith("flags")).split()
+        simd = [f for f in ("avx2", "avx512f", "avx512_bf16", "amx_bf16") if f in flags]
+        return f"{line.split(':', 1)[1].strip()} ({'/'.join(simd) or 'no AVX2'})"
+    except (OSError, StopIteration):
+        return platform.machine()
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--only", nargs="+", choices=list(CANDIDATES), help="these candidates only (default: all)")
@@ -599,9 +626,11 @@ def main(argv=None):
     p.add_argument("--probe-test", type=int, default=100, help="probe held-out items (val split)")
     p.add_argument("--models", nargs="+", default=list(POCKET_MODELS), help="which pocket models (short names)")
     p.add_argument("--team", default="pocket", choices=["pocket", "tiny"], help="tiny: random-init models (tests)")
+    p.add_argument("--single-by", default="margin", choices=["margin", "gap"], help="phase 2's order (single_order)")
     p.add_argument("--single-all", action="store_true", help="also run single where the rule cannot be met")
     p.add_argument("--deadline", default=None, help="HH:MM UTC: start nothing new after it")
     p.add_argument("--beside", default="", help="what else ran on the machine (written into the table)")
+    p.add_argument("--note", default="", help="a line for the table's set-up notes")
     p.add_argument("--out", default=OUT)
     p.add_argument("--table-only", action="store_true", help="rebuild table.md from results.json")
     a = p.parse_args(argv)
@@ -612,18 +641,20 @@ def main(argv=None):
     encoders = [m for m in names if "minilm" in specs[m] or "bert" in specs[m]]
     res = load(os.path.join(a.out, "results.json"))
     meta = res.setdefault("meta", {})
-    meta.update(models=names, encoders=encoders, policy=policy, n_eval=a.n_eval, alone_tokens=a.alone_tokens,
-                probe_train=a.probe_train, probe_test=a.probe_test,
-                machine=f"{platform.node()} {platform.processor() or platform.machine()}, torch "
-                        f"{torch.__version__}, {torch.get_num_threads()} thread(s), affinity "
-                        f"{sorted(os.sched_getaffinity(0))}",
-                command="OMP_NUM_THREADS=1 taskset -c 1 python experiments/screen.py")
     if a.beside:
         meta["beside"] = a.beside
+    if a.note:
+        meta.setdefault("notes", []).append(a.note)
     if a.table_only:
         save(res, a.out)
         print(open(os.path.join(a.out, "table.md")).read())
         return res
+    meta.update(models=names, encoders=encoders, policy=policy, n_eval=a.n_eval, alone_tokens=a.alone_tokens,
+                probe_train=a.probe_train, probe_test=a.probe_test, command=
+                "OMP_NUM_THREADS=1 taskset -c 1 python experiments/screen.py")
+    meta[f"machine_phases_{''.join(map(str, a.phases))}"] = (
+        f"{cpu_name()}, {os.cpu_count()} cores, torch {torch.__version__}, {torch.get_num_threads()} thread(s), "
+        f"affinity {sorted(os.sched_getaffinity(0))}")
     t0 = time.time()
     if 1 in a.phases:
         phase1(a, res, Models(specs), names, policy)
