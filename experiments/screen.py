@@ -59,7 +59,7 @@ Deviations / choices (numbered):
      copy took 91 s for its first step (the pocket table's steps: 12-28 s), which would have left time for two
      singles. With a float32 rollout the rollout policy is the trained policy, so the truncated importance
      weight would be 1 (train.py refuses --tis-cap with it, so it is dropped): GRPO with the other two levers
-     (format bonus 0.1, one re-draw of flat groups). Steps then take ~25-30 s on this core.
+     (format bonus 0.1, one re-draw of flat groups). Steps then took 29-49 s on this core.
 """
 import argparse
 import copy
@@ -485,8 +485,10 @@ def markdown(res, policy="smollm2"):
     L += ["", "## Deviations / choices (from the script's docstring)", "", "```", dev.rstrip(), "```"]
     L += ["", "## Set-up", ""]
     for k, v in meta.items():
-        if k != "command":
+        if k not in ("command", "notes"):
             L.append(f"- {k}: {v}")
+    if meta.get("notes"):
+        L += ["", "## Notes (what ran, and when)", ""] + [f"- {n}" for n in meta["notes"]]
     L.append("")
     return "\n".join(L)
 
