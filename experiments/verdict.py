@@ -34,7 +34,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-from pocket import LEVERS, archive, run  # noqa: E402
+from pocket import archive, run  # noqa: E402
 from stats import holm, mean_std, sign_flip_p  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict")
@@ -42,6 +42,9 @@ PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-positio
 HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--lr", "1e-3", "--router-lr", "1e-3",
          "--steps", "15", "--save-every", "5", "--dataset-size", "2000"]
 ANCHOR, NORM = ["--context-anchor", "newline"], ["--state-norm", "standardize"]
+# pocket.py's levers without the bfloat16 rollout (amendment 1 of the pre-registration: on a CPU without bf16
+# instructions it is three times slower, and the screen's `single` ran with a float32 rollout)
+LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1"]
 
 
 def arms(strong, depth):
@@ -168,7 +171,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", help="the testbed the screen chose (results/screen/table.md)")
     p.add_argument("--task-config", default=None, help="its reasoning-gym config, JSON")
-    p.add_argument("--expert-depth", type=float, default=1.0, help="the screen's depth of the strong expert")
+    p.add_argument("--expert-depth", type=float, default=1.0, help="the experts' depth (amendment 1: 1.0)")
     p.add_argument("--strong-expert", default="pocket:qwen2.5-coder-1.5b-instruct", help="the screen's best expert")
     p.add_argument("--seeds", nargs="+", type=int, default=list(range(8)), help="pre-registered: 0-7")
     p.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all)")
