@@ -226,12 +226,8 @@ def output_collab(team, out_dim, args, device, dtype):
 # only the policy's weights.
 WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "identical"}
 
-# Two methods from other papers that need loop pieces of their own live in their own files: conductor.py (a
-# policy that writes workflows for frozen workers) and rlae.py (RL-chosen ensemble weights over the experts'
-# next-token distributions). Both give no context tokens; train.grpo_step hands them the whole step.
-from conductor import conductor  # noqa: E402  (imported here so that the registry below reads in one place)
-from rlae import rlae  # noqa: E402
-
+# Two systems of other papers are scripts of their own, each with its own loop (neighbours/conductor.py: a
+# policy that writes workflows for frozen workers; neighbours/rlae.py: RL-chosen ensemble weights over the
+# experts' next-token distributions). They import this repository's core; nothing here imports them.
 METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt, "conductor": conductor,
-           "rlae": rlae}
+           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt}

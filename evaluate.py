@@ -26,32 +26,34 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import rewards
 from adapter import anchor_context, empty_context
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
-from experts import check_models, load_model, pick_device, team_models
+from experts import check_models, frozen_dtype, load_model, pick_device, team_models
 from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
-from report import plot_runs, summarize
+from support.report import plot_runs, summarize
 from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
-from config import ArgumentParser, fail, parse_args
-from checkpoint import write_json
-from stats import paired_comparison
-from train import frozen_dtype
+from support.config import ArgumentParser, fail, parse_args
+from support.checkpoint import write_json
+from support.stats import paired_comparison
 
 # ----------------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
 
 
-def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu"):
-    """The policy and the context builder g of a run (its config `args`), with the trained weights loaded,
-    in eval mode. Returns (policy, tokenizer, method, eos_ids)."""
+def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu", build=None):
+    """The policy and the context builder g of a run (its config `args`; `build` makes g, default the
+    --method's of baselines.py: a neighbour script passes its own), with the trained weights loaded, in eval
+    mode. Returns (policy, tokenizer, method, eos_ids)."""
     device = torch.device(device)
     dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
     team = args.team_models
     policy, tok = load_model(team["policy"], device, dtype)
-    method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args, device, dtype)
+    build = METHODS["single"] if untrained else build or METHODS[args.method]
+    method = build(team, policy.config.hidden_size, args, device, dtype)
     if not untrained:
         anchor_context(method, policy, tok, args)
     if lora_state is not None:
@@ -113,6 +115,8 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
         C_cond = None if C_all is None else {"with_C": C_all, "zero_C": empty_context(method, C_all),
                                              "shuffled_C": C_all[perm]}[cond]
         scores, logps = [], []
+        bar = tqdm(total=len(items), desc=f"validation ({cond})", unit="item", leave=False,
+                   dynamic_ncols=True)  # 100 items take minutes on a CPU
         for s in range(0, len(items), batch_size):
             batch = items[s:s + batch_size]
             C = None if C_cond is None else C_cond[s:s + len(batch)]
@@ -131,13 +135,15 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
                 logps += gold_logprobs(policy, tok, prompts, [it["answer"] for it in batch], C, args, device)
             for k, v in counts.items():
                 status[k] = status.get(k, 0) + v
+            bar.update(len(batch))
+        bar.close()
         per_item[cond] = {"score": scores, "gold_logprob": logps}
     return per_item, status
 
 
 @torch.no_grad()
 def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False, untrained=False,
-             device="cpu", conditions=None):
+             device="cpu", conditions=None, build=None):
     """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns a dict.
 
     `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every item's score
@@ -147,7 +153,7 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     device = torch.device(device)
     items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path, getattr(args, "task_config", None))
     items = [items[i] for i in range(min(n, len(items)))]
-    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device)
+    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device, build)
     conditions = conditions or ("zero_C" if no_context else "with_C",)
     per_item, status = score_items(policy, tok, method, eos_ids, items, args, conditions, batch_size)
     first = per_item[conditions[0]]["score"]
@@ -221,7 +227,8 @@ def read_run(folder):
     return cfg, state
 
 
-def main(argv=None):
+def main(argv=None, build=None):
+    """evaluate.py's command line; `build`: a neighbour script's context builder (neighbours/*.py evaluate)."""
     p = ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs. "
                        "With --untrained, any train.py flag (--task, --team, --policy, --task-config, prompt and "
                        "generation flags) describes the policy to score.")
@@ -265,6 +272,9 @@ def main(argv=None):
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
         cfg, state = read_run(a.run)
+        if build is None and cfg["method"] not in METHODS:  # a neighbour's run: its own script builds it
+            fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py evaluate "
+                 f"--run {a.run}")
         experts = [] if cfg["method"] in WITHOUT_TEAM_EXPERTS else cfg["team_models"]["experts"]
         models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
         name = "eval_paired.json" if a.paired else "eval_no_context.json" if a.no_context else "eval.json"
@@ -273,7 +283,7 @@ def main(argv=None):
         check_models(models)
         result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"), state.get("method"),
                           a.no_context, untrained=a.untrained, device=pick_device(a.device),
-                          conditions=CONDITIONS if a.paired else None)
+                          conditions=CONDITIONS if a.paired else None, build=build)
     except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA: one line
         fail(str(e))
     if "step" in state:

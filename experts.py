@@ -98,7 +98,7 @@ def load_model(spec, device="cpu", dtype=torch.float32):
     if spec.startswith("tiny:"):
         model, tok = tiny_model(spec[5:])
     elif spec.startswith("pocket:"):
-        import pocket_models
+        from support import pocket_models
         model, tok = pocket_models.load(spec[7:])
     else:
         model, tok = _load_pretrained(spec)
@@ -108,6 +108,13 @@ def load_model(spec, device="cpu", dtype=torch.float32):
     if tok.pad_token is None:  # padding is always masked, so any id works; eos is the usual choice
         tok.pad_token = tok.eos_token or tok.unk_token
     return model, tok
+
+
+def frozen_dtype(name, device):
+    """--dtype: the frozen weights' dtype; auto = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
 
 
 def pick_device(name):
@@ -169,7 +176,7 @@ def _load_pretrained(spec):
     if spec.endswith(".gguf"):  # a GGUF file: transformers dequantises it (slow), so convert once and cache
         if not os.path.isfile(spec):
             raise ValueError(f"model file {spec!r} does not exist")
-        import pocket_models
+        from support import pocket_models
         return pocket_models.load_gguf(spec)
     if os.path.isdir(spec):
         kwargs["local_files_only"] = True

@@ -1,7 +1,7 @@
 """
 GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty, the
-completion mask and per-token log-probs. Pure functions: tensors in, (loss, metrics) out. Where the policy runs
-(the rollout and the scoring pass) is rollout.py.
+completion mask. Pure functions: tensors in, (loss, metrics) out. Where the policy runs (the rollout, the
+scoring pass and its per-token log-probs) is rollout.py.
 
 The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised objective
 
@@ -172,26 +172,3 @@ def completion_mask(completion_ids, eos_token_id):
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # (N, T)
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()   # (N, T) EOS strictly before position t
     return eos_before == 0                                     # no EOS -> all True
-
-
-def token_logprobs(logits, tokens, temperature=1.0):
-    """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at tokens,
-    float32 [N, T]. Align first: logits[:, t] must be the distribution that produced tokens[:, t] (for a
-    prompt of length P, completion tokens ids[:, P:] are scored by logits[:, P-1:-1]).
-    Temperature must be the sampling temperature, or logp_old and logp describe a different policy.
-
-    log softmax(x)_k = x_k - logsumexp(x): gather one logit and subtract the row's logsumexp, so no [T, V]
-    log_softmax tensor is written. Going one completion at a time bounds the float32 copy of the logits to
-    one [T, V] row: under torch.no_grad (the logp_ref pass) that is the peak extra memory; with gradient,
-    autograd keeps each row's float32 logits for the backward pass, as log_softmax would."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
-        raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
-                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
-    rows = []
-    for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
-        x = row_logits.float() / temperature                   # (T, V) float32: bf16 softmax loses ~1e-2
-        picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
-        rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
-    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)  # (N, T) fp32

@@ -36,12 +36,11 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
 
-from safe_scoring import STATUSES, score_answers
+from support.safe_scoring import STATUSES, score_answers, score_gsm8k  # noqa: F401 (rewards.score_gsm8k)
 
 # -----------------------------------------------------------------------------
 # Tasks: paper §8, Listings 2-4 (reasoning-gym defaults plus these configs)
@@ -249,30 +248,12 @@ def coin_rewards(seed, step, micro, draw, n):
     return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
 
 
-_GSM8K_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
-
-
-def _parse_number(text):
-    """'1,234', '$18', '18.0', ' 18 ', '18.' -> Decimal; anything else -> None. At most 64 characters reach
-    the regex and Decimal, so a hostile answer costs nothing (GSM8K is scored in the trainer's own process)."""
-    if len(text) > 1000:
-        return None
-    text = re.sub(r"[\s,$]", "", text).rstrip(".")
-    return Decimal(text) if len(text) <= 64 and _GSM8K_NUMBER.fullmatch(text) else None
-
-
-def score_gsm8k(answer, entry):
-    """GSM8K's reward (deviation 5): 1 if the answer equals the gold number numerically, else 0."""
-    gold = _parse_number(entry["answer"])
-    return float(gold is not None and _parse_number(answer) == gold)
-
-
 def score_batch(entries, completions, timeout=2.0):
     """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers are scored by
     safe_scoring.score_answers: model text never runs, and no single answer takes more than `timeout` seconds."""
     assert len(entries) == len(completions), f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
-    results = score_answers(entries, answers, timeout)
+    results = score_answers(entries, answers, timeout, dataset_config)
     counts = {status: sum(s == status for _, s in results) for status in STATUSES}
     counts["no_answer"] = sum(a is None for a in answers)
     return [r for r, _ in results], counts
@@ -280,7 +261,7 @@ def score_batch(entries, completions, timeout=2.0):
 
 def safe_score(entry, completion, timeout=2.0):
     """(reward in [0, 1], status in STATUSES) of one completion."""
-    return score_answers([entry], [extract_answer(completion)], timeout)[0]
+    return score_answers([entry], [extract_answer(completion)], timeout, dataset_config)[0]
 
 
 def score(entry, completion):

@@ -14,6 +14,7 @@ models, a large one for GPT-2's learned positions). tests/test_adapter.py checks
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged into the weights
   low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on a bfloat16 copy of the weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
+  token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
 
 Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own loop
 instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring share `prefill`).
@@ -21,12 +22,13 @@ instead of HF generate (it needs no inputs_embeds special cases and lets rollout
 Try it on CPU:  python -m pytest tests/test_adapter.py -q -k "positions or prefix"
 """
 import contextlib
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from grpo import token_logprobs
 from lora import lora_merged
 
 # ----------------------------------------------------------------------------------------------------------
@@ -98,6 +100,22 @@ def eos_token_ids(policy, tok):
 # The shared prefill
 
 
+def cache_kwargs(model, cache):
+    """The KV cache as a forward's keyword: `cache`, the name transformers 5.x moved to (the old name,
+    past_key_values, prints a FutureWarning on every call), or past_key_values where the model has no other."""
+    return {cache_name(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def cache_name(model_class):
+    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+
+
+def cache_of(out):
+    """The KV cache a forward returned, by its name in this transformers version."""
+    return out.cache if "cache" in out else out.past_key_values
+
+
 def prefill(policy, prompt_ids, prompt_mask, C, G, position):
     """Run [x || C] once per prompt and make room for G completions of each.
     Returns (cache repeated G times, logits of y_0 [B*G, V], mask [B*G, P'], position of the last prefix
@@ -105,7 +123,7 @@ def prefill(policy, prompt_ids, prompt_mask, C, G, position):
     back through the cache into LoRA and C, and the prefix's activations are stored once."""
     x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)  # (B, P', D)
     out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    cache = cache_of(out)
     cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
     return (cache, out.logits[:, -1].repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
             pos[:, -1:].repeat_interleave(G, 0))
@@ -171,9 +189,9 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
             if done.all():
                 break
             mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
-            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
+            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
+                         **cache_kwargs(policy, cache))
+            cache, logits = cache_of(out), out.logits[:, -1].float()
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
     return torch.stack(tokens, 1)
@@ -226,6 +244,29 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
     mask = torch.cat([mask, completion_mask], 1)                         # (N, P' + T)
     pos = pos + completion_mask.long().cumsum(-1)                        # (N, T) = (mask.cumsum - 1) there
-    logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                    use_cache=True, logits_to_keep=T).logits              # (N, T, V) row t predicts y_{t+1}
+    logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                    logits_to_keep=T, **cache_kwargs(policy, cache)).logits   # (N, T, V) row t predicts y_{t+1}
     return token_logprobs(torch.cat([first[:, None], logits[:, :-1]], 1), completion_ids, temperature)  # (N, T)
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at tokens,
+    float32 [N, T]. Align first: logits[:, t] must be the distribution that produced tokens[:, t] (for a
+    prompt of length P, completion tokens ids[:, P:] are scored by logits[:, P-1:-1]).
+    Temperature must be the sampling temperature, or logp_old and logp describe a different policy.
+
+    log softmax(x)_k = x_k - logsumexp(x): gather one logit and subtract the row's logsumexp, so no [T, V]
+    log_softmax tensor is written. Going one completion at a time bounds the float32 copy of the logits to
+    one [T, V] row: under torch.no_grad (the logp_ref pass) that is the peak extra memory; with gradient,
+    autograd keeps each row's float32 logits for the backward pass, as log_softmax would."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
+        raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
+                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
+    rows = []
+    for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
+        x = row_logits.float() / temperature                   # (T, V) float32: bf16 softmax loses ~1e-2
+        picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
+        rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
+    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)  # (N, T) fp32

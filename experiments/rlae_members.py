@@ -26,11 +26,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import config  # noqa: E402
+from support import config  # noqa: E402
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
-import stats  # noqa: E402
-from checkpoint import write_json  # noqa: E402
+from support import stats  # noqa: E402
+from support.checkpoint import write_json  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
 
 POCKET = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',

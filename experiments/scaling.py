@@ -44,7 +44,7 @@ def worker(argv):
     """One rank: train.main with distributed.py's collectives timed; writes OUT/sync-rank{R}.json."""
     import torch
     sys.path.insert(0, ROOT)
-    import distributed
+    from support import distributed
     import train
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spent, real = [0.0], distributed._collective

@@ -20,8 +20,8 @@ import sys
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from report import load_runs, method_key, same_items_cell  # noqa: E402
-from stats import mean_std, sign_flip_p  # noqa: E402
+from support.report import load_runs, method_key, same_items_cell  # noqa: E402
+from support.stats import mean_std, sign_flip_p  # noqa: E402
 
 
 def scores_by_row(folders, extra, items=None):

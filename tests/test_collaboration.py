@@ -10,7 +10,7 @@ import torch
 
 from baselines import METHODS
 from evaluate import derangement
-from stats import paired_bootstrap_ci, paired_comparison, sign_test_p
+from support.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
 from rewards import coin_rewards

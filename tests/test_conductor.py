@@ -151,7 +151,7 @@ def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
     """report.py: both methods get a table row and a Fig. 4 of their own (workers / members by name); a conductor
     step where nothing parsed has no utilisation and is a gap, not a crash."""
     pytest.importorskip("matplotlib")
-    from report import plot_runs, summarize
+    from support.report import plot_runs, summarize
     for method in ("conductor", "rlae"):
         run = tmp_path / method
         os.makedirs(run)

@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import distributed
+from support import distributed
 from test_hardening import read_metrics as metrics  # whole lines, steps 1, 2, ... once each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

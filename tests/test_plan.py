@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import plan
+from support import plan
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-import pocket_models as pm
+from support import pocket_models as pm
 
 pytestmark = pytest.mark.pocket
 

@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewards  # noqa: E402
-import safe_scoring  # noqa: E402
+from support import safe_scoring  # noqa: E402
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 ALL_DATASETS = [name for family in rewards.FAMILIES.values() for name in family]

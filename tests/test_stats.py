@@ -3,7 +3,7 @@ hand-worked cases are in tests/test_baselines.py and tests/test_collaboration.py
 import numpy as np
 import pytest
 
-from stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p, spearman
+from support.stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p, spearman
 
 scipy_stats = pytest.importorskip("scipy.stats")
 

@@ -28,7 +28,7 @@ import sys
 
 import numpy as np
 
-from stats import hierarchical_bootstrap_ci, mean_std, partial_spearman, permutation_p, spearman
+from support.stats import hierarchical_bootstrap_ci, mean_std, partial_spearman, permutation_p, spearman
 
 # ----------------------------------------------------------------------------------------------------------
 # Reading runs (the statistics are in stats.py)
