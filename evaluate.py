@@ -1,22 +1,24 @@
 """
-Evaluate a policy on the validation split: one run, the untrained policy, or one run three ways (paired).
+Evaluate a policy on the validation split: one run, the untrained policy, or one run three ways
+(paired).
 
     python evaluate.py --run runs/arith-pocket-ours-s0 --n 200        # validation score of one run
     python evaluate.py --run runs/arith-pocket-ours-s0 --no-context   # the same policy fed zero context (Fig. 5)
     python evaluate.py --run runs/arith-pocket-ours-s0 --paired       # with C, C = 0, shuffled C on the same items
     python evaluate.py --untrained --task chain_sum --team pocket      # the policy before training
-    python evaluate.py --summarize runs/ --out results/               # table, rho and figures (report.py)
+    python evaluate.py --summarize runs/ --out results/               # table, rho and figures (support/report.py)
 
 Paper: the validation accuracy of Table 1 and Fig. 5 (with vs without context tokens).
 
 Choices the paper leaves open:
-  1. Validation decodes greedily (one completion per item), with the training prompt and generation budget.
-  2. Accuracy is the mean reasoning-gym score (partial credit: reasoning-gym's score_answer is not binary);
-     the exact-solve rate (score == 1) is reported beside it.
+  1. Validation decodes greedily (one completion per item), with the training prompt and generation
+     budget.
+  2. Accuracy is the mean reasoning-gym score (partial credit: reasoning-gym's score_answer is not
+     binary); the exact-solve rate (score == 1) is reported beside it.
   3. "Without C" feeds zero tokens at the positions of C: exactly what the reference policy sees.
-  4. --paired (not in the paper) asks whether C carries anything about *this* item: the same items with C,
-     with C = 0 and with another item's C; paired differences with an exact sign test and a bootstrap
-     interval over items, on the task score and on the log-probability of the gold answer.
+  4. --paired (not in the paper) asks whether C carries anything about *this* item: the same items
+     with C, with C = 0 and with another item's C; paired differences with an exact sign test and a
+     bootstrap interval over items, on the task score and on the log-probability of the gold answer.
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
@@ -40,14 +42,14 @@ from support.config import ArgumentParser, fail, parse_args
 from support.checkpoint import write_json
 from support.stats import paired_comparison
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
 
 
 def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu", build=None):
-    """The policy and the context builder g of a run (its config `args`; `build` makes g, default the
-    --method's of baselines.py: a neighbour script passes its own), with the trained weights loaded, in eval
-    mode. Returns (policy, tokenizer, method, eos_ids)."""
+    """The policy and the context builder g of a run (its config `args`; `build` makes g, default
+    the --method's of baselines.py: a neighbour script passes its own), with the trained weights
+    loaded, in eval mode. Returns (policy, tokenizer, method, eos_ids)."""
     device = torch.device(device)
     dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
     team = args.team_models
@@ -66,20 +68,22 @@ def load_policy(args, lora_state=None, method_state=None, untrained=False, devic
 
 
 def answer_bridge(response_prefix):
-    """Text between the prompt and the gold answer when its log-prob is measured: the answer tag, after closing
-    the reasoning block when the response was pre-filled with one."""
+    """Text between the prompt and the gold answer when its log-prob is measured: the answer tag,
+    after closing the reasoning block when the response was pre-filled with one."""
     return "</think>\n<answer>" if "<think>" in response_prefix else "<answer>"
 
 
 def gold_logprobs(policy, tok, prompts, golds, C, args, device):
-    """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's tokens, per item:
-    sees a change in how likely the right answer is even where greedy accuracy does not move. Uses the
-    training's own scoring pass (rollout.completion_logprobs), so positions are those of the rollout."""
+    """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's
+    tokens, per item: sees a change in how likely the right answer is even where greedy accuracy
+    does not move. Uses the training's own scoring pass (rollout.completion_logprobs), so
+    positions are those of the rollout."""
     ids, mask = encode_prompts(tok, [p + answer_bridge(args.response_prefix) for p in prompts], device)
     tok.padding_side = "right"  # completions start right after the prompt's last column
     ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True, add_special_tokens=False)
     comp, comp_mask = ans["input_ids"].to(device), ans["attention_mask"].bool().to(device)
-    logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0, args.context_position)  # (B, T)
+    # (B, T)
+    logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0, args.context_position)
     return torch.where(comp_mask, logp, torch.zeros_like(logp)).sum(-1).tolist()
 
 
@@ -97,12 +101,14 @@ CONDITIONS = ("with_C", "zero_C", "shuffled_C")
 
 @torch.no_grad()
 def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",), batch_size=16):
-    """Greedy validation of a live policy and its context builder `method` on `items`, under each condition
-    (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per item]}}, scorer status
-    counts). evaluate() scores a saved run with it; train.py --eval-items the policy before and after training.
-    The task's own scorer only: training-only reward shaping (--format-bonus) never reaches it."""
+    """Greedy validation of a live policy and its context builder `method` on `items`, under each
+    condition (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per
+    item]}}, scorer status counts). evaluate() scores a saved run with it; train.py --eval-items
+    the policy before and after training. The task's own scorer only: training-only reward
+    shaping (--format-bonus) never reaches it."""
     device = next(policy.parameters()).device
-    # g(x) for every item first (shuffled C needs another item's), then the same items under each condition
+    # g(x) for every item first (shuffled C needs another item's), then the same items under each
+    # condition
     ctxs = [method([it["question"] for it in items[s:s + batch_size]], [it["answer"] for it in items[s:s + batch_size]])
             for s in range(0, len(items), batch_size)]
     hints = [h for c in ctxs for h in c["hints"]]
@@ -122,7 +128,8 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             C = None if C_cond is None else C_cond[s:s + len(batch)]
             prompts = rewards.policy_prompts(tok, [it["question"] for it in batch], hints[s:s + len(batch)], args)
             ids, mask = encode_prompts(tok, prompts, device)
-            if hasattr(method, "answer"):  # conductor.py, rlae.py write the answer their own way (greedy)
+            # neighbours/conductor.py, neighbours/rlae.py write the answer their own way (greedy)
+            if hasattr(method, "answer"):
                 texts = method.answer(policy, tok, [it["question"] for it in batch], args)
             else:
                 comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
@@ -144,12 +151,14 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
 @torch.no_grad()
 def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False, untrained=False,
              device="cpu", conditions=None, build=None):
-    """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns a dict.
+    """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns
+    a dict.
 
-    `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every item's score
-    and gold-answer log-prob, for paired comparisons: with_C (C as trained), zero_C (zero tokens at C's
-    positions, what the reference policy sees) and shuffled_C (each item gets the C of another item, a seeded
-    derangement over the n items: the same distribution of C, no information about this item)."""
+    `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every
+    item's score and gold-answer log-prob, for paired comparisons: with_C (C as trained), zero_C
+    (zero tokens at C's positions, what the reference policy sees) and shuffled_C (each item gets
+    the C of another item, a seeded derangement over the n items: the same distribution of C, no
+    information about this item)."""
     device = torch.device(device)
     items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path, getattr(args, "task_config", None))
     items = [items[i] for i in range(min(n, len(items)))]
@@ -161,7 +170,8 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     result = summary(np.array(first), sources)
     result.update({"task": args.task, "method": "untrained" if untrained else args.method, "n": len(items),
                    "no_context": no_context, "scorer_status": status})
-    result["per_item"] = per_item  # every item's score, in item order: runs of one seed share items (paired)
+    # every item's score, in item order: runs of one seed share items (paired)
+    result["per_item"] = per_item
     if len(conditions) > 1:
         result["conditions"] = {c: {**summary(np.array(v["score"]), sources, per_dataset=False),
                                     "gold_logprob": float(np.mean(v["gold_logprob"]))} for c, v in per_item.items()}
@@ -178,7 +188,7 @@ def summary(scores, sources, per_dataset=True):
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Paired statistics: the same items under two conditions
 
 
@@ -207,11 +217,12 @@ def paired_table(result):
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def read_run(folder):
-    """(config, checkpoint) of a train.py run; exits with one line naming --run if either is missing or corrupt."""
+    """(config, checkpoint) of a train.py run; exits with one line naming --run if either is
+    missing or corrupt."""
     cfg_path, ckpt = os.path.join(folder, "config.json"), os.path.join(folder, "checkpoint.pt")
     if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
         fail(f"--run {folder} has no config.json and checkpoint.pt (is it a finished train.py run?)")
@@ -228,7 +239,8 @@ def read_run(folder):
 
 
 def main(argv=None, build=None):
-    """evaluate.py's command line; `build`: a neighbour script's context builder (neighbours/*.py evaluate)."""
+    """evaluate.py's command line; `build`: a neighbour script's context builder (neighbours/*.py
+    evaluate)."""
     p = ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs. "
                        "With --untrained, any train.py flag (--task, --team, --policy, --task-config, prompt and "
                        "generation flags) describes the policy to score.")
@@ -272,7 +284,8 @@ def main(argv=None, build=None):
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
         cfg, state = read_run(a.run)
-        if build is None and cfg["method"] not in METHODS:  # a neighbour's run: its own script builds it
+        # a neighbour's run: its own script builds it
+        if build is None and cfg["method"] not in METHODS:
             fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py evaluate "
                  f"--run {a.run}")
         experts = [] if cfg["method"] in WITHOUT_TEAM_EXPERTS else cfg["team_models"]["experts"]
@@ -284,7 +297,8 @@ def main(argv=None, build=None):
         result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"), state.get("method"),
                           a.no_context, untrained=a.untrained, device=pick_device(a.device),
                           conditions=CONDITIONS if a.paired else None, build=build)
-    except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA: one line
+    # unknown task, missing data or model, no CUDA: one line
+    except (ValueError, FileNotFoundError) as e:
         fail(str(e))
     if "step" in state:
         result["step"] = int(state["step"])

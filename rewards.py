@@ -1,31 +1,36 @@
 """The task: data, prompts and rewards for n-Musketeers (GRPO with frozen expert LMs).
 
-`load_entries` draws the paper's Reasoning Gym families (arithmetic, algorithmic, logic; paper §8, Listings
-2-4, every dataset weight 1) or GSM8K. `build_prompt` is the policy's input x: reasoning-gym's "DeepSeekZero"
-system prompt and the question through the chat template (paper §8). `extract_answer` takes the last
-<answer>...</answer> block and `score_batch` turns each answer into the reward r in [0, 1] of the GRPO
-objective (Eq. 4) with the dataset's own `score_answer`. Model outputs are untrusted input (some scorers `eval`
-them), so the scorers run in safe_scoring.py, which never executes model text and never blocks.
+`load_entries` draws the paper's Reasoning Gym families (arithmetic, algorithmic, logic; paper §8,
+Listings 2-4, every dataset weight 1) or GSM8K. `build_prompt` is the policy's input x:
+reasoning-gym's "DeepSeekZero" system prompt and the question through the chat template (paper §8).
+`extract_answer` takes the last <answer>...</answer> block and `score_batch` turns each answer into
+the reward r in [0, 1] of the GRPO objective (Eq. 4) with the dataset's own `score_answer`. Model
+outputs are untrusted input (some scorers `eval` them), so the scorers run in support/safe_scoring.py, which
+never executes model text and never blocks.
 
 Deviations from the paper (which only names the datasets):
-1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and each
-   split draws from its own seed range (`split_seed`). Seeds alone are not enough: with disjoint seeds 51 of
-   300 self_reference and 81 of 300 jugs questions still recur in both splits. The price: about 2x generation.
-2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic (safe_scoring.py).
-3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>"). Same
-   result on well-formed text; with nested tags we take the innermost last block.
-4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked example, a
-   response prefix such as "<think>". Measured on 2-term chain_sum, 16 prompts x 4 samples: with the paper's
-   prompt SmolLM2-135M-Instruct wrote the answer tags in 0 of 64 completions (every reward 0, no GRPO signal);
-   with a worked example and "<think>", in 23 %. A template that rejects the system role gets the system text
-   before the question; a tokenizer without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
-5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####" numerically, else 0.
-   Val = the 1,319 test items in file order; train is shuffled with the seed. The splits are fixed, so a larger
-   `size` (the default 4,000 validation items, 16,000 training items) gets the whole split: one epoch.
+1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and
+   each split draws from its own seed range (`split_seed`). Seeds alone are not enough: with
+   disjoint seeds 51 of 300 self_reference and 81 of 300 jugs questions still recur in both splits.
+   The price: about 2x generation.
+2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic (support/safe_scoring.py).
+3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>").
+   Same result on well-formed text; with nested tags we take the innermost last block.
+4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked
+   example, a response prefix such as "<think>". Measured on 2-term chain_sum, 16 prompts x 4
+   samples: with the paper's prompt SmolLM2-135M-Instruct wrote the answer tags in 0 of 64
+   completions (every reward 0, no GRPO signal); with a worked example and "<think>", in 23 %. A
+   template that rejects the system role gets the system text before the question; a tokenizer
+   without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
+5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####"
+   numerically, else 0. Val = the 1,319 test items in file order; train is shuffled with the seed.
+   The splits are fixed, so a larger `size` (the default 4,000 validation items, 16,000 training
+   items) gets the whole split: one epoch.
 6. A single dataset name (`--task chain_sum`) uses the config of its paper family if it has one.
-7. Training helpers, each a pure function so that --resume needs no state: `batch_indices` (the data order of
-   (seed, step, micro-batch)), `policy_prompts` (x for a batch, shared by training and evaluation, so a fork's
-   prompt change reaches both) and `coin_rewards` (the random-reward control: a seeded coin per completion).
+7. Training helpers, each a pure function so that --resume needs no state: `batch_indices` (the data
+   order of (seed, step, micro-batch)), `policy_prompts` (x for a batch, shared by training and
+   evaluation, so a fork's prompt change reaches both) and `coin_rewards` (the random-reward
+   control: a seeded coin per completion).
 
 Try it on CPU (about 5 s, no network):
     python rewards.py --task arithmetic --n 3
@@ -70,19 +75,22 @@ def dataset_config(name):
 
 
 def split_seed(seed, split):
-    """Base seed of a split. The composite uses seeds base .. base + draws + datasets, so the ranges of all
-    (seed, split) pairs are disjoint while a split makes fewer than _SEED_SPAN - 100 draws."""
+    """Base seed of a split. The composite uses seeds base .. base + draws + datasets, so the
+    ranges of all (seed, split) pairs are disjoint while a split makes fewer than _SEED_SPAN -
+    100 draws."""
     return (2 * seed + SPLITS.index(split)) * _SEED_SPAN
 
 
 def question_split(question):
-    """'train' or 'val', fixed by the question text alone (sha256): no question can be in both splits."""
+    """'train' or 'val', fixed by the question text alone (sha256): no question can be in both
+    splits."""
     return SPLITS[hashlib.sha256(question.encode("utf-8", "replace")).digest()[0] & 1]
 
 
 def load_entries(task, split, size, seed=0, data_path=None, config=None):
-    """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one reasoning-gym dataset;
-    metadata['source_dataset'] names the dataset that scores the entry. GSM8K: at most its whole split."""
+    """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one
+    reasoning-gym dataset; metadata['source_dataset'] names the dataset that scores the entry.
+    GSM8K: at most its whole split."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if task == "gsm8k":
@@ -107,16 +115,18 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
     assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, f"size must be a positive int, got {size!r}"
     from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
-    max_draws = 20 * size + 1000  # we expect 2 per kept entry: half the questions belong to the other split
+    # we expect 2 per kept entry: half the questions belong to the other split
+    max_draws = 20 * size + 1000
     specs = [DatasetSpec(name, 1.0, dict(config)) for name, config in configs.items()]
     composite = CompositeDataset(CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs))
     return LazyEntries(composite, split, size, max_draws, task)
 
 
 class LazyEntries(Sequence):
-    """`size` entries of one split, generated in order on first access and kept. Generation is lazy because
-    some datasets are slow (a zebra puzzle takes ~0.2 s: 16,000 up front would delay the first step by
-    almost an hour), and a run of N steps only ever touches its first N x 32 entries."""
+    """`size` entries of one split, generated in order on first access and kept. Generation is
+    lazy because some datasets are slow (a zebra puzzle takes ~0.2 s: 16,000 up front would delay
+    the first step by almost an hour), and a run of N steps only ever touches its first N x 32
+    entries."""
 
     def __init__(self, composite, split, size, max_draws, task):
         self.composite, self.split, self.size, self.max_draws, self.task = composite, split, size, max_draws, task
@@ -143,7 +153,8 @@ class LazyEntries(Sequence):
 
 
 def _load_gsm8k(split, size, seed, data_path):
-    """GSM8K rows {'question', 'answer'} from a local jsonl (or a folder with train/test.jsonl) or the hub."""
+    """GSM8K rows {'question', 'answer'} from a local jsonl (or a folder with train/test.jsonl)
+    or the hub."""
     hub_split = {"train": "train", "val": "test"}[split]  # the paper validates on the test set
     if data_path is not None:
         path = Path(data_path) / f"{hub_split}.jsonl" if Path(data_path).is_dir() else Path(data_path)
@@ -163,7 +174,8 @@ def _load_gsm8k(split, size, seed, data_path):
     rows = list(enumerate(rows))
     if split == "train":
         random.Random(seed).shuffle(rows)
-    size = len(rows) if size is None else min(size, len(rows))  # fixed splits: at most all of it (deviation 5)
+    # fixed splits: at most all of it (deviation 5)
+    size = len(rows) if size is None else min(size, len(rows))
     if size <= 0:
         raise ValueError(f"gsm8k: size must be positive or None, got {size}")
     return [{"question": row["question"], "answer": row["answer"].split("####")[-1].strip(),
@@ -173,9 +185,9 @@ def _load_gsm8k(split, size, seed, data_path):
 
 
 def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
-    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch in order
-    (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on load), every later
-    epoch a fresh seeded permutation."""
+    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch
+    in order (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on
+    load), every later epoch a fresh seeded permutation."""
     start = (step * grad_accum + micro) * batch_size
     out = []
     for k in range(start, start + batch_size):
@@ -184,27 +196,32 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
     return out
 
 # -----------------------------------------------------------------------------
-# Prompt: system prompt + question through the chat template (paper §8, developer_prompt: DeepSeekZero)
+# Prompt: system prompt + question through the chat template (paper §8, developer_prompt:
+# DeepSeekZero)
 
-SYSTEM_PROMPT_NAMES = ("DeepSeekZero", "default", "simple", "direct", "chain_of_draft")  # reasoning_gym's keys
+# reasoning_gym's keys
+SYSTEM_PROMPT_NAMES = ("DeepSeekZero", "default", "simple", "direct", "chain_of_draft")
 WORKED_EXAMPLE = "\nExample:\nUser: What is 3 + 4?\nAssistant: <think>3 plus 4 is 7.</think>\n<answer>7</answer>\n"
 
 
 def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_example=False, response_prefix=""):
-    """The text the policy continues: chat template with add_generation_prompt=True, then response_prefix."""
+    """The text the policy continues: chat template with add_generation_prompt=True, then
+    response_prefix."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     if system_prompt not in SYSTEM_PROMPTS:
         raise ValueError(f"unknown system prompt {system_prompt!r}: use one of {', '.join(SYSTEM_PROMPTS)}")
     system = SYSTEM_PROMPTS[system_prompt] + (WORKED_EXAMPLE if worked_example else "")
-    if getattr(tokenizer, "chat_template", None) is None:  # e.g. a base model: the plain format of deviation 4
+    # e.g. a base model: the plain format of deviation 4
+    if getattr(tokenizer, "chat_template", None) is None:
         return f"System: {system.rstrip()}\n\nUser: {question}\n\nAssistant: {response_prefix}"
     from jinja2.exceptions import TemplateError
 
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except TemplateError:  # templates such as Gemma's reject the system role: put it before the question
+    # templates such as Gemma's reject the system role: put it before the question
+    except TemplateError:
         messages = [{"role": "user", "content": system + "\n\n" + question}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text + response_prefix
@@ -212,8 +229,9 @@ def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_examp
 
 
 def policy_prompts(tok, questions, hints, args):
-    """The policy's input text x for each question (hints: output_collab's expert hints, else None). Training
-    and evaluation both call this, so a fork that changes the prompt changes it in both."""
+    """The policy's input text x for each question (hints: output_collab's expert hints, else
+    None). Training and evaluation both call this, so a fork that changes the prompt changes it
+    in both."""
     return [build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
                                  args.response_prefix) for q, h in zip(questions, hints)]
 
@@ -221,8 +239,9 @@ def policy_prompts(tok, questions, hints, args):
 # Answer extraction and reward
 
 def extract_answer(text):
-    """Content of the last complete <answer>...</answer> block, stripped; None if there is none. Linear time:
-    the last opening tag before the last closing tag, up to the first closing tag after it."""
+    """Content of the last complete <answer>...</answer> block, stripped; None if there is none.
+    Linear time: the last opening tag before the last closing tag, up to the first closing tag
+    after it."""
     if isinstance(text, bytes):  # invalid UTF-8 becomes U+FFFD
         text = text.decode("utf-8", "replace")
     text = "" if text is None else str(text)
@@ -235,22 +254,25 @@ def extract_answer(text):
 
 
 def format_bonus(completions, bonus):
-    """--format-bonus, a training-only deviation: `bonus` for each completion with a non-empty answer block,
-    else 0. It rewards the form, not the answer, so it gives a group reward variance before any answer is
-    right; evaluation (evaluate.score_items) scores with the task's scorer alone and never calls this."""
+    """--format-bonus, a training-only deviation: `bonus` for each completion with a non-empty
+    answer block, else 0. It rewards the form, not the answer, so it gives a group reward
+    variance before any answer is right; evaluation (evaluate.score_items) scores with the task's
+    scorer alone and never calls this."""
     return [float(bonus) if (extract_answer(c) or "") else 0.0 for c in completions]
 
 
 def coin_rewards(seed, step, micro, draw, n):
-    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch, draw), so a
-    resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The text is never read."""
+    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch,
+    draw), so a resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The
+    text is never read."""
     key = [seed, step, micro, 7] + ([draw] if draw else [])
     return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
 
 
 def score_batch(entries, completions, timeout=2.0):
-    """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers are scored by
-    safe_scoring.score_answers: model text never runs, and no single answer takes more than `timeout` seconds."""
+    """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers
+    are scored by safe_scoring.score_answers: model text never runs, and no single answer takes
+    more than `timeout` seconds."""
     assert len(entries) == len(completions), f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
     results = score_answers(entries, answers, timeout, dataset_config)
@@ -279,7 +301,8 @@ if __name__ == "__main__":
     args = parser.parse_args()
     assert args.n > 0, "--n must be positive"
     for entry in load_entries(args.task, "val", args.n, data_path=args.data_path):
-        gold = entry["metadata"].get("example_answer", entry["answer"])  # propositional_logic has no gold
+        # propositional_logic has no gold
+        gold = entry["metadata"].get("example_answer", entry["answer"])
         print(f"[{entry['metadata']['source_dataset']}] {entry['question'][-150:]!r}")
         for answer in (gold, "42", "__import__('os').system('echo pwned')"):
             print(f"  {answer[:40]!r:44} -> reward %.3f (%s)" % safe_score(entry, f"<answer>{answer}</answer>"))

@@ -1,40 +1,43 @@
 """
 Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts.
 
-    python train.py --preset pocket            # the README's first run: pocket team, 6 steps, before/after
-    python train.py --preset smoke             # seconds, on any CPU (the tiny random-init team)
-    python train.py --task arithmetic --team default                  # the paper's setting (one CUDA GPU)
+    python train.py --preset pocket    # the README's first run: pocket team, 6 steps, before/after
+    python train.py --preset smoke     # seconds, on any CPU (the tiny random-init team)
+    python train.py --task arithmetic --team default                # the paper's setting (a GPU)
     torchrun --standalone --nproc_per_node 8 train.py --task arithmetic --team default   # 8 GPUs
-    python train.py --task arithmetic --team default --device cuda --plan   # memory per GPU, nothing run
+    python train.py --task arithmetic --team default --device cuda --plan   # memory per GPU
 
-Paper: Eq. 3 (pi(y | [x || C])), Eq. 4 (reward minus beta * KL to pi_ref = the initial policy fed zero
-context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 prompts per step (4 x 8
-grad-accum), lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default is the
-paper's; a preset (support/config.py PRESETS) is a plain dict of flag values, and explicit flags override it.
+Paper: Eq. 3 (pi(y | [x || C])), Eq. 4 (reward minus beta * KL to pi_ref = the initial policy fed
+zero context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 prompts per step (4 x 8
+grad-accum), lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default
+is the paper's; a preset (support/config.py PRESETS) is a plain dict of flag values, and explicit
+flags override it.
 
 The loop, one optimiser step (grpo_step):
     rollout -> reward -> advantage -> reference -> loss -> step -> log
-Every flag, its default and its checks are in support/config.py; `python train.py --help` lists them.
+Every flag, its default and its checks are in support/config.py; `python train.py --help` lists
+them.
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
-  1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop: one
-     prefill per prompt shared by its G samples, and rollout and scoring use the same positions.
-  2. Options the paper does not have, off by default: --inner-epochs (mu > 1 reuses a rollout; the paper's
-     mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example / --response-prefix (a 135M
-     policy never writes the answer tags with the paper's prompt: 0 of 64 samples did),
-     --context-position before, and two controls: --reward random, --method identical / soft_prompt
-     (baselines.py).
-  3. The levers (each one call or one `if` in grpo_step, with a named helper below it): --format-bonus
-     (training reward only), --dynamic-sampling, --rollout-dtype bfloat16 with --tis-cap, --lr-schedule /
-     --warmup-steps, --clip-per-group, torchrun (support/distributed.py); --eval-items scores the policy
-     before and after training.
+  1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop:
+     one prefill per prompt shared by its G samples, and rollout and scoring use the same positions.
+  2. Options the paper does not have, off by default: --inner-epochs (mu > 1 reuses a rollout; the
+     paper's mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example /
+     --response-prefix (a 135M policy never writes the answer tags with the paper's prompt: 0 of 64
+     samples did), --context-position before, and two controls: --reward random, --method identical
+     / soft_prompt (baselines.py).
+  3. The levers (each one call or one `if` in grpo_step, with a named helper below it):
+     --format-bonus (training reward only), --dynamic-sampling, --rollout-dtype bfloat16 with
+     --tis-cap, --lr-schedule / --warmup-steps, --clip-per-group, torchrun (support/distributed.py);
+     --eval-items scores the policy before and after training.
   4. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
 Conductor and RLAE, two other systems, are scripts of their own with their own loop: neighbours/.
 
 Failure modes (tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
-anything in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the checkpoint
-holding the last good weights; a killed run continues exactly with --resume (support/checkpoint.py); under
-torchrun, a rank that dies stops the job with exit code 3 (support/distributed.py).
+anything in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the
+checkpoint holding the last good weights; a killed run continues exactly with --resume
+(support/checkpoint.py); under torchrun, a rank that dies stops the job with exit code 3
+(support/distributed.py).
 """
 import glob
 import json
@@ -58,72 +61,74 @@ from support.checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoi
 from support.checkpoint import write_json
 from support.config import check_run, fail, parse_args
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
 
 
 def grpo_step(step, run, args, score_batch):
-    """rollout -> reward -> advantage -> reference -> loss -> step -> log. Returns (metrics, batches)."""
-    policy, method, optimizer = run["policy"], run["method"], run["optimizer"]
-    G, world, t0 = args.group_size, run["world"], time.time()
-    set_learning_rates(optimizer, step, args)                 # --lr-schedule, --warmup-steps
+    """rollout -> reward -> advantage -> reference -> loss -> step -> log.
+    Returns (the step's metrics, its micro-batches)."""
+    G, world, optimizer, t0 = args.group_size, run["world"], run["optimizer"], time.time()
+    set_learning_rates(optimizer, step, args)  # --lr-schedule, --warmup-steps
     batches = []
-    for micro in distributed.my_micro_batches(world, args.grad_accum):   # torchrun: this rank's share
+    for micro in distributed.my_micro_batches(world, args.grad_accum):  # torchrun: a rank's share
         items = micro_batch_items(run, args, step, micro)
-        # ---- rollout: C = g(x), then G samples per prompt, all conditioned on the same C -------------
+        # ---- rollout: C = g(x), then G samples per prompt, all conditioned on the same C --------
         ctx, ids, mask = context_and_prompts(run, args, items)
-        # ---- reward: the task's scorer (or the random-reward control), plus --format-bonus ------------
-        drawn = draw_and_score(run, args, items, ids, mask, ctx["C"], (step, micro, 0), score_batch)
-        first = first_draw(drawn, G)             # the log describes the first draw
-        if args.dynamic_sampling:                # DAPO: draw the groups with equal rewards again
-            redraw_flat_groups(run, args, items, ids, mask, ctx["C"], drawn, (step, micro), score_batch)
-        keep = kept_groups(drawn["r"], G, args.dynamic_sampling)           # (B,) groups trained on
-        rows = keep.repeat_interleave(G)                                   # (B*G,) their completions
-        comp_mask = grpo.completion_mask(drawn["comp"], run["eos_ids"])    # (B*G, T)
-        # ---- advantage: group-relative, one group per prompt ----------------------------------------
+        # ---- reward: the task's scorer (or the random-reward control), plus --format-bonus ------
+        key = (step, micro, 0)  # seeds the random-reward control's coins
+        drawn = draw_and_score(run, args, items, ids, mask, ctx["C"], key, score_batch)
+        first = first_draw(drawn, G)  # what the log reports
+        if args.dynamic_sampling:  # DAPO: draw the groups whose rewards are all equal again
+            redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
+        keep = kept_groups(drawn["r"], G, args.dynamic_sampling)  # (B,) the groups trained on
+        rows = keep.repeat_interleave(G)                          # (B*G,) their completions
+        comp, comp_mask = completions(drawn, rows, run["eos_ids"])  # (N, T) each
+        # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
-        # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) -------
-        logp_ref = reference_logprobs(run, args, ctx, ids[keep], mask[keep], drawn["comp"][rows],
-                                      comp_mask[rows], keep)
-        batches.append(dict(questions=[it["question"] for it in items], items=items, ctx=ctx,
-                            keep=keep, ids=ids[keep], mask=mask[keep], comp=drawn["comp"][rows],
-                            comp_mask=comp_mask[rows], r=drawn["r"], adv=adv[rows], logp_ref=logp_ref,
-                            logp_mu=rows_of(drawn["logp_mu"], rows), counts=drawn["counts"],
-                            texts=drawn["texts"], **first))
+        # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
+        C_kept = rows_of(ctx["C"], keep)                          # (n, m, D) or None
+        logp_ref = reference_logprobs(run, args, ids[keep], mask[keep], C_kept, comp, comp_mask)
+        batches.append(dict(items=items, questions=[it["question"] for it in items], ctx=ctx,
+                            keep=keep, ids=ids[keep], mask=mask[keep], comp=comp,
+                            comp_mask=comp_mask, adv=adv[rows], logp_ref=logp_ref,
+                            logp_mu=rows_of(drawn["logp_mu"], rows), r=drawn["r"],
+                            counts=drawn["counts"], texts=drawn["texts"], **first))
 
-    # ---- loss and step: mu passes over the rollout, gradient accumulation over micro-batches ---------
-    n_trained = sum(distributed.gather(world, [sum(len(b["comp"]) for b in batches)]))  # all ranks'
+    # ---- loss and step: mu passes over the rollout, gradient accumulation over micro-batches ----
+    n_trained = sum(distributed.gather(world, [sum(len(b["comp"]) for b in batches)]))  # all ranks
     skipped = False
-    for epoch in range(args.inner_epochs):                # mu (paper: 1)
+    for epoch in range(args.inner_epochs):  # mu (paper: 1)
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
-        for b in (b for b in batches if len(b["comp"])):  # a micro-batch left with no group: nothing
-            logp = policy_logprobs(run, args, b)          # (N, T) under the rollout's C
-            if epoch == 0:  # the weights have not moved: logp_old = logp, detached (no extra forward)
+        for b in (b for b in batches if len(b["comp"])):  # a micro-batch may have no group left
+            logp = policy_logprobs(run, args, b)  # (N, T), under the rollout's C
+            if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b["logp_old"] = logp.detach()
-                b["is_weight"] = tis_weights(b, args)     # --tis-cap
+                b["is_weight"] = tis_weights(b, args)  # --tis-cap
             loss, m = grpo.grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"],
-                                     args.clip_eps, args.beta, args.loss_aggregation, b["is_weight"])
+                                     args.clip_eps, args.beta, args.loss_aggregation,
+                                     b["is_weight"])
             accumulation_share(loss, b, args, n_trained).backward()
             losses.append(loss.item())
             stats.append(m)
         losses, stats = distributed.gather(world, losses), distributed.gather(world, stats)
-        distributed.all_reduce_grads(world, optimizer.param_groups)  # torchrun: the sum of all ranks'
+        distributed.all_reduce_grads(world, optimizer.param_groups)  # torchrun: all ranks' sum
         grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip,
                                                 args.clip_per_group)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
-        if finite and losses:  # a non-finite loss or gradient skips the update: weights stay as they were
+        if finite and losses:  # a non-finite loss or gradient skips the update
             optimizer.step()
         skipped = skipped or not finite
 
-    # ---- log: the step's metrics (README "Metrics"); reward and the like describe the first draw ------
-    batches = distributed.gather(world, batches, run["device"])  # every rank's micro-batches, in order
+    # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------
+    batches = distributed.gather(world, batches, run["device"])  # every rank's, in order
     rec = step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args)
     rec["seconds"] = time.time() - t0
     return rec, batches
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The step's parts, in the order grpo_step calls them
 
 
@@ -143,8 +148,8 @@ def lr_factor(step, steps, schedule, warmup):
 
 
 def micro_batch_items(run, args, step, micro):
-    """The micro-batch's B training items, the same on any rank and after a resume: seeds the draws of
-    (step, micro) too."""
+    """The micro-batch's B training items, the same on any rank and after a resume: seeds the
+    draws of (step, micro) too."""
     distributed.seed_micro_batch(args.seed, step, micro, run["pool"])
     n = len(run["train_items"])
     picks = rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, n, args.seed)
@@ -152,22 +157,24 @@ def micro_batch_items(run, args, step, micro):
 
 
 def context_and_prompts(run, args, items):
-    """C = g(x) (with the method's training behaviour: hard routing draws its Gumbel expert here) and the
-    policy's tokenised prompts. Returns (ctx, ids [B, P], mask [B, P])."""
+    """C = g(x) (with the method's training behaviour: hard routing draws its Gumbel expert here)
+    and the policy's tokenised prompts. Returns (ctx, ids [B, P], mask [B, P])."""
     questions, answers = [it["question"] for it in items], [it["answer"] for it in items]
     run["method"].train()
     with torch.no_grad():
-        ctx = run["method"](questions, answers)  # answers: read only by oracle experts (a diagnostic)
+        # answers: read only by oracle experts (a diagnostic)
+        ctx = run["method"](questions, answers)
     prompts = rewards.policy_prompts(run["tok"], questions, ctx["hints"], args)
     ids, mask = rollout.encode_prompts(run["tok"], prompts, run["device"])
     return ctx, ids, mask
 
 
 def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
-    """The rollout of B prompts and its rewards: {comp [B*G, T], logp_mu [B*G, T] (the sampler's own
-    log-probs when it is a --rollout-dtype copy of the policy, else None), r [B*G] (the task's scorer, or
-    the random-reward control's coins seeded by key = (step, micro-batch, draw), plus --format-bonus),
-    task_r [B*G] (the task's part alone), counts (the scorer's), texts}."""
+    """The rollout of B prompts and its rewards: {comp [B*G, T], logp_mu [B*G, T] (the sampler's
+    own log-probs when it is a --rollout-dtype copy of the policy, else None), r [B*G] (the
+    task's scorer, or the random-reward control's coins seeded by key = (step, micro-batch,
+    draw), plus --format-bonus), task_r [B*G] (the task's part alone), counts (the scorer's),
+    texts}."""
     tok, G = run["tok"], args.group_size
     dtype = None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
     out = rollout.sample(run["policy"], ids, mask, C, G, args.max_new_tokens, args.temperature,
@@ -175,7 +182,8 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
                          return_logprobs=dtype is not None, dtype=dtype)
     comp, logp_mu = out if dtype is not None else (out, None)
     done_mask = grpo.completion_mask(comp, run["eos_ids"])
-    texts = tok.batch_decode(comp.masked_fill(~done_mask, tok.pad_token_id), skip_special_tokens=True)
+    padded = comp.masked_fill(~done_mask, tok.pad_token_id)  # nothing after EOS
+    texts = tok.batch_decode(padded, skip_special_tokens=True)
     if args.reward == "random":
         task_r, counts = rewards.coin_rewards(args.seed, *key, len(texts)), {}
     else:
@@ -183,30 +191,34 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
     bonus = rewards.format_bonus(texts, args.format_bonus)
     bonus = torch.tensor(bonus, dtype=torch.float32, device=run["device"])
-    return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts, texts=texts)
+    return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts,
+                texts=texts)
 
 
 def first_draw(drawn, G):
-    """What the log reports of a micro-batch: its first draw, before dynamic sampling replaces groups."""
+    """What the log reports of a micro-batch: its first draw, before dynamic sampling replaces
+    groups."""
     return dict(task_r=drawn["task_r"].clone(), flat=flat_groups(drawn["r"], G),
                 first_counts=drawn["counts"])
 
 
 def flat_groups(r, G):
-    """[B*G] rewards -> [B] bool: the groups whose G rewards are all equal (advantage 0: no gradient)."""
+    """[B*G] rewards -> [B] bool: the groups whose G rewards are all equal (advantage 0: no
+    gradient)."""
     groups = r.view(-1, G)
     return (groups == groups[:, :1]).all(-1)
 
 
-def redraw_flat_groups(run, args, items, ids, mask, C, drawn, key, score_batch):
-    """--dynamic-sampling N (DAPO): draw the groups whose G rewards are all equal again, up to N times;
-    each new draw replaces its group in `drawn`, in place."""
+def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch):
+    """--dynamic-sampling N (DAPO): draw the groups whose G rewards are all equal again, up to N
+    times; each new draw replaces its group in `drawn`, in place. key = (step, micro-batch, 0)."""
+    step, micro, _ = key
     for draw in range(1, args.dynamic_sampling + 1):
-        redo = flat_groups(drawn["r"], args.group_size).nonzero().squeeze(1)   # (k,) prompts
+        redo = flat_groups(drawn["r"], args.group_size).nonzero().squeeze(1)  # (k,) prompts
         if len(redo) == 0:
             break
         again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
-                               rows_of(C, redo), (*key, draw), score_batch)
+                               rows_of(ctx["C"], redo), (step, micro, draw), score_batch)
         replace_groups(drawn, again, redo, args.group_size, run["tok"].pad_token_id)
 
 
@@ -240,14 +252,20 @@ def rows_of(x, rows):
     return None if x is None else x[rows]
 
 
-def reference_logprobs(run, args, ctx, ids, mask, comp, comp_mask, keep):
-    """log pi_ref(y_t) [N, T] of the kept completions: LoRA off, and zero tokens (or the anchor) where C
-    was. None when dynamic sampling kept no group."""
-    if not keep.any():
+def completions(drawn, rows, eos_ids):
+    """The completions trained on and their masks (True up to and including EOS): [N, T] each."""
+    comp_mask = grpo.completion_mask(drawn["comp"], eos_ids)
+    return drawn["comp"][rows], comp_mask[rows]
+
+
+def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
+    """log pi_ref(y_t) [N, T] of the kept completions: LoRA off, and zero tokens (or the anchor)
+    where C was. None when dynamic sampling kept no group."""
+    if len(ids) == 0:
         return None
     method, policy = run["method"], run["policy"]
     with torch.no_grad(), lora_disabled(policy):
-        C0 = None if ctx["C"] is None else empty_context(method, ctx["C"][keep])
+        C0 = None if C is None else empty_context(method, C)
         return rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
                                            args.context_position)
 
@@ -257,28 +275,30 @@ def policy_logprobs(run, args, b):
     rollout's pooled states and routing draw come back through `reuse`)."""
     ctx = run["method"](b["questions"], reuse=b["ctx"])
     C = rows_of(ctx["C"], b["keep"])
-    return rollout.completion_logprobs(run["policy"], b["ids"], b["mask"], C, b["comp"], b["comp_mask"],
-                                       args.temperature, args.context_position)
+    return rollout.completion_logprobs(run["policy"], b["ids"], b["mask"], C, b["comp"],
+                                       b["comp_mask"], args.temperature, args.context_position)
 
 
 def tis_weights(b, args):
-    """--tis-cap with --rollout-dtype bfloat16: min(pi_old / pi_sampler, cap) per token, else None."""
+    """--tis-cap with --rollout-dtype bfloat16: min(pi_old / pi_sampler, cap) per token, else
+    None."""
     if not args.tis_cap or b["logp_mu"] is None:
         return None
     return grpo.truncated_is_weights(b["logp_old"], b["logp_mu"], b["comp_mask"], args.tis_cap)
 
 
 def accumulation_share(loss, b, args, n_trained):
-    """The micro-batch's share of the step's gradient: 1 / --grad-accum, or, with dynamic sampling, its
-    completions' share, so each trained completion weighs the same however many groups are left."""
+    """The micro-batch's share of the step's gradient: 1 / --grad-accum, or, with dynamic
+    sampling, its completions' share, so each trained completion weighs the same however many
+    groups are left."""
     if not args.dynamic_sampling:
         return loss / args.grad_accum
     return loss * (len(b["comp"]) / n_trained)
 
 
 def clip_gradients(param_groups, max_norm, per_group=False):
-    """Clip to max_norm, jointly (one global norm, the usual) or per group (--clip-per-group). Returns the
-    global norm and each group's norm, both before clipping."""
+    """Clip to max_norm, jointly (one global norm, the usual) or per group (--clip-per-group).
+    Returns the global norm and each group's norm, both before clipping."""
     norms = {g["name"]: torch.nn.utils.clip_grad_norm_(g["params"], float("inf")).item()
              for g in param_groups}
     if per_group:
@@ -290,9 +310,9 @@ def clip_gradients(param_groups, max_norm, per_group=False):
 
 
 def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
-    """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the first
-    draw's rewards, the loss terms averaged over micro-batches, gradient norms before clipping, what the
-    completions looked like, and the context probes (adapter.context_probes)."""
+    """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the
+    first draw's rewards, the loss terms averaged over micro-batches, gradient norms before
+    clipping, what the completions looked like, and the context probes (adapter.context_probes)."""
     r_all = torch.cat([b["task_r"] for b in batches])
     eos = torch.tensor(run["eos_ids"], device=run["device"])
     trained = [b for b in batches if len(b["comp"])]
@@ -302,7 +322,7 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     failures = ("refused", "error", "timeout")  # "no_answer" is the model's fault, not the scorer's
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
-           **{k: mean([m[k] for m in stats]) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+           **{k: mean([m[k] for m in stats]) for k in LOSS_TERMS},
            "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
            "completion_length": mean(torch.cat(lengths).float().tolist() if trained else []),
            "truncated_fraction": mean(torch.cat(truncated).float().tolist() if trained else []),
@@ -312,8 +332,10 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
            "lr": run["optimizer"].param_groups[0]["lr"], "skipped_update": skipped,
            **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
     if args.dynamic_sampling:
-        rec["trained_group_fraction"] = torch.cat([b["keep"] for b in batches]).float().mean().item()
-    if trained and trained[0]["logp_mu"] is not None:  # --rollout-dtype: the sampler's gap to pi_old
+        kept = torch.cat([b["keep"] for b in batches])
+        rec["trained_group_fraction"] = kept.float().mean().item()
+    # --rollout-dtype: the sampler's gap to pi_old
+    if trained and trained[0]["logp_mu"] is not None:
         gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]
         rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
         if args.tis_cap:
@@ -322,22 +344,26 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     return rec
 
 
+LOSS_TERMS = ("pg_loss", "kl", "clip_fraction", "ratio_mean")  # grpo_loss's metrics, logged
+
+
 def mean(xs):
     """The mean of a list, NaN for an empty one (written as null)."""
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Plumbing: build the run, check everything, then the loop with its log lines and checkpoints
 
 
 def build_run(args, device, build=None):
-    """The policy (frozen + LoRA), the context builder g (`build`, default the --method's of baselines.py),
-    the data and the optimiser. Raises ValueError with a one-line message on bad input."""
+    """The policy (frozen + LoRA), the context builder g (`build`, default the --method's of
+    baselines.py), the data and the optimiser. Raises ValueError with a one-line message on bad
+    input."""
     build = build or METHODS[args.method]
     team = team_models(args)
-    train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path,
-                                       args.task_config)
+    train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed,
+                                       args.data_path, args.task_config)
     dtype = frozen_dtype(args.dtype, device)
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
     policy, tok = load_model(team["policy"], device, dtype)
@@ -360,10 +386,11 @@ def build_run(args, device, build=None):
 def fit_state_norm(method, train_items, args):
     """--state-norm standardize: per-dimension statistics of the experts' pooled states."""
     if not hasattr(method, "fit_state_norm"):
-        raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to "
-                         "standardise")
+        raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states "
+                         "to standardise")
     calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
-    method.fit_state_norm([it["question"] for it in calibration], [it["answer"] for it in calibration])
+    method.fit_state_norm([it["question"] for it in calibration],
+                          [it["answer"] for it in calibration])
 
 
 def make_optimizer(policy, method, args):
@@ -379,28 +406,32 @@ def make_optimizer(policy, method, args):
                        "base_lr": args.router_lr})
     if not groups:
         raise ValueError(f"--freeze-policy with --method {args.method}: nothing left to train")
-    # An Adam step of 3e-5 on a weight of 0.02 rounds to nothing in bfloat16 (8 bits of mantissa): whatever
-    # the frozen weights are, what trains, and so its AdamW state, is float32 (test_collaboration.py).
+    # An Adam step of 3e-5 on a weight of 0.02 rounds to nothing in bfloat16 (8 bits of mantissa):
+    # whatever the frozen weights are, what trains, and so its AdamW state, is float32
+    # (test_collaboration.py).
     fp32 = all(p.dtype == torch.float32 for g in groups for p in g["params"])
     assert fp32, "trainable parameters must be fp32"
     return torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
 
 
 def start_run(args, world, build=None):
-    """Check everything, build the run, load its checkpoint with --resume; then (rank 0) write config.json
-    and, with --eval-items, the validation score before training. Returns (run, first step)."""
+    """Check everything, build the run, load its checkpoint with --resume; then (rank 0) write
+    config.json and, with --eval-items, the validation score before training. Returns (run, first
+    step)."""
     paths = run_paths(args.out)
     try:  # check everything before writing anything into --out
         check_run(args, world, paths["config"])
         device = distributed.rank_device(pick_device(args.device), world)
         run = build_run(args, device, build)
-        resuming = args.resume and os.path.exists(paths["checkpoint"])  # killed before its first: step 0
+        # killed before its first: step 0
+        resuming = args.resume and os.path.exists(paths["checkpoint"])
         parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
         start = load_checkpoint(paths["checkpoint"], *parts) if resuming else 0
     except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
         fail(str(e))
     if start > args.steps:
-        fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out {args.out}")
+        fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out "
+             f"{args.out}")
     # every process has checked everything; joining waits for all, so rank 0 writes only after that
     distributed.init(world, run["device"])
     run.update(world=world, writer=world.rank == 0, paths=paths, start=start)  # only rank 0 writes
@@ -416,7 +447,8 @@ def start_run(args, world, build=None):
     write_json(paths["config"], {**vars(args), "team_models": run["team"],
                                  "device_used": str(run["device"]), "processes": world.size})
     if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
-        write_json(paths["validation"], {"items": args.eval_items, "before": validation_scores(run, args)})
+        before = validation_scores(run, args)
+        write_json(paths["validation"], {"items": args.eval_items, "before": before})
     return run, start
 
 
@@ -433,13 +465,15 @@ def progress_bar(start, args, writer=True):
 
 
 def after_step(run, args, step, rec, batches, bar, bad_steps):
-    """Rank 0 writes the step's metrics, its log line, a few samples and the checkpoint; every rank stops
-    (exit code 3) after --max-bad-steps non-finite steps in a row. Returns the new count of those."""
+    """Rank 0 writes the step's metrics, its log line, a few samples and the checkpoint; every
+    rank stops (exit code 3) after --max-bad-steps non-finite steps in a row. Returns the new
+    count of those."""
     bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
     stop = bad_steps >= args.max_bad_steps
     if not run["writer"]:  # the other ranks took their share of the step; rank 0 logs and saves it
         if stop:
-            distributed.barrier(run["world"])  # rank 0 has saved the checkpoint: stop too (it says why)
+            # rank 0 has saved the checkpoint: stop too (it says why)
+            distributed.barrier(run["world"])
             fail("", code=3)
         return bad_steps
     with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
@@ -454,8 +488,9 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
         distributed.barrier(run["world"])  # the others stop with rank 0, not while it saves
-        fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. "
-             f"The last good weights are in {run['paths']['checkpoint']}; try a lower --lr / --router-lr",
+        ckpt = run["paths"]["checkpoint"]
+        fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; "
+             f"stopped. The last good weights are in {ckpt}; try a lower --lr / --router-lr",
              code=3)
     return bad_steps
 
@@ -482,8 +517,8 @@ def write_samples(path, step, b, G):
 
 
 def finish_run(run, args):
-    """Rank 0, after the last step: the LoRA weights as a PEFT adapter, the plot of the run and, with
-    --eval-items, the validation score after training beside the one before."""
+    """Rank 0, after the last step: the LoRA weights as a PEFT adapter, the plot of the run and,
+    with --eval-items, the validation score after training beside the one before."""
     distributed.finish(run["world"])  # the other ranks are done; rank 0 writes the rest alone
     if not run["writer"]:
         return args.out
@@ -494,7 +529,8 @@ def finish_run(run, args):
         with open(run["paths"]["validation"]) as f:
             before = json.load(f)["before"]
         after = validation_scores(run, args)
-        write_json(run["paths"]["validation"], {"items": args.eval_items, "before": before, "after": after})
+        scores = {"items": args.eval_items, "before": before, "after": after}
+        write_json(run["paths"]["validation"], scores)
         print(validation_line(before, after), flush=True)
     return args.out
 
@@ -508,8 +544,8 @@ def validation_line(before, after):
 
 
 def validation_scores(run, args):
-    """--eval-items: the live policy's greedy score on each of the first N validation items, the items
-    evaluate.py scores for this seed."""
+    """--eval-items: the live policy's greedy score on each of the first N validation items, the
+    items evaluate.py scores for this seed."""
     from evaluate import score_items
     items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
                                  args.task_config)
@@ -522,14 +558,14 @@ def validation_scores(run, args):
 
 
 def main(argv=None, score_batch=None):
-    """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's scorer (a
-    fork's own reward, or the tests' synthetic one); by default rewards.score_batch."""
+    """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's
+    scorer (a fork's own reward, or the tests' synthetic one); by default rewards.score_batch."""
     args = parse_args(argv)
     world = distributed.world_from_env()  # torchrun's processes, or one
     if world.size > args.grad_accum:
         fail(f"torchrun --nproc_per_node {world.size} is more processes than --grad-accum "
-             f"{args.grad_accum} micro-batches per step: each process needs one; start fewer processes "
-             "or raise --grad-accum")
+             f"{args.grad_accum} micro-batches per step: each process needs one; start fewer "
+             "processes or raise --grad-accum")
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support import plan
         return plan.main(args, world)
@@ -538,7 +574,8 @@ def main(argv=None, score_batch=None):
     bar, bad_steps = progress_bar(start, args, run["writer"]), 0
     for step in bar:
         rec, batches = grpo_step(step, run, args, score_batch)
-        sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
+        # tests: a kill after the update, before its log and checkpoint
+        sigkill_hook("step", step + 1)
         bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
     return finish_run(run, args)
 

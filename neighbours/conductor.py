@@ -51,7 +51,7 @@ Deviations from the paper (numbered):
 Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse), mean_steps (over parsed
 workflows), and each workflow's share of steps per worker as the routing distribution A [N, 1, K], so
 `utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
-for the other methods and report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
+for the other methods and support/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
 """
 import os
 import sys

@@ -8,7 +8,7 @@ gets.
 
 One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is
 checked by its type (COUNT, NONNEG, POSITIVE, number(...)), so a bad value fails on its own line, naming its
-flag, with exit code 2 and before anything is written. train.py, evaluate.py, plan.py, the neighbours and the
+flag, with exit code 2 and before anything is written. train.py, evaluate.py, support/plan.py, the neighbours and the
 experiments all parse their training flags here, so a flag means the same everywhere. A value may be negative
 ("--flag -1e-3" is a value, not an option); each flag's type says whether a negative value makes sense.
 
@@ -182,7 +182,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
       "their pooled states move to the policy's device")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
-      "nothing downloaded or allocated) and exit without writing (plan.py)")
+      "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")

@@ -106,7 +106,7 @@ def model_config(spec):
         return AutoConfig.from_pretrained(spec, local_files_only=True)
     except OSError:
         raise ValueError(f"--plan: no config for {spec!r} on disk (a local folder, the hub cache or the table "
-                         "in plan.py)") from None
+                         "in support/plan.py)") from None
 
 
 def meta_model(spec, device=None, dtype=torch.float32):
@@ -174,7 +174,7 @@ def shape(config):
 def estimate(args, world_size=1):
     """{device: {part: bytes}} for one process, and the assumptions used."""
     from baselines import METHODS
-        team = experts.team_models(args)
+    team = experts.team_models(args)
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     expert_device = torch.device(args.expert_device) if args.expert_device else device

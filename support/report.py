@@ -31,7 +31,7 @@ import numpy as np
 from support.stats import hierarchical_bootstrap_ci, mean_std, partial_spearman, permutation_p, spearman
 
 # ----------------------------------------------------------------------------------------------------------
-# Reading runs (the statistics are in stats.py)
+# Reading runs (the statistics are in support/stats.py)
 
 
 def read_json(path):

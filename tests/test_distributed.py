@@ -1,4 +1,4 @@
-"""Data parallelism (distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
+"""Data parallelism (support/distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
 as one process does; a rank that dies stops the job in one line and --resume continues it; bad input is refused.
 
 The runs are subprocesses (torchrun starts its own); they are started together by one fixture, as in

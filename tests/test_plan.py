@@ -1,4 +1,4 @@
-"""--plan (plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
+"""--plan (support/plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
 autograd keeps, it writes nothing; experts can run on another device and their states come back."""
 import os
 import subprocess

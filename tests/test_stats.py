@@ -1,4 +1,4 @@
-"""stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
+"""support/stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
 hand-worked cases are in tests/test_baselines.py and tests/test_collaboration.py)."""
 import numpy as np
 import pytest
