@@ -43,7 +43,7 @@ Deviations from the paper (numbered):
      from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache).
   4. The output is scored by the task's scorer (rewards.score_batch); with partial credit, r = 0.5 + 0.5 * score
      for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong.
-  5. The paper trains without KL; here --beta defaults to 0 for this method (train.py), and a user's --beta
+  5. The paper trains without KL; here --beta defaults to 0 (parse_args below), and a user's --beta
      adds the usual k3 KL to the policy with LoRA off.
   6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
      (the paper's recursive variant lets it pick itself).
@@ -71,7 +71,7 @@ from adapter import routing_stats  # noqa: E402
 from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support import distributed  # noqa: E402
-from support.config import COUNT, build_parser, parse  # noqa: E402
+from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -403,12 +403,7 @@ def parse_args(argv=None):
     p.add_argument("--max-workflow-steps", type=COUNT, default=2, help="most steps a workflow may have "
                    "(paper: 5; 2 keeps a CPU step affordable)")
     args = parse(p, argv)
-    own_step = (args.inner_epochs == 1 and args.reward == "task" and not
-                (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
-    if not own_step:
-        p.error(f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
-                "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")
-    return args
+    return refuse_train_levers(p, args)
 
 
 def main(argv=None, score_batch=None):

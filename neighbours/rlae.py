@@ -69,7 +69,7 @@ from adapter import entropy  # noqa: E402
 from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import cache_kwargs, cache_of, draw  # noqa: E402
 from support import distributed  # noqa: E402
-from support.config import COUNT, build_parser, parse  # noqa: E402
+from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -396,12 +396,7 @@ def parse_args(argv=None):
     p.add_argument("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions "
                    "(paper: L = 8)")
     args = parse(p, argv)
-    own_step = (args.inner_epochs == 1 and args.reward == "task" and not
-                (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
-    if not own_step:
-        p.error(f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
-                "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")
-    return args
+    return refuse_train_levers(p, args)
 
 
 def main(argv=None, score_batch=None):

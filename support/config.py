@@ -19,6 +19,7 @@ import argparse
 import math
 import os
 import re
+import shlex
 import sys
 
 import rewards
@@ -82,7 +83,7 @@ class ArgumentParser(argparse.ArgumentParser):
 def presets_help():
     lines = ["presets (--preset NAME sets these flags; a flag given beside it wins):"]
     for name, values in PRESETS.items():
-        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {v!r}" if isinstance(v, str)
+        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(v)}" if isinstance(v, str)
                                                        else f" {v}") for k, v in values.items())
         lines.append(f"  {name}: {flags}")
     return "\n".join(lines)
@@ -217,6 +218,18 @@ def check_args(p, args):
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
+    return args
+
+
+def refuse_train_levers(p, args):
+    """A neighbour script's own step has mu = 1, the task's reward and a float32 rollout: a lever of
+    train.py's step given to it fails loudly instead of doing nothing."""
+    own_step = (args.inner_epochs == 1 and args.reward == "task" and not (
+        args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
+    if not own_step:
+        p.error(f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 "
+                "rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
+                "--rollout-dtype / --tis-cap")
     return args
 
 
