@@ -31,6 +31,8 @@ model 42.9):
   soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the same for
                  every prompt, built by the same layers as ours (so the same learning dynamics).
                  What C amounts to if it carries nothing about the prompt.
+  bare_anchor    soft_prompt frozen at init (W_out = 0): C is the anchor alone (--context-anchor),
+                 nothing in g trains. What m fixed tokens do without any training of the interface.
 
 Deviations / choices: (1) the FFN output goes through the same near-zero output projection W_out as
 ours, so every method starts as the reference policy; (2) encoders cannot write hints, so
@@ -118,6 +120,13 @@ class SoftPrompt(nn.Module):
 
 def soft_prompt(team, out_dim, args, device, dtype):
     return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device)
+
+
+def bare_anchor(team, out_dim, args, device, dtype):
+    """Control: the soft prompt frozen at init, W_out = 0, so C is the anchor alone for ever (with
+    --context-anchor newline: m newline embeddings; with zero: m zero vectors). Only LoRA trains. It
+    separates what the anchored soft prompt gains by training from what m fixed tokens do alone."""
+    return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device).requires_grad_(False)
 
 
 class NoContext(nn.Module):
@@ -240,11 +249,12 @@ def output_collab(team, out_dim, args, device, dtype):
 
 # Methods that read none of the team's experts (identical's only expert is the policy itself): their
 # runs need only the policy's weights.
-WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "identical"}
+WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "bare_anchor", "identical"}
 
 # Two systems of other papers are scripts of their own, each with its own loop
 # (neighbours/conductor.py: a policy that writes workflows for frozen workers; neighbours/rlae.py:
 # RL-chosen ensemble weights over the experts' next-token distributions). They import this
 # repository's core; nothing here imports them.
 METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt}
+           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt,
+           "bare_anchor": bare_anchor}

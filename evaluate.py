@@ -97,6 +97,15 @@ def derangement(n, seed=0):
 
 
 CONDITIONS = ("with_C", "zero_C", "shuffled_C")
+SHUFFLE_NA = ("n/a: C is the same for every prompt (e.g. soft_prompt), so shuffled C equals C "
+              "by construction")
+
+
+def context_depends_on_prompt(C_all):
+    """Whether the n items' context tokens [n, m, D] differ at all. When they do not (a soft
+    prompt, the adapter on constant states), shuffling C across items changes nothing: with C -
+    shuffled C is 0 by construction, not by measurement, and evaluate() reports it as n/a."""
+    return len(C_all) > 1 and bool((C_all != C_all[:1]).any())
 
 
 @torch.no_grad()
@@ -118,6 +127,9 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
     for cond in conditions:
         if C_all is None and cond != "with_C":
             continue  # no context tokens: nothing to zero or shuffle
+        if cond == "shuffled_C" and not context_depends_on_prompt(C_all):
+            per_item[cond] = {"n/a": SHUFFLE_NA}  # shuffled C = C: a 0 would test nothing
+            continue
         C_cond = None if C_all is None else {"with_C": C_all, "zero_C": empty_context(method, C_all),
                                              "shuffled_C": C_all[perm]}[cond]
         scores, logps = [], []
@@ -174,7 +186,8 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
     result["per_item"] = per_item
     if len(conditions) > 1:
         result["conditions"] = {c: {**summary(np.array(v["score"]), sources, per_dataset=False),
-                                    "gold_logprob": float(np.mean(v["gold_logprob"]))} for c, v in per_item.items()}
+                                    "gold_logprob": float(np.mean(v["gold_logprob"]))}
+                                for c, v in per_item.items() if "n/a" not in v}
         result["paired"] = paired_comparisons(per_item)
     return result
 
@@ -196,7 +209,9 @@ def paired_comparisons(per_item):
     """with_C against each other condition, for the task score and the gold answer's log-prob."""
     out = {}
     for other in ("zero_C", "shuffled_C"):
-        if "with_C" in per_item and other in per_item:
+        if "with_C" in per_item and "n/a" in per_item.get(other, {}):
+            out[f"with_C - {other}"] = {"n/a": per_item[other]["n/a"]}
+        elif "with_C" in per_item and other in per_item:
             out[f"with_C - {other}"] = {k: paired_comparison(per_item["with_C"][k], per_item[other][k])
                                         for k in ("score", "gold_logprob")}
     return out
@@ -210,6 +225,9 @@ def paired_table(result):
     lines += ["", "| paired difference | score (points) [95 % CI] | sign test p (better/worse) | "
               "gold log-prob [95 % CI] | sign test p |", "|---|---|---|---|---|"]
     for name, v in result["paired"].items():
+        if "n/a" in v:
+            lines.append(f"| {name} | {v['n/a']} | – | – | – |")
+            continue
         s, g = v["score"], v["gold_logprob"]
         lines.append(f"| {name} | {100 * s['diff']:+.1f} [{100 * s['ci95'][0]:+.1f}, {100 * s['ci95'][1]:+.1f}] | "
                      f"{s['p_sign']:.3g} ({s['better']}/{s['worse']}) | {g['diff']:+.3f} [{g['ci95'][0]:+.3f}, "

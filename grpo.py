@@ -61,6 +61,9 @@ Deviations and choices the paper leaves open (numbered):
 7. Not in the paper, off by default: when the rollout samples from a bfloat16 copy of the policy
    (train.py --rollout-dtype), truncated_is_weights reweights each token's surrogate toward pi_old
    (--tis-cap).
+8. Not in the paper, off by default: channel_forcing_loss (train.py --channel-weight), a
+   contrastive term that pays the policy for explaining a rewarded completion better with its own
+   prompt's C than with another prompt's; derived in its docstring.
 
 Try it on CPU:  python -m pytest tests/test_grpo.py -q
 """
@@ -152,6 +155,56 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
             "clip_fraction": (clipped.sum() / n_tok).item(),  # token mean over masked tokens
             "ratio_mean": (torch.where(mask, ratio, zero).sum() / n_tok).item(),
         }
+    return loss, metrics
+
+
+def channel_forcing_loss(logp, logp_mismatched, advantages, mask):
+    """
+    The channel-forcing term (not in the paper; train.py --channel-weight, off by default). GRPO
+    alone rewards a completion whatever made it likely; once the policy can solve the task by
+    itself it has no reason to read C, and the paired evaluations show with C = shuffled C. This
+    term asks for that difference directly.
+
+    For completion i of prompt x_i, let l_i be its mean per-token log-prob with its own context
+    C(x_i), and l'_i the same completion's with the context of another prompt of the batch, C(x_j),
+    j != i (the caller picks x_j; train.py takes the next prompt of the micro-batch). Read
+    sigma(l_i - l'_i) as the probability that a two-way classifier picks the true context as the
+    one that explains o_i: InfoNCE with one negative, the contrastive idea of latent-communication
+    work (true against mismatched latents). On the completions worth reinforcing,
+    P = {i : A_i > 0}, minimise its negative log-likelihood:
+
+        L_cf = 1/|P| sum_{i in P} -log sigma(l_i - l'_i)
+             = 1/|P| sum_{i in P} softplus(l'_i - l_i)                    (L_cf = 0 if P is empty)
+        dL_cf/dl_i = -sigma(l'_i - l_i) / |P|,    dL_cf/dl'_i = +sigma(l'_i - l_i) / |P|
+
+    and the training loss becomes L_GRPO + lambda * L_cf. Why this shape: L_cf >= 0, each
+    completion's gradient is bounded by 1/|P| and fades once the true C explains o_i much better
+    than the mismatched one, whereas a raw difference l_i - l'_i could be raised without end by
+    making the mismatched context absurd. Gradient reaches C(x_i) through l_i and C(x_j) through
+    l'_i, and the policy's weights through both. Only A_i > 0: a completion worse than its group
+    need not be explained by its own C. lambda = 0 is plain GRPO: the caller then skips the
+    mismatched pass altogether (tests/test_collaboration.py checks it bit for bit).
+
+    logp, logp_mismatched [N, T]  per-token log-probs of the same completions (both with gradient)
+    advantages [N]; mask [N, T] bool.
+    Returns (loss, metrics): cf_loss, cf_margin = mean of l_i - l'_i over P, cf_fraction = |P| / N.
+    """
+    shapes = [t.shape for t in (logp, logp_mismatched)]
+    if mask.dtype != torch.bool or mask.dim() != 2 or any(sh != mask.shape for sh in shapes):
+        raise ValueError(f"logp, logp_mismatched [N, T] and a bool mask of that shape, got "
+                         f"{[tuple(sh) for sh in shapes]}, mask {mask.dtype} {tuple(mask.shape)}")
+    n_tok = mask.sum(dim=1).clamp(min=1)                                   # (N,) 0 -> 1
+    zero = torch.zeros_like(logp)
+    l_true = torch.where(mask, logp, zero).sum(dim=1) / n_tok              # (N,) l_i
+    l_mis = torch.where(mask, logp_mismatched, zero).sum(dim=1) / n_tok    # (N,) l'_i
+    pos_mask = advantages.detach() > 0                                     # (N,) P
+    per_completion = torch.nn.functional.softplus(l_mis - l_true)          # (N,) -log sigma(l - l')
+    per_completion = torch.where(pos_mask, per_completion, torch.zeros_like(per_completion))
+    loss = per_completion.sum() / pos_mask.sum().clamp(min=1)
+    with torch.no_grad():
+        margin = (l_true - l_mis)[pos_mask].mean().item() if pos_mask.any() else float("nan")
+        metrics = {"cf_loss": loss.item(), "cf_margin": margin,
+                   "cf_fraction": pos_mask.float().mean().item()}
     return loss, metrics
 
 

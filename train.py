@@ -102,13 +102,16 @@ def grpo_step(step, run, args, score_batch):
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
         for b in (b for b in batches if len(b["comp"])):  # a micro-batch may have no group left
-            logp = policy_logprobs(run, args, b)  # (N, T), under the rollout's C
+            C = kept_context(run, b)  # the rollout's C again, now with gradient into g_phi
+            logp = policy_logprobs(run, args, b, C)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b["logp_old"] = logp.detach()
                 b["is_weight"] = tis_weights(b, args)  # --tis-cap
             loss, m = grpo.grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"],
                                      args.clip_eps, args.beta, args.loss_aggregation,
                                      b["is_weight"])
+            if args.channel_weight:  # not the paper's: + lambda * grpo.channel_forcing_loss
+                loss, m = add_channel_forcing(loss, m, logp, b, C, run["policy"], args)
             accumulation_share(loss, b, args, n_trained).backward()
             losses.append(loss.item())
             stats.append(m)
@@ -184,8 +187,9 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     done_mask = grpo.completion_mask(comp, run["eos_ids"])
     padded = comp.masked_fill(~done_mask, tok.pad_token_id)  # nothing after EOS
     texts = tok.batch_decode(padded, skip_special_tokens=True)
-    if args.reward == "random":
-        task_r, counts = rewards.coin_rewards(args.seed, *key, len(texts)), {}
+    if args.reward == "random":  # the coin and nothing else (config refuses --format-bonus with it)
+        task_r = rewards.coin_rewards(args.seed, *key, len(texts))
+        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
@@ -270,11 +274,15 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
                                            args.context_position)
 
 
-def policy_logprobs(run, args, b):
-    """log pi_theta(y_t) [N, T], with gradient, under the C the completions were sampled with (the
-    rollout's pooled states and routing draw come back through `reuse`)."""
+def kept_context(run, b):
+    """C of the micro-batch's kept prompts [n, m, D] (or None), with gradient: g_phi run again on
+    the rollout's pooled states and routing draw (they come back through `reuse`)."""
     ctx = run["method"](b["questions"], reuse=b["ctx"])
-    C = rows_of(ctx["C"], b["keep"])
+    return rows_of(ctx["C"], b["keep"])
+
+
+def policy_logprobs(run, args, b, C):
+    """log pi_theta(y_t) [N, T], with gradient, under the C the completions were sampled with."""
     return rollout.completion_logprobs(run["policy"], b["ids"], b["mask"], C, b["comp"],
                                        b["comp_mask"], args.temperature, args.context_position)
 
@@ -294,6 +302,20 @@ def accumulation_share(loss, b, args, n_trained):
     if not args.dynamic_sampling:
         return loss / args.grad_accum
     return loss * (len(b["comp"]) / n_trained)
+
+
+def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
+    """--channel-weight lambda: loss + lambda * grpo.channel_forcing_loss, where each prompt's
+    mismatched context is the C of the next prompt of the micro-batch (a cyclic shift: no prompt
+    keeps its own). With fewer than two prompts left there is no other prompt: the term is 0."""
+    if len(C) < 2:
+        return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
+    C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
+    logp_mismatched = rollout.completion_logprobs(policy, b["ids"], b["mask"], C_mismatched,
+                                                  b["comp"], b["comp_mask"], args.temperature,
+                                                  args.context_position)
+    cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b["adv"], b["comp_mask"])
+    return loss + args.channel_weight * cf, {**metrics, **m}
 
 
 def clip_gradients(param_groups, max_norm, per_group=False):
@@ -323,6 +345,8 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
            **{k: mean([m[k] for m in stats]) for k in LOSS_TERMS},
+           **{k: mean([m[k] for m in stats if np.isfinite(m[k])])  # NaN: a batch with no A > 0
+              for k in CHANNEL_TERMS if args.channel_weight},
            "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
            "completion_length": mean(torch.cat(lengths).float().tolist() if trained else []),
            "truncated_fraction": mean(torch.cat(truncated).float().tolist() if trained else []),
@@ -345,6 +369,7 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
 
 
 LOSS_TERMS = ("pg_loss", "kl", "clip_fraction", "ratio_mean")  # grpo_loss's metrics, logged
+CHANNEL_TERMS = ("cf_loss", "cf_margin", "cf_fraction")  # grpo.channel_forcing_loss's
 
 
 def mean(xs):

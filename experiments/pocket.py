@@ -110,7 +110,8 @@ def main():
     jobs = [(m, s, team, []) for s in a.seeds for team in a.teams
             for m in (a.methods if team == "pocket" else ["ours"])]
     if a.random_reward:
-        jobs += [("ours", s, "pocket", ["--reward", "random"]) for s in a.seeds]
+        # the coin only: the levers' format bonus would pay for the form, which is not a random reward
+        jobs += [("ours", s, "pocket", ["--reward", "random", "--format-bonus", "0"]) for s in a.seeds]
     extra = (LEVERS if a.levers else []) + a.train_flags.split()
     for method, seed, team, flags in jobs:
         out = os.path.join(a.out, f"{team}-{method}{'-random-reward' if flags else ''}-s{seed}")

@@ -1,15 +1,18 @@
 """
 Seed-level comparison of methods: every seed's validation score, the mean over seeds, and each method minus
 `single` (or --versus ROW) on the same seed (the same validation items), with an exact paired sign-flip test
-over seeds, and item by item where both runs kept their items (a two-level bootstrap over seeds and items).
+over seeds (the primary figure), Holm-adjusted over a family of rows declared in advance (--family), and item
+by item where both runs kept their items (a two-level bootstrap over seeds and items: descriptive only below
+stats.MIN_SEEDS_FOR_BOOTSTRAP seeds, where its coverage is poor).
 
     python experiments/seeds.py results/pocket/runs --extra results/pocket/seeds_0-2.json --out results/pocket/seeds.md
     python experiments/seeds.py results/pocket/runs --versus "soft_prompt"     # e.g. the anchored soft prompt vs it
+    python experiments/seeds.py RUNS --family "ours" "ours [state-norm]"        # the pre-registered family
 
 Reads the eval.json of every run under the folders (as evaluate.py --summarize does; rows named by
 report.method_key), plus, with --extra, per-seed scores recorded elsewhere ({"score": {row: {seed: percent}}}):
-runs whose item-by-item records are gone can still enter at the seed level. evaluate.py --summarize gives the
-item-level statistics (paired columns, two-level bootstrap) for the runs that have them. Writes Markdown.
+runs whose item-by-item records are gone can still enter at the seed level, and every such score is marked ‡ in
+the table (no run record). Rows outside --family get no adjusted p: they are exploratory. Writes Markdown.
 """
 import argparse
 import json
@@ -21,12 +24,13 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from support.report import load_runs, method_key, same_items_cell  # noqa: E402
-from support.stats import mean_std, sign_flip_p  # noqa: E402
+from support.stats import MIN_SEEDS_FOR_BOOTSTRAP, holm, mean_std, sign_flip_p  # noqa: E402
 
 
-def scores_by_row(folders, extra, items=None):
+def scores_by_row(folders, extra, items=None, typed=None):
     """{row: {seed: score in percent}} from the runs' eval.json and the --extra file; `items`, if a dict, gets
-    {row: {seed: [per-item score with C]}} for the runs that kept them."""
+    {row: {seed: [per-item score with C]}} for the runs that kept them; `typed`, if a set, gets the (row, seed)
+    pairs that came from --extra (scores without a run record)."""
     rows = {}
     for run in load_runs(folders):
         if "eval" in run:
@@ -41,6 +45,8 @@ def scores_by_row(folders, extra, items=None):
                     if int(seed) in rows.get(row, {}):
                         raise SystemExit(f"error: {path}: {row} seed {seed} is also in the runs")
                     rows.setdefault(row, {})[int(seed)] = float(v)
+                    if typed is not None:
+                        typed.add((row, int(seed)))
     return rows
 
 
@@ -51,28 +57,41 @@ def same_items(mine, theirs):
     return f"{cell} ({n})" if n else cell
 
 
-def table(rows, items=None, versus="single"):
-    items = items or {}
+def table(rows, items=None, versus="single", family=(), typed=()):
+    """Markdown: one row per method. `family`: the rows whose difference to `versus` is a pre-declared test (Holm
+    over them); `typed`: the (row, seed) scores without a run record, marked ‡."""
+    items, typed = items or {}, set(typed)
     seeds = sorted({s for v in rows.values() for s in v})
     base = rows.get(versus, {})
+    diffs = {row: [rows[row][s] - base[s] for s in rows[row] if s in base]
+             for row in rows if row != versus}
+    tested = [row for row in family if len(diffs.get(row, [])) > 1]
+    adjusted = dict(zip(tested, holm([sign_flip_p(diffs[row]) for row in tested])))
     lines = ["| method | " + " | ".join(f"s{s}" for s in seeds) + f" | mean ± std | − {versus}, same seeds "
-             f"(mean ± std) | better / worse seeds | sign-flip p | − {versus}, same items [95 % CI] (seeds) | seeds |",
-             "|---|" + "---|" * (len(seeds) + 6)]
+             "(mean ± std) | better / worse seeds | exact sign-flip p (primary) | Holm p (family) | "
+             f"− {versus}, same items [two-level bootstrap 95 %] (seeds) | seeds |",
+             "|---|" + "---|" * (len(seeds) + 7)]
     for row in sorted(rows):
         v = rows[row]
         m, sd = mean_std(list(v.values()))
-        cells = [f"{v[s]:.1f}" if s in v else "–" for s in seeds]
-        both = [s for s in v if s in base]
-        if row != versus and len(both) > 1:
-            d = [v[s] - base[s] for s in both]
+        cells = [f"{v[s]:.1f}" + ("‡" if (row, s) in typed else "") if s in v else "–" for s in seeds]
+        d = diffs.get(row, [])
+        if len(d) > 1:
             dm, dsd = mean_std(d)
+            holm_cell = f"{adjusted[row]:.3g}" if row in adjusted else "exploratory"
             vs = (f"{dm:+.1f} ± {dsd:.1f} | {sum(x > 0 for x in d)} / {sum(x < 0 for x in d)} | "
-                  f"{sign_flip_p(d):.3g}")
+                  f"{sign_flip_p(d):.3g} | {holm_cell}")
         else:
-            vs = "– | – | –"
+            vs = "– | – | – | –"
         paired = same_items(items.get(row, {}), items.get(versus, {})) if row != versus else "–"
         lines.append(f"| {row} | " + " | ".join(cells) + f" | {m:.1f} ± {sd:.1f} | {vs} | {paired} | {len(v)} |")
-    return "\n".join(lines) + "\n"
+    notes = [f"The exact sign-flip test over seeds is the primary figure; the item-level interval is descriptive "
+             f"below {MIN_SEEDS_FOR_BOOTSTRAP} seeds (it resamples too few seeds to cover)."]
+    if family:
+        notes.append(f"Holm family (declared in advance): {', '.join(family)}; every other row is exploratory.")
+    if typed:
+        notes.append("‡ no run record: a score recorded from text (see its provenance file), not from an eval.json.")
+    return "\n".join(lines) + "\n\n" + "\n".join(notes) + "\n"
 
 
 def main():
@@ -80,16 +99,19 @@ def main():
     p.add_argument("folders", nargs="+", help="folders of runs (train.py outputs or their archived records)")
     p.add_argument("--extra", nargs="*", default=[], help="JSON files of per-seed scores without run records")
     p.add_argument("--versus", default="single", help="the row every other row is compared with, seed by seed")
+    p.add_argument("--family", nargs="*", default=[], help="rows whose difference to --versus is a test declared "
+                   "in advance: their sign-flip p are Holm-adjusted together; the other rows are exploratory")
     p.add_argument("--out", default=None, help="write the Markdown table here too")
     a = p.parse_args()
     missing = [d for d in a.folders + a.extra if not os.path.exists(d)]
     if missing:
         p.error(f"no such file or folder: {missing[0]}")
-    items = {}
-    rows = scores_by_row(a.folders, a.extra, items)
-    if a.versus not in rows:
-        p.error(f"--versus {a.versus!r}: no such row; rows: {', '.join(sorted(rows))}")
-    md = table(rows, items, a.versus)
+    items, typed = {}, set()
+    rows = scores_by_row(a.folders, a.extra, items, typed)
+    for row in [a.versus] + a.family:
+        if row not in rows:
+            p.error(f"{'--versus' if row == a.versus else '--family'} {row!r}: no such row; rows: {', '.join(sorted(rows))}")
+    md = table(rows, items, a.versus, a.family, typed)
     print(md)
     if a.out:
         with open(a.out, "w") as f:

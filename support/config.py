@@ -140,6 +140,8 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
+    a("--channel-weight", type=NONNEG, default=0.0, help="not the paper's: lambda of the channel-forcing term, "
+      "which raises log pi(y | x, C(x)) above log pi(y | x, C(x')) on completions with A > 0 (grpo.py; 0: off)")
     a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
     a("--reward", default="task", choices=["task", "random"], help="task: the task's own scorer; random: a "
       "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
@@ -200,6 +202,13 @@ def check_args(p, args):
               (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
               (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
+              (not args.channel_weight or args.method not in ("single", "output_collab", "conductor", "rlae"),
+               f"--channel-weight: --method {args.method} has no context tokens to contrast"),
+              (not args.channel_weight or args.batch_size >= 2,
+               "--channel-weight contrasts a prompt's C with another prompt's: --batch-size must be >= 2"),
+              (args.reward == "task" or not args.format_bonus,
+               "--format-bonus with --reward random: the random-reward control pays a coin and nothing else; "
+               "use --format-bonus 0"),
               (not args.tis_cap or args.rollout_dtype != "float32",
                "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),

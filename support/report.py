@@ -28,7 +28,8 @@ import sys
 
 import numpy as np
 
-from support.stats import hierarchical_bootstrap_ci, mean_std, partial_spearman, permutation_p, spearman
+from support.stats import (MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci, mean_std, partial_spearman,
+                           permutation_p, spearman)
 
 # ----------------------------------------------------------------------------------------------------------
 # Reading runs (the statistics are in support/stats.py)
@@ -111,6 +112,8 @@ def seeds_vs_single(evs, single):
 def paired_cell(pairs, other):
     """Mean over seeds of each seed's with-C minus `other` difference on the same items (points), and in how
     many seeds the sign test gave p < 0.05."""
+    if any("n/a" in p.get(f"with_C - {other}", {}) for p in pairs):
+        return "n/a (C is the same for every prompt)"
     ps = [p[f"with_C - {other}"]["score"] for p in pairs if f"with_C - {other}" in p]
     if not ps:
         return "–"
@@ -129,13 +132,16 @@ def items_vs_single(evs, single):
 
 def same_items_cell(runs, base):
     """({seed: per-item scores}, the same for the other row) -> ("+mean [lo, hi]" in points, or "–"; the number of
-    seeds both have with the same items). The interval: two-level bootstrap over seeds, then items."""
+    seeds both have with the same items). The interval: two-level bootstrap over seeds, then items; with fewer than
+    stats.MIN_SEEDS_FOR_BOOTSTRAP seeds it covers badly (tests/test_stats.py measures it) and the cell ends in
+    " (descriptive)": the exact seed-level test is then the figure to read."""
     seeds = [s for s in sorted(set(runs) & set(base)) if len(runs[s]) == len(base[s])]
     if not seeds:
         return "–", 0
     diffs = [np.subtract(runs[s], base[s]) for s in seeds]
     lo, hi = hierarchical_bootstrap_ci(diffs)
-    return f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]", len(seeds)
+    cell = f"{100 * np.mean([d.mean() for d in diffs]):+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}]"
+    return cell + (" (descriptive)" if len(seeds) < MIN_SEEDS_FOR_BOOTSTRAP else ""), len(seeds)
 
 
 def summarize(folders, out):

@@ -10,6 +10,7 @@ import torch
 
 from baselines import METHODS
 from evaluate import derangement
+from evaluate import SHUFFLE_NA, paired_table
 from support.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
@@ -160,9 +161,27 @@ def test_paired_evaluation_scores_the_same_items_three_ways(tmp_path):
     g = METHODS["ours"](cfg.team_models, 64, cfg, "cpu", torch.float32).state_dict()  # W_out = 0
     r = evaluate(cfg, 5, 2, None, g, conditions=("with_C", "zero_C", "shuffled_C"))
     assert set(r["per_item"]) == {"with_C", "zero_C", "shuffled_C"}
-    assert all(len(v["score"]) == len(v["gold_logprob"]) == 5 for v in r["per_item"].values())
+    assert all(len(r["per_item"][c]["score"]) == len(r["per_item"][c]["gold_logprob"]) == 5
+               for c in ("with_C", "zero_C"))
     assert r["per_item"]["with_C"] == r["per_item"]["zero_C"]
     assert r["paired"]["with_C - zero_C"]["gold_logprob"]["diff"] == 0
+    # at init every prompt gets the same C (zeros), so shuffling it is no test: the cell says n/a and why
+    assert r["paired"]["with_C - shuffled_C"] == {"n/a": SHUFFLE_NA} and "n/a" in paired_table(r)
+
+
+def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
+    """Regression: soft_prompt's "with C - shuffled C = 0.0" was reported as if it were a measurement; it is
+    0 by construction, because its C is the same for every prompt."""
+    from evaluate import context_depends_on_prompt
+    C = torch.randn(1, 4, 8).expand(5, 4, 8)
+    assert not context_depends_on_prompt(C) and not context_depends_on_prompt(C[:1])
+    C = C.clone()
+    C[3, 2, 1] += 1e-6
+    assert context_depends_on_prompt(C)
+    g = build("soft_prompt")
+    randomise_output(g)
+    assert not context_depends_on_prompt(g(QUESTIONS)["C"])
+    assert context_depends_on_prompt(torch.randn(3, 4, 64))
 
 
 # ---- oracle and controls -------------------------------------------------------------------------------------
@@ -189,6 +208,47 @@ def test_soft_prompt_is_the_same_for_every_prompt_and_zero_at_init():
     randomise_output(g)
     C = g(QUESTIONS)["C"]
     assert C.abs().sum() > 0 and torch.equal(C[0], C[1]) and torch.equal(C[0], C[2])
+
+
+def odd_length_reward(items, texts):
+    """A synthetic reward with variance in every group of the tiny team: 1 for a completion of odd length."""
+    return [float(len(t) % 2) for t in texts], {}
+
+
+def test_bare_anchor_is_the_anchor_for_ever_and_only_lora_trains(tmp_path):
+    """The control for "m newline tokens": C = the anchor at every step, g has nothing to train."""
+    out = str(tmp_path / "bare")
+    main(TINY + ["--method", "bare_anchor", "--context-anchor", "newline", "--steps", "2", "--batch-size", "3",
+                 "--grad-accum", "1", "--group-size", "4", "--max-new-tokens", "6", "--lr", "1e-2", "--out", out],
+         score_batch=odd_length_reward)
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert not any(p.requires_grad for p in build("bare_anchor").parameters())
+    # W_out = 0 and b_out = 0 after training as at init: C = FFN(Q_lat) W_out + b_out + anchor = the anchor
+    assert not state["method"]["out.weight"].any() and not state["method"]["out.bias"].any()
+    assert state["method"]["out.anchor"].abs().sum() > 0                            # the newline embedding
+    assert any(v.abs().sum() > 0 for k, v in state["lora"].items() if "lora_B" in k)  # LoRA did train
+
+
+def test_random_reward_pays_the_coin_only_and_still_counts_answers(tmp_path):
+    """Regression: --reward random added --format-bonus to the coin (not a pure random reward) and logged
+    answer_rate = 1.0 whatever the text (the coin returned no counts). Now the reward is the coin alone, the
+    scorer is never called, answer_rate is read off the completions, and a format bonus is refused."""
+    from rewards import extract_answer
+    out = str(tmp_path / "coin")
+
+    def scorer_must_not_run(items, texts):
+        raise AssertionError("the random-reward control read the text")
+
+    main(TINY + ["--reward", "random", "--steps", "1", "--batch-size", "1", "--grad-accum", "1", "--group-size",
+                 "4", "--max-new-tokens", "4", "--out", out], score_batch=scorer_must_not_run)
+    rec = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    texts = [json.loads(line)["completion"] for line in open(os.path.join(out, "samples.jsonl"))]
+    assert len(texts) == 4                                           # one prompt, G = 4: every completion
+    assert rec["reward"] == pytest.approx(np.mean(coin_rewards(0, 0, 0, 0, 4)))
+    assert rec["answer_rate"] == pytest.approx(np.mean([extract_answer(t) is not None for t in texts]))
+    with pytest.raises(SystemExit) as e:
+        main(TINY + ["--reward", "random", "--format-bonus", "0.1", "--out", str(tmp_path / "bonus")])
+    assert e.value.code == 2 and not os.path.exists(tmp_path / "bonus")
 
 
 def test_random_reward_is_a_seeded_coin_that_ignores_the_text():
@@ -304,3 +364,54 @@ def test_train_and_evaluate_with_an_anchored_context(tmp_path):
     assert r["per_item"]["with_C"] == r["per_item"]["zero_C"]
     r = evaluate(cfg, 4, 2, state["lora"], state["method"], conditions=("with_C", "zero_C"))
     assert r["per_item"]["with_C"]["gold_logprob"] != r["per_item"]["zero_C"]["gold_logprob"]
+
+
+# ---- --channel-weight: the channel-forcing term in the loop ---------------------------------------------------
+
+def run_cf(tmp_path, name, method, *flags):
+    out = str(tmp_path / name)
+    main(TINY + ["--method", method, "--steps", "2", "--batch-size", "3", "--grad-accum", "1", "--group-size", "4",
+                 "--max-new-tokens", "6", "--lr", "1e-2", "--router-lr", "1e-2", "--out", out, *flags],
+         score_batch=odd_length_reward)
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    metrics = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    return state, [{k: v for k, v in m.items() if k != "seconds"} for m in metrics]
+
+
+def test_channel_weight_zero_is_plain_grpo_bit_for_bit_and_a_positive_weight_moves_g_phi(tmp_path):
+    plain, m_plain = run_cf(tmp_path, "plain", "ours")
+    zero, m_zero = run_cf(tmp_path, "zero", "ours", "--channel-weight", "0")
+    cf, m_cf = run_cf(tmp_path, "cf", "ours", "--channel-weight", "1")
+    assert m_plain == m_zero
+    for part in ("lora", "method"):
+        assert all(torch.equal(plain[part][k], zero[part][k]) for k in plain[part])
+    assert "cf_loss" in m_cf[0] and "cf_loss" not in m_plain[0] and m_cf[0]["cf_fraction"] > 0
+    assert m_cf[0]["reward"] == m_plain[0]["reward"]               # the same rollout: only the loss differs
+    assert any(not torch.equal(cf["method"][k], plain["method"][k]) for k in plain["method"])  # g_phi moved
+
+
+def test_channel_forcing_gives_no_gradient_when_C_is_the_same_for_every_prompt():
+    """soft_prompt's C does not depend on the prompt, so its mismatched context is itself: l_i = l'_i as functions
+    of the one shared C, and the term's gradient cancels; with a C that varies over prompts it does not."""
+    import rollout
+    from experts import load_model
+    from grpo import channel_forcing_loss
+    policy, tok = load_model(TEAMS["tiny"]["policy"], "cpu", torch.float32)
+    ids, mask = rollout.encode_prompts(tok, QUESTIONS, "cpu")
+    comp, comp_mask = torch.randint(5, 50, (6, 4)), torch.ones(6, 4, dtype=torch.bool)     # G = 2 per prompt
+    adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
+    g = build("soft_prompt")
+    randomise_output(g)
+    shared = g(QUESTIONS)["C"]                                                     # (3, m, D), equal rows
+    varying = shared.detach() + 0.5 * torch.randn_like(shared)
+    varying.requires_grad_(True)
+    for C, params in ((shared, [p for p in g.parameters() if p.requires_grad]), (varying, [varying])):
+        logp = rollout.completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0)
+        logp_mis = rollout.completion_logprobs(policy, ids, mask, C.roll(-1, dims=0), comp, comp_mask, 1.0)
+        loss, m = channel_forcing_loss(logp, logp_mis, adv, comp_mask)
+        grads = torch.autograd.grad(loss, params)
+        largest = max(gr.abs().max().item() for gr in grads)
+        if C is shared:
+            assert m["cf_margin"] == 0.0 and largest < 1e-6, largest
+        else:
+            assert largest > 1e-3, largest

@@ -305,3 +305,43 @@ def test_draw_follows_softmax(temperature):
     for k in range(5):
         assert abs(freq[k].item() - p[k]) <= 4 * math.sqrt(p[k] * (1 - p[k]) / n) + 1e-12, (k, freq[k], p[k])
     assert freq[3] == 0
+
+
+# ---- the channel-forcing term (train.py --channel-weight) ----------------------------------------------------
+
+def test_channel_forcing_value_and_gradient_by_hand():
+    """Two completions of 2 and 1 tokens, advantages (+1, -0.5): only the first is in P. l = mean log-prob over
+    its tokens: l_true = (-1 - 3) / 2 = -2, l_mis = (-2 - 3) / 2 = -2.5, so L = softplus(-0.5) = log(1 + e^-0.5)
+    and dL/dlogp_t = -sigma(-0.5) / 2 on each true token, +sigma(-0.5) / 2 on each mismatched one."""
+    from grpo import channel_forcing_loss
+    mask = torch.tensor([[True, True], [True, False]])
+    logp = torch.tensor([[-1.0, -3.0], [-0.5, float("nan")]], requires_grad=True)
+    logp_mis = torch.tensor([[-2.0, -3.0], [-9.0, 0.0]], requires_grad=True)
+    loss, m = channel_forcing_loss(logp, logp_mis, torch.tensor([1.0, -0.5]), mask)
+    assert loss.item() == pytest.approx(math.log(1 + math.exp(-0.5)))
+    assert m["cf_margin"] == pytest.approx(0.5) and m["cf_fraction"] == 0.5
+    loss.backward()
+    s = 1 / (1 + math.exp(0.5))                                                  # sigma(-0.5)
+    assert torch.allclose(logp.grad, torch.tensor([[-s / 2, -s / 2], [0.0, 0.0]]))
+    assert torch.allclose(logp_mis.grad, torch.tensor([[s / 2, s / 2], [0.0, 0.0]]))
+    # no completion with A > 0: the term is 0 and so is its gradient
+    loss, m = channel_forcing_loss(logp.detach().requires_grad_(), logp_mis, torch.tensor([0.0, -1.0]), mask)
+    assert loss.item() == 0 and math.isnan(m["cf_margin"])
+
+
+def test_channel_forcing_matches_a_two_way_cross_entropy():
+    """The same value from an independent formula: F.cross_entropy over the pair (l_i, l'_i) with target 0."""
+    from grpo import channel_forcing_loss
+    torch.manual_seed(0)
+    logp, logp_mis = -torch.rand(6, 5) * 3, -torch.rand(6, 5) * 3
+    mask = torch.rand(6, 5) > 0.3
+    mask[:, 0] = True
+    adv = torch.tensor([1.0, -1.0, 0.5, 0.0, 2.0, -0.1])
+    loss, _ = channel_forcing_loss(logp, logp_mis, adv, mask)
+    n = mask.sum(1)
+    l_true, l_mis = (logp * mask).sum(1) / n, (logp_mis * mask).sum(1) / n
+    pos = adv > 0
+    ref = F.cross_entropy(torch.stack([l_true, l_mis], 1)[pos], torch.zeros(int(pos.sum()), dtype=torch.long))
+    assert loss.item() == pytest.approx(ref.item(), rel=1e-6)
+    with pytest.raises(ValueError):
+        channel_forcing_loss(logp, logp_mis[:, :4], adv, mask)

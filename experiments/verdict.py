@@ -1,0 +1,214 @@
+"""
+The collaboration verdict, as pre-registered in results/preregistration.md: every arm x every seed on the testbed
+the screen chose, paired evaluation on the same items, and the pre-registered analysis (one-sided exact sign-flip
+tests over seeds, Holm over the declared family). Everything not in the family is printed as exploratory.
+
+    # run (resumable; one process per core with disjoint --seeds, each pinned):
+    OMP_NUM_THREADS=1 taskset -c 0 python experiments/verdict.py --task TASK --task-config JSON --expert-depth D \
+        --seeds 0 2 4 6
+    OMP_NUM_THREADS=1 taskset -c 1 python experiments/verdict.py ... --seeds 1 3 5 7
+    # analyse only (reads the archived records in results/verdict/runs):
+    python experiments/verdict.py --analyse
+
+Arms (ARMS below; all on the pocket protocol of experiments/pocket.py: G 4, 4 prompts a step, 15 steps, lr 1e-3,
+the speedrun's levers, C in front of the prompt, --context-anchor newline wherever there are context tokens):
+  single            the policy alone (LoRA), no context tokens
+  bare_anchor       m newline tokens in front of the prompt, nothing trained in g (what the anchor alone does)
+  soft_prompt       m free trainable tokens, anchored (the interface without experts)
+  identical         ours with the policy's own frozen base as the only expert
+  ours              ours, team pocket-strong (Gemma-3-270M, SmolLM2, MiniLM, --strong-expert), standardised states
+                    at the screen's depth
+  ours_strong_only  ours with --strong-expert as the only expert
+  ours_cf           ours + the channel-forcing term, weight 1 (grpo.channel_forcing_loss)
+  random            ours trained on a fair coin per completion (no format bonus): the control for routing
+"""
+import argparse
+import json
+import os
+import subprocess
+import sys
+
+import numpy as np
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+
+from pocket import LEVERS, archive, run  # noqa: E402
+from support.stats import holm, mean_std, sign_flip_p  # noqa: E402
+
+RESULTS = os.path.join(ROOT, "results", "verdict")
+PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
+HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--lr", "1e-3", "--router-lr", "1e-3",
+         "--steps", "15", "--save-every", "5", "--dataset-size", "2000"]
+ANCHOR, NORM = ["--context-anchor", "newline"], ["--state-norm", "standardize"]
+
+
+def arms(strong, depth):
+    """name -> train.py flags (beyond the task, prompt, protocol and seed)."""
+    ours = ["--method", "ours", "--team", "pocket-strong", *ANCHOR, *NORM, "--expert-depth", str(depth)]
+    return {
+        "single": ["--method", "single", "--team", "pocket", *LEVERS],
+        "bare_anchor": ["--method", "bare_anchor", "--team", "pocket", *ANCHOR, *LEVERS],
+        "soft_prompt": ["--method", "soft_prompt", "--team", "pocket", *ANCHOR, *LEVERS],
+        "identical": ["--method", "identical", "--team", "pocket", *ANCHOR, *NORM, "--expert-depth", str(depth),
+                      *LEVERS],
+        "ours": ours + LEVERS,
+        "ours_strong_only": ["--method", "ours", "--team", "pocket", "--experts", strong, *ANCHOR, *NORM,
+                             "--expert-depth", str(depth), *LEVERS],
+        "ours_cf": ours + LEVERS + ["--channel-weight", "1"],
+        "random": ours + LEVERS + ["--reward", "random", "--format-bonus", "0"],
+    }
+
+
+# The pre-registered family: (name, arm, comparator, endpoint). Endpoints, per seed (the same 100 items):
+#   score    mean score of `arm` minus that of `comparator` (greedy, the task's scorer, with C as trained)
+#   shuffle  mean over items of `arm`'s with-C score minus its shuffled-C score (comparator unused)
+#   strong   `arm`'s utilisation of the strong expert (mean of the last 3 steps) minus that of `comparator`
+FAMILY = [("H1a", "ours", "single", "score"), ("H1b", "ours", "soft_prompt", "score"),
+          ("H2", "ours", None, "shuffle"), ("H3", "ours", "random", "strong"),
+          ("H1a-cf", "ours_cf", "single", "score"), ("H1b-cf", "ours_cf", "soft_prompt", "score"),
+          ("H2-cf", "ours_cf", None, "shuffle"), ("H3-cf", "ours_cf", "random", "strong")]
+EXPLORATORY = [(f"{a} − single", a, "single", "score") for a in ("bare_anchor", "soft_prompt", "identical",
+                                                                  "ours_strong_only", "random")] + \
+              [("soft_prompt − bare_anchor", "soft_prompt", "bare_anchor", "score"),
+               ("ours_strong_only: with C − shuffled C", "ours_strong_only", None, "shuffle")]
+
+
+def load(runs_dir):
+    """{arm: {seed: {"eval": eval.json or eval_paired.json, "metrics": [...], "cfg": ...}}} from archived runs."""
+    out = {}
+    for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
+        d = os.path.join(runs_dir, name)
+        arm, seed = name.rsplit("-s", 1)
+        paired = os.path.join(d, "eval_paired.json")
+        path = paired if os.path.exists(paired) else os.path.join(d, "eval.json")
+        if not os.path.exists(path):
+            continue
+        rec = {"eval": json.load(open(path)), "cfg": json.load(open(os.path.join(d, "config.json"))),
+               "metrics": [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]}
+        out.setdefault(arm, {})[int(seed)] = rec
+    return out
+
+
+def strong_utilisation(rec):
+    """Mean utilisation of the strong expert (the last expert of the run's team) over the last 3 steps."""
+    steps = [m["utilization"] for m in rec["metrics"] if m.get("utilization")][-3:]
+    return float(np.mean([u[-1] for u in steps])) if steps else float("nan")
+
+
+def per_seed(runs, arm, comparator, endpoint):
+    """{seed: difference} over the seeds where every run the endpoint needs has a record."""
+    out = {}
+    for seed, rec in runs.get(arm, {}).items():
+        items = rec["eval"]["per_item"]
+        if endpoint == "shuffle":
+            if "shuffled_C" in items and "n/a" not in items["shuffled_C"]:
+                out[seed] = float(np.mean(items["with_C"]["score"]) - np.mean(items["shuffled_C"]["score"]))
+            continue
+        other = runs.get(comparator, {}).get(seed)
+        if other is None:
+            continue
+        if endpoint == "score":
+            a, b = items["with_C"]["score"], other["eval"]["per_item"]["with_C"]["score"]
+            assert len(a) == len(b), f"{arm} and {comparator} of seed {seed} were scored on different items"
+            out[seed] = float(np.mean(a) - np.mean(b))
+        else:
+            out[seed] = strong_utilisation(rec) - strong_utilisation(other)
+    return out
+
+
+def analyse(runs):
+    """The family's rows (one-sided exact sign-flip p over seeds, Holm over the family) and the exploratory ones
+    (two-sided, unadjusted). Returns (rows, verdict)."""
+    rows = []
+    for kind, tests in (("family", FAMILY), ("exploratory", EXPLORATORY)):
+        for name, arm, comparator, endpoint in tests:
+            d = per_seed(runs, arm, comparator, endpoint)
+            vals = [d[s] for s in sorted(d)]
+            p = sign_flip_p(vals, "greater" if kind == "family" else "two-sided") if len(vals) > 1 else float("nan")
+            rows.append({"name": name, "kind": kind, "endpoint": endpoint, "seeds": sorted(d), "diffs": vals,
+                         "mean": mean_std(vals)[0] if vals else float("nan"),
+                         "sd": mean_std(vals)[1] if vals else float("nan"),
+                         "better": sum(v > 0 for v in vals), "worse": sum(v < 0 for v in vals), "p": p})
+    family = [r for r in rows if r["kind"] == "family"]
+    complete = all(np.isfinite(r["p"]) for r in family)
+    for r, p_adj in zip(family, holm([r["p"] if np.isfinite(r["p"]) else 1.0 for r in family])):
+        r["p_holm"] = p_adj
+    significant = {r["name"]: r["p_holm"] < 0.05 for r in family}
+    shapes = any(all(significant[h + suffix] for h in ("H1a", "H1b", "H2", "H3")) for suffix in ("", "-cf"))
+    verdict = ("incomplete: not every family test has two or more seeds" if not complete else
+               "RL shapes collaboration here (every endpoint of one variant Holm p < 0.05)" if shapes else
+               "not shown: no variant of ours passes all four endpoints at Holm p < 0.05")
+    return rows, verdict
+
+
+def markdown(rows, verdict, runs):
+    L = ["# The collaboration verdict (experiments/verdict.py)", "", f"**Verdict: {verdict}.**", "",
+         "Pre-registered in results/preregistration.md. Differences are in points (score, shuffle) or in "
+         "utilisation (strong); one per seed, on the same items; p: exact sign-flip over seeds, one-sided for the "
+         "family (Holm-adjusted over its 8 tests), two-sided and unadjusted for the exploratory rows.", "",
+         "| test | kind | seeds | mean ± sd | better / worse seeds | p | Holm p |", "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        scale = 100 if r["endpoint"] in ("score", "shuffle") else 1
+        fmt = "{:+.1f} ± {:.1f}" if scale == 100 else "{:+.3f} ± {:.3f}"
+        L.append(f"| {r['name']} | {r['kind']} | {len(r['seeds'])} | {fmt.format(scale * r['mean'], scale * r['sd'])} | "
+                 f"{r['better']} / {r['worse']} | {r['p']:.3g} | "
+                 + (f"{r['p_holm']:.3g}" if "p_holm" in r else "exploratory") + " |")
+    L += ["", "| arm | " + " | ".join(f"s{s}" for s in sorted({s for v in runs.values() for s in v})) + " |"]
+    seeds = sorted({s for v in runs.values() for s in v})
+    L.append("|---|" + "---|" * len(seeds))
+    for arm in sorted(runs):
+        L.append(f"| {arm} | " + " | ".join(f"{100 * runs[arm][s]['eval']['score']:.1f}" if s in runs[arm] else "–"
+                                          for s in seeds) + " |")
+    return "\n".join(L) + "\n"
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    p.add_argument("--task", help="the testbed the screen chose (results/screen/table.md)")
+    p.add_argument("--task-config", default=None, help="its reasoning-gym config, JSON")
+    p.add_argument("--expert-depth", type=float, default=1.0, help="the screen's depth of the strong expert")
+    p.add_argument("--strong-expert", default="pocket:qwen2.5-coder-1.5b-instruct", help="the screen's best expert")
+    p.add_argument("--seeds", nargs="+", type=int, default=list(range(8)), help="pre-registered: 0-7")
+    p.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all)")
+    p.add_argument("--n-eval", type=int, default=100, help="validation items per run (pre-registered: 100)")
+    p.add_argument("--out", default=os.path.join(ROOT, "runs", "verdict"), help="folder for the runs")
+    p.add_argument("--analyse", action="store_true", help="only read results/verdict/runs and write table.md")
+    a = p.parse_args()
+    if not a.analyse:
+        if not a.task:
+            p.error("--task is required to run (the screen's chosen testbed)")
+        table = arms(a.strong_expert, a.expert_depth)
+        unknown = set(a.arms or []) - set(table)
+        if unknown:
+            p.error(f"--arms: unknown {sorted(unknown)}; arms: {', '.join(table)}")
+        task = ["--task", a.task] + (["--task-config", a.task_config] if a.task_config else [])
+        os.makedirs(a.out, exist_ok=True)
+        log = os.path.join(a.out, "log.txt")
+        for seed in a.seeds:
+            for arm in a.arms or table:
+                out = os.path.join(a.out, f"{arm}-s{seed}")
+                has_context = arm != "single"
+                if os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
+                    continue
+                if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
+                    resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
+                    run(["train.py", *task, *PROMPT, *HYPER, *table[arm], "--seed", str(seed), "--out", out,
+                         *resume], log)
+                run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
+                archive(out, os.path.join(RESULTS, "runs"))
+        commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
+        with open(os.path.join(RESULTS, "provenance.txt"), "a") as f:
+            f.write(f"seeds {a.seeds} arms {a.arms or 'all'} ran at commit {commit.strip()}\n")
+    runs = load(os.path.join(RESULTS, "runs"))
+    rows, verdict = analyse(runs)
+    os.makedirs(RESULTS, exist_ok=True)
+    md = markdown(rows, verdict, runs)
+    with open(os.path.join(RESULTS, "table.md"), "w") as f:
+        f.write(md)
+    print(md)
+
+
+if __name__ == "__main__":
+    main()

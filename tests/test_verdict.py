@@ -1,0 +1,61 @@
+"""experiments/verdict.py's pre-registered analysis on synthetic records: the endpoints are taken seed by seed on
+the same items, the family is tested one-sided and Holm-adjusted, and the verdict needs every endpoint of one
+variant. Also why the design has 8 seeds: with 6, no Holm-adjusted p of an 8-test family can fall below 0.05."""
+import os
+import sys
+
+import numpy as np
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+from verdict import FAMILY, analyse  # noqa: E402
+
+from support.stats import holm, sign_flip_p  # noqa: E402
+
+
+def record(score, shuffled=None, strong=0.25, n=100, seed=0):
+    """An archived run: per-item 0/1 scores with the given mean (first round(score * n) items right)."""
+    k = int(round(score * n))
+    items = {"with_C": {"score": [1.0] * k + [0.0] * (n - k)}}
+    if shuffled is not None:
+        j = int(round(shuffled * n))
+        items["shuffled_C"] = {"score": [1.0] * j + [0.0] * (n - j)}
+    metrics = [{"step": s, "utilization": [0.25, 0.25, 0.25, strong]} for s in range(1, 16)]
+    return {"eval": {"score": k / n, "per_item": items}, "metrics": metrics, "cfg": {"seed": seed}}
+
+
+def runs_with(effect, seeds=8, rng=np.random.default_rng(0)):
+    runs = {a: {} for a in ("single", "soft_prompt", "ours", "ours_cf", "random")}
+    for s in range(seeds):
+        base = 0.3 + 0.1 * rng.random()
+        runs["single"][s] = record(base, seed=s)
+        runs["soft_prompt"][s] = record(base + 0.02, shuffled=base + 0.02, seed=s)
+        runs["random"][s] = record(base - 0.1, shuffled=base - 0.1, strong=0.25, seed=s)
+        runs["ours"][s] = record(base + effect, shuffled=base, strong=0.25 + effect, seed=s)
+        runs["ours_cf"][s] = record(base, shuffled=base, strong=0.25, seed=s)
+    return runs
+
+
+def test_a_consistent_effect_over_8_seeds_passes_and_no_effect_does_not():
+    rows, verdict = analyse(runs_with(0.15))
+    fam = {r["name"]: r for r in rows if r["kind"] == "family"}
+    assert [r["name"] for r in rows if r["kind"] == "family"] == [f[0] for f in FAMILY]
+    assert fam["H1a"]["better"] == 8 and fam["H1a"]["p"] == 1 / 256
+    assert fam["H1a"]["mean"] > 0.1 and fam["H2"]["mean"] > 0.1 and fam["H3"]["mean"] > 0.1
+    assert all(fam[h]["p_holm"] < 0.05 for h in ("H1a", "H1b", "H2", "H3"))
+    assert fam["H1a-cf"]["p_holm"] > 0.05                 # ours_cf equals single: no effect
+    assert verdict.startswith("RL shapes collaboration")
+    rows, verdict = analyse(runs_with(0.0))
+    assert verdict.startswith("not shown")
+
+
+def test_a_missing_arm_makes_the_verdict_incomplete_not_negative():
+    runs = runs_with(0.15)
+    del runs["random"]
+    _, verdict = analyse(runs)
+    assert verdict.startswith("incomplete")
+
+
+def test_six_seeds_could_never_pass_an_eight_test_holm_family():
+    """The smallest one-sided exact p with n seeds is 2^-n; Holm's first step multiplies it by the family's 8."""
+    assert min(holm([sign_flip_p([1.0] * 6, "greater")] * 8)) > 0.05      # 8 / 64 = 0.125
+    assert max(holm([sign_flip_p([1.0] * 8, "greater")] * 8)) < 0.05      # 8 / 256 = 0.031
