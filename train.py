@@ -115,7 +115,8 @@ def grpo_step(step, run, args, score_batch):
             accumulation_share(loss, b, args, n_trained).backward()
             losses.append(loss.item())
             stats.append(m)
-        losses, stats = distributed.gather(world, losses), distributed.gather(world, stats)
+        losses = distributed.gather(world, losses)  # torchrun: every rank's
+        stats = distributed.gather(world, stats)
         distributed.all_reduce_grads(world, optimizer.param_groups)  # torchrun: all ranks' sum
         grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip,
                                                 args.clip_per_group)

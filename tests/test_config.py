@@ -7,15 +7,7 @@ import os
 import pytest
 
 from support.config import PRESETS, ArgumentParser, number, parse_args
-
-# The README's first command before presets existed, flag for flag
-POCKET_FLAGS = ["--task", "chain_sum", "--task-config",
-                '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}', "--team", "pocket",
-                "--worked-example", "--response-prefix", "<think>", "--context-position", "before",
-                "--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--max-new-tokens", "48",
-                "--lr", "1e-3", "--router-lr", "1e-3", "--rollout-dtype", "bfloat16", "--tis-cap", "2",
-                "--dynamic-sampling", "1", "--format-bonus", "0.1", "--steps", "6", "--save-every", "3",
-                "--eval-items", "100"]
+from tests.fixtures.record_metrics import POCKET_FLAGS  # the README's first command before presets
 
 
 def test_the_pocket_preset_is_the_readme_first_command():
