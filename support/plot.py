@@ -3,8 +3,8 @@ The plot train.py writes into a run's folder at the end (plot.png): what a first
 
     python -m support.plot runs/pocket-first        # (re)draw the plot of a finished or running run
 
-Four panels over optimiser steps, from metrics.jsonl: the training reward (the task's part; the format
-bonus is not in it) with the solve rate, the answer rate (completions with an <answer> block), the KL to
+Four panels over optimiser steps, from metrics.jsonl: the training reward (the format bonus is not in
+it) with the solve rate, the answer rate (completions with an <answer> block), the KL to
 the reference policy, and for methods with experts the routing: the entropy H of the attention over experts
 and each expert's utilisation. Each curve is drawn as it was logged, point by point: a moving average would
 hide a run of six steps. matplotlib is optional: without it, one line says so and nothing else happens.
@@ -31,6 +31,7 @@ def plot_run(folder, name="plot.png"):
         import matplotlib
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
+        from matplotlib.ticker import MaxNLocator
     except ImportError:
         print("no plot: matplotlib is not installed (pip install matplotlib)", flush=True)
         return None
@@ -42,7 +43,7 @@ def plot_run(folder, name="plot.png"):
     ax = axes[0]
     for key, label in (("reward", "reward"), ("solve_rate", "solve rate")):
         ax.plot(*series(rows, key), marker="o", label=label)
-    ax.set_title("training reward (the task's part)")
+    ax.set_title("training reward (no format bonus)")
     ax.legend()
     axes[1].plot(*series(rows, "answer_rate"), marker="o")
     axes[1].set_title("answer rate (an <answer> block)")
@@ -52,6 +53,7 @@ def plot_run(folder, name="plot.png"):
     if routing:
         draw_routing(axes[3], rows, folder)
     for ax in axes:
+        ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_xlabel("step")
         ax.grid(alpha=0.3)
     fig.suptitle(os.path.basename(os.path.abspath(folder)))
