@@ -3,11 +3,14 @@ records the resolved values; --help shows every default and the presets; a negat
 (accepted where the flag's type allows it, refused with the flag's own message where it does not)."""
 import json
 import os
+import sys
 
 import pytest
 
 from support.config import PRESETS, ArgumentParser, number, parse_args
-from tests.fixtures.record_metrics import POCKET_FLAGS  # the README's first command before presets
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
+from record_metrics import POCKET_FLAGS  # noqa: E402  (the README's first command before presets)
 
 
 def test_the_pocket_preset_is_the_readme_first_command():
