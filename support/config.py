@@ -60,6 +60,7 @@ PRESETS = {
               "batch_size": 2, "grad_accum": 1, "group_size": 4, "max_new_tokens": 16, "steps": 3,
               "eval_items": 8, "out": "runs/smoke"},
 }
+NEIGHBOURS = ("conductor", "rlae")  # neighbours/NAME.py, not train.py --method NAME
 # a negative number, exponent and all, is a flag's value ("--lr -1e-3"), never an option
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
@@ -99,9 +100,13 @@ def parse(p, argv=None):
     wins; then the checks between flags."""
     pre = ArgumentParser(add_help=False)
     pre.add_argument("--preset", default=None, choices=sorted(PRESETS))
-    preset = pre.parse_known_args(argv)[0].preset
-    if preset:
-        p.set_defaults(**PRESETS[preset])
+    pre.add_argument("--method", default=None)
+    first = pre.parse_known_args(argv)[0]
+    if first.method in NEIGHBOURS and first.method != p.get_default("method"):
+        fail(f"--method {first.method}: a system of its own, with its own loop and train.py's flags: "
+             f"python neighbours/{first.method}.py")
+    if first.preset:
+        p.set_defaults(**PRESETS[first.preset])
     return check_args(p, p.parse_args(argv))
 
 

@@ -76,3 +76,10 @@ def test_config_json_records_the_preset_and_the_resolved_values(tmp_path):
     assert len(validation["before"]) == len(validation["after"]) == 2
     pytest.importorskip("matplotlib")
     assert os.path.getsize(os.path.join(out, "plot.png")) > 1000
+
+
+@pytest.mark.parametrize("method", ["conductor", "rlae"])
+def test_a_neighbour_asked_of_train_py_says_where_it_lives(method, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--method", method])
+    assert e.value.code == 2 and f"python neighbours/{method}.py" in capsys.readouterr().err
