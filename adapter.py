@@ -9,7 +9,7 @@ Paper §3 (equation numbers are the paper's):
     C'   = FFN(Q_lat + softmax(Q K^T / sqrt(d)) V')  (10)
     C    = C' W_out + b_out                          (11) near-zero at init
     FFN(x) = tanh(W2 tanh(W1 x)),  d -> d/2 -> d     (16)
-    A    = softmax(Q K^T / sqrt(d_head)), averaged over heads: [m, n], the observable of §4.3 (Eq. 15)
+    A    = softmax(Q K^T / sqrt(d_head)), mean over heads: [m, n], the observable of §4.3 (Eq. 15)
 
 How C reaches the policy (Eq. 3, pi(y | [x || C])) is rollout.policy_inputs: after the prompt (Eq.
 3, the default) or in front of it, behind its first token (prefix tuning, [x_0 || C || x_1..]), with
@@ -139,14 +139,17 @@ class StateNorm(nn.Module):
             getattr(self, f"std{i}").copy_(std.clamp_min(1e-2 * std.median().clamp_min(1e-12)))
 
     def forward(self, states):
-        return [(h.float() - getattr(self, f"mean{i}")) / getattr(self, f"std{i}") for i, h in enumerate(states)]
+        return [(h.float() - getattr(self, f"mean{i}")) / getattr(self, f"std{i}")
+                for i, h in enumerate(states)]
 
 
 class PerceiverAdapter(nn.Module):
-    def __init__(self, expert_dims, out_dim, latent_dim=512, num_latents=8, num_heads=8, out_init_std=0.0):
+    def __init__(self, expert_dims, out_dim, latent_dim=512, num_latents=8, num_heads=8,
+                 out_init_std=0.0):
         super().__init__()
         if latent_dim % num_heads:
-            raise ValueError(f"--latent-dim {latent_dim} must be divisible by --num-heads {num_heads}")
+            raise ValueError(f"--latent-dim {latent_dim} must be divisible by --num-heads "
+                             f"{num_heads}")
         d = latent_dim
         self.num_heads = num_heads
         # W_i, Eq. 6
@@ -191,7 +194,8 @@ def context_probes(ctxs, embed_rms):
     C = [c["C"] for c in ctxs if c["C"] is not None]
     if C:
         C = torch.cat(C).float()                                               # (prompts, m, D)
-        rec.update(c_rms=C.pow(2).mean().sqrt().item(), embed_rms=embed_rms, c_varying=varying_fraction(C))
+        rec.update(c_rms=C.pow(2).mean().sqrt().item(), embed_rms=embed_rms,
+                   c_varying=varying_fraction(C))
     states = [c["states"] for c in ctxs if isinstance(c.get("states"), list)]
     if states:  # one list of n [B, d_i] per micro-batch
         rec["state_varying"] = [varying_fraction(torch.cat(h)) for h in zip(*states)]
@@ -226,5 +230,6 @@ if __name__ == "__main__":
     h = [torch.randn(2, d) for d in (640, 576, 384)]
     C, A = adapter(h)
     H, u = routing_stats(A)
-    print(f"C {tuple(C.shape)} rms {C.pow(2).mean().sqrt():.2e} | A {tuple(A.shape)} | H {H:.3f} | u {u}")
+    print(f"C {tuple(C.shape)} rms {C.pow(2).mean().sqrt():.2e} | A {tuple(A.shape)} | "
+          f"H {H:.3f} | u {u}")
     print(f"trainable parameters: {sum(p.numel() for p in adapter.parameters()):,}")

@@ -52,8 +52,9 @@ class LoRALinear(nn.Module):
         # nothing in bfloat16 (8 bits of mantissa, spacing 1.2e-4 there), so a bf16 LoRA would
         # silently stop learning
         dev = base.weight.device
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=dev, dtype=torch.float32))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev, dtype=torch.float32))
+        fp32 = dict(device=dev, dtype=torch.float32)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **fp32))   # (r, in)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **fp32))  # (out, r), B = 0
         # Same init as the LoRA paper's reference code and PEFT: A ~ Kaiming-uniform, B = 0 (update
         # is zero).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
@@ -64,14 +65,16 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if self.enabled and not self.merged:
             # (..., in) -> (..., r) -> (..., out); never forms the (out x in) product B A
-            y = y + self.scaling * ((x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T).to(y.dtype)
+            low_rank = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T  # (..., out)
+            y = y + self.scaling * low_rank.to(y.dtype)
         return y
 
     def delta_weight(self):
         return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
 
 
-def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, target_modules=DEFAULT_TARGETS) -> list:
+def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0,
+               target_modules=DEFAULT_TARGETS) -> list:
     """Freeze every parameter of `model`, then wrap each nn.Linear whose last name part is in
     `target_modules`. Returns the dotted names of the wrapped modules (PEFT's naming)."""
     for p in model.parameters():
@@ -85,8 +88,8 @@ def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, target_modu
             setattr(parent, child, LoRALinear(module, rank, alpha))
             wrapped.append(name)
     if not wrapped:
-        raise ValueError(f"LoRA found no nn.Linear named any of {sorted(targets)} in {type(model).__name__}; "
-                         "pass target_modules that exist in this model")
+        raise ValueError(f"LoRA found no nn.Linear named any of {sorted(targets)} in "
+                         f"{type(model).__name__}; pass target_modules that exist in this model")
     return wrapped
 
 
@@ -144,11 +147,12 @@ def lora_state_dict(model: nn.Module) -> dict:
 def load_lora_state_dict(model: nn.Module, state: dict):
     """Inverse of lora_state_dict. Fails on any missing, extra or mis-shaped tensor (a checkpoint
     from another model or another rank must not load half-way)."""
-    ours = {f"{n}.lora_{ab}": getattr(m, f"lora_{ab}") for n, m in lora_layers(model) for ab in "AB"}
+    ours = {f"{n}.lora_{ab}": getattr(m, f"lora_{ab}")
+            for n, m in lora_layers(model) for ab in "AB"}
     missing, extra = set(ours) - set(state), set(state) - set(ours)
     if missing or extra:
-        raise ValueError(f"LoRA checkpoint does not match the model: {len(missing)} missing, {len(extra)} "
-                         f"unexpected tensors (e.g. {sorted(missing or extra)[0]})")
+        raise ValueError(f"LoRA checkpoint does not match the model: {len(missing)} missing, "
+                         f"{len(extra)} unexpected tensors (e.g. {sorted(missing or extra)[0]})")
     for k, p in ours.items():
         if p.shape != state[k].shape:
             raise ValueError(f"LoRA checkpoint tensor {k} has shape {tuple(state[k].shape)}, "
@@ -167,11 +171,14 @@ def save_peft(model: nn.Module, folder: str, base_model_name_or_path: str = ""):
     rank, alpha = layers[0][1].rank, layers[0][1].alpha
     tensors = {}
     for name, m in layers:
-        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous().cpu()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous().cpu()
+        for ab in "AB":
+            weight = getattr(m, f"lora_{ab}").detach().float().contiguous().cpu()
+            tensors[f"base_model.model.{name}.lora_{ab}.weight"] = weight
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False,
         "target_modules": sorted({n.split(".")[-1] for n, _ in layers}), "inference_mode": True,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True,
     }

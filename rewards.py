@@ -5,15 +5,16 @@ Listings 2-4, every dataset weight 1) or GSM8K. `build_prompt` is the policy's i
 reasoning-gym's "DeepSeekZero" system prompt and the question through the chat template (paper §8).
 `extract_answer` takes the last <answer>...</answer> block and `score_batch` turns each answer into
 the reward r in [0, 1] of the GRPO objective (Eq. 4) with the dataset's own `score_answer`. Model
-outputs are untrusted input (some scorers `eval` them), so the scorers run in support/safe_scoring.py, which
-never executes model text and never blocks.
+outputs are untrusted input (some scorers `eval` them), so the scorers run in
+support/safe_scoring.py, which never executes model text and never blocks.
 
 Deviations from the paper (which only names the datasets):
 1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and
    each split draws from its own seed range (`split_seed`). Seeds alone are not enough: with
    disjoint seeds 51 of 300 self_reference and 81 of 300 jugs questions still recur in both splits.
    The price: about 2x generation.
-2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic (support/safe_scoring.py).
+2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic
+   (support/safe_scoring.py).
 3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>").
    Same result on well-formed text; with nested tags we take the innermost last block.
 4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked
@@ -45,23 +46,27 @@ from pathlib import Path
 
 import numpy as np
 
-from support.safe_scoring import STATUSES, score_answers, score_gsm8k  # noqa: F401 (rewards.score_gsm8k)
+# score_gsm8k lives beside the sandbox that calls it; rewards.score_gsm8k is the same function
+from support.safe_scoring import STATUSES, score_answers, score_gsm8k  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Tasks: paper §8, Listings 2-4 (reasoning-gym defaults plus these configs)
 
 FAMILIES = {
     "arithmetic": {name: {} for name in [
-        "complex_arithmetic", "intermediate_integration", "polynomial_equations", "polynomial_multiplication",
-        "simple_geometry", "bitwise_arithmetic", "chain_sum", "decimal_arithmetic", "decimal_chain_sum"]},
+        "complex_arithmetic", "intermediate_integration", "polynomial_equations",
+        "polynomial_multiplication", "simple_geometry", "bitwise_arithmetic", "chain_sum",
+        "decimal_arithmetic", "decimal_chain_sum"]},
     "algorithmic": {
         "ab": {}, "base_conversion": {}, "binary_alternation": {"p_solvable": 0.9},
-        "binary_matrix": {"min_n": 2, "max_n": 6}, "caesar_cipher": {"max_words": 10}, "cryptarithm": {},
+        "binary_matrix": {"min_n": 2, "max_n": 6}, "caesar_cipher": {"max_words": 10},
+        "cryptarithm": {},
         "isomorphic_strings": {"max_string_length": 8}, "jugs": {"difficulty": 6},
         "rotate_matrix": {"min_n": 2, "max_n": 6},
         "string_manipulation": {"max_string_length": 15, "max_num_rules": 6}},
     "logic": {name: {} for name in [
-        "aiw", "circuit_logic", "knights_knaves", "propositional_logic", "self_reference", "syllogism",
+        "aiw", "circuit_logic", "knights_knaves", "propositional_logic", "self_reference",
+        "syllogism",
         "zebra_puzzles"]},
 }
 SPLITS = ("train", "val")
@@ -106,19 +111,23 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
                          "or a reasoning-gym dataset name (e.g. chain_sum)")
     if config:  # --task-config: JSON over the reasoning-gym defaults of one dataset
         if task not in configs or len(configs) != 1:
-            raise ValueError(f"--task-config applies to a single reasoning-gym dataset, not to --task {task}")
+            raise ValueError("--task-config applies to a single reasoning-gym dataset, not to "
+                             f"--task {task}")
         try:
             configs = {task: {**configs[task], **json.loads(config)}}
             DATASETS[task][1](**configs[task]).validate()
         except (ValueError, TypeError, AssertionError) as err:
-            raise ValueError(f"--task-config {config!r} is not a valid {task} config: {err}") from None
-    assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, f"size must be a positive int, got {size!r}"
+            raise ValueError(f"--task-config {config!r} is not a valid {task} config: "
+                             f"{err}") from None
+    assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, \
+        f"size must be a positive int, got {size!r}"
     from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
     # we expect 2 per kept entry: half the questions belong to the other split
     max_draws = 20 * size + 1000
     specs = [DatasetSpec(name, 1.0, dict(config)) for name, config in configs.items()]
-    composite = CompositeDataset(CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs))
+    composite_config = CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs)
+    composite = CompositeDataset(composite_config)
     return LazyEntries(composite, split, size, max_draws, task)
 
 
@@ -129,7 +138,8 @@ class LazyEntries(Sequence):
     entries."""
 
     def __init__(self, composite, split, size, max_draws, task):
-        self.composite, self.split, self.size, self.max_draws, self.task = composite, split, size, max_draws, task
+        self.composite, self.split, self.size = composite, split, size
+        self.max_draws, self.task = max_draws, task
         self.entries, self.draws = [], 0
 
     def __len__(self):
@@ -143,8 +153,8 @@ class LazyEntries(Sequence):
         i %= self.size
         while len(self.entries) <= i:
             if self.draws == self.max_draws:
-                raise ValueError(f"--task {self.task}: only {len(self.entries)} {self.split} questions in "
-                                 f"{self.max_draws} draws")
+                raise ValueError(f"--task {self.task}: only {len(self.entries)} {self.split} "
+                                 f"questions in {self.max_draws} draws")
             entry = self.composite[self.draws]
             self.draws += 1
             if question_split(entry["question"]) == self.split:
@@ -157,20 +167,25 @@ def _load_gsm8k(split, size, seed, data_path):
     or the hub."""
     hub_split = {"train": "train", "val": "test"}[split]  # the paper validates on the test set
     if data_path is not None:
-        path = Path(data_path) / f"{hub_split}.jsonl" if Path(data_path).is_dir() else Path(data_path)
+        path = Path(data_path)
+        if path.is_dir():
+            path = path / f"{hub_split}.jsonl"
         if not path.is_file():
-            raise ValueError(f"--data-path {data_path}: expected a .jsonl or a folder with {hub_split}.jsonl")
+            raise ValueError(f"--data-path {data_path}: expected a .jsonl or a folder with "
+                             f"{hub_split}.jsonl")
         with open(path, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
         try:
             import datasets
 
-            rows = [dict(row) for row in datasets.load_dataset("openai/gsm8k", "main", split=hub_split)]
+            hub = datasets.load_dataset("openai/gsm8k", "main", split=hub_split)
+            rows = [dict(row) for row in hub]
         except Exception as err:
             raise ValueError(f"could not load openai/gsm8k from the hub ({type(err).__name__}); "
-                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} object per line, "
-                             "the answer ending in '#### N') or a folder with train.jsonl and test.jsonl") from err
+                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} "
+                             "object per line, the answer ending in '#### N') or a folder with "
+                             "train.jsonl and test.jsonl") from err
     rows = list(enumerate(rows))
     if split == "train":
         random.Random(seed).shuffle(rows)
@@ -192,7 +207,9 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
     out = []
     for k in range(start, start + batch_size):
         epoch, i = divmod(k, n_items)
-        out.append(i if epoch == 0 else int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
+        if epoch > 0:  # a fresh seeded permutation per epoch
+            i = int(np.random.default_rng([seed, epoch]).permutation(n_items)[i])
+        out.append(i)
     return out
 
 # -----------------------------------------------------------------------------
@@ -201,16 +218,19 @@ def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
 
 # reasoning_gym's keys
 SYSTEM_PROMPT_NAMES = ("DeepSeekZero", "default", "simple", "direct", "chain_of_draft")
-WORKED_EXAMPLE = "\nExample:\nUser: What is 3 + 4?\nAssistant: <think>3 plus 4 is 7.</think>\n<answer>7</answer>\n"
+WORKED_EXAMPLE = ("\nExample:\nUser: What is 3 + 4?\n"
+                  "Assistant: <think>3 plus 4 is 7.</think>\n<answer>7</answer>\n")
 
 
-def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_example=False, response_prefix=""):
+def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_example=False,
+                 response_prefix=""):
     """The text the policy continues: chat template with add_generation_prompt=True, then
     response_prefix."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     if system_prompt not in SYSTEM_PROMPTS:
-        raise ValueError(f"unknown system prompt {system_prompt!r}: use one of {', '.join(SYSTEM_PROMPTS)}")
+        raise ValueError(f"unknown system prompt {system_prompt!r}: use one of "
+                         f"{', '.join(SYSTEM_PROMPTS)}")
     system = SYSTEM_PROMPTS[system_prompt] + (WORKED_EXAMPLE if worked_example else "")
     # e.g. a base model: the plain format of deviation 4
     if getattr(tokenizer, "chat_template", None) is None:
@@ -273,7 +293,8 @@ def score_batch(entries, completions, timeout=2.0):
     """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers
     are scored by safe_scoring.score_answers: model text never runs, and no single answer takes
     more than `timeout` seconds."""
-    assert len(entries) == len(completions), f"{len(entries)} entries but {len(completions)} completions"
+    assert len(entries) == len(completions), \
+        f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
     results = score_answers(entries, answers, timeout, dataset_config)
     counts = {status: sum(s == status for _, s in results) for status in STATUSES}
@@ -294,10 +315,13 @@ def score(entry, completion):
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Rewards of a right, a wrong and a hostile answer.")
-    parser.add_argument("--task", default="arithmetic", help="a family, gsm8k, or a reasoning-gym dataset name")
+    parser = argparse.ArgumentParser(description="Rewards of a right, a wrong and a hostile "
+                                     "answer.")
+    parser.add_argument("--task", default="arithmetic",
+                        help="a family, gsm8k, or a reasoning-gym dataset name")
     parser.add_argument("--n", type=int, default=3, help="number of validation items to show")
-    parser.add_argument("--data-path", default=None, help="gsm8k only: a local jsonl or a folder with them")
+    parser.add_argument("--data-path", default=None,
+                        help="gsm8k only: a local jsonl or a folder with them")
     args = parser.parse_args()
     assert args.n > 0, "--n must be positive"
     for entry in load_entries(args.task, "val", args.n, data_path=args.data_path):
@@ -305,4 +329,5 @@ if __name__ == "__main__":
         gold = entry["metadata"].get("example_answer", entry["answer"])
         print(f"[{entry['metadata']['source_dataset']}] {entry['question'][-150:]!r}")
         for answer in (gold, "42", "__import__('os').system('echo pwned')"):
-            print(f"  {answer[:40]!r:44} -> reward %.3f (%s)" % safe_score(entry, f"<answer>{answer}</answer>"))
+            reward, status = safe_score(entry, f"<answer>{answer}</answer>")
+            print(f"  {answer[:40]!r:44} -> reward {reward:.3f} ({status})")

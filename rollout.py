@@ -10,10 +10,10 @@ positions by construction; if they did not, the log-probs of the scoring pass wo
 the policy that sampled (a small error for RoPE models, a large one for GPT-2's learned positions).
 tests/test_adapter.py checks it token for token.
 
-  policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, attention mask, position ids
+  policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
-  sample               the rollout: G completions per prompt, KV-cached, LoRA merged into the weights
-  low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on a bfloat16 copy of the weights
+  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
+  low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
 
@@ -91,7 +91,8 @@ def encode_prompts(tok, prompts, device):
     12 items (a bug we had)."""
     # every prompt ends at the last column, so completions follow directly
     tok.padding_side = "left"
-    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+    batch = tok(prompts, return_tensors="pt", padding=True,
+                add_special_tokens=not tok.chat_template)
     return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
 
 
@@ -117,7 +118,8 @@ def cache_kwargs(model, cache):
 
 @functools.lru_cache(maxsize=None)
 def cache_name(model_class):
-    return "cache" if "cache" in inspect.signature(model_class.forward).parameters else "past_key_values"
+    names = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
 
 
 def cache_of(out):
@@ -132,8 +134,10 @@ def prefill(policy, prompt_ids, prompt_mask, C, G, position):
     gradient flows back through the cache into LoRA and C, and the prefix's activations are
     stored once."""
     # (B, P', D)
-    x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)
-    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
+    embed = policy.get_input_embeddings()
+    x, mask, pos = policy_inputs(embed, prompt_ids, prompt_mask, C, position)  # (B, P', D)
+    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                 logits_to_keep=1)
     cache = cache_of(out)
     cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
     return (cache, out.logits[:, -1].repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
@@ -186,10 +190,13 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
     gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
     weights in that dtype (low_precision_linears)."""
-    low = low_precision_linears(policy, dtype) if dtype not in (None, torch.float32) else contextlib.nullcontext()
+    low = contextlib.nullcontext()
+    if dtype not in (None, torch.float32):
+        low = low_precision_linears(policy, dtype)
     with lora_merged(policy), low:
         cache, logits, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, G, position)
-        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l for l in cache.layers]
+        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
+                        for l in cache.layers]
         logits = logits.float()                                           # (B*G, vocab)
         eos = torch.tensor(eos_ids, device=logits.device)
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -199,13 +206,15 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
             tokens.append(nxt)
             if return_logprobs:
-                logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
+                logp_all = torch.log_softmax(logits / temperature, -1)     # (B*G, vocab)
+                logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
             done = done | torch.isin(nxt, eos)
             if done.all():
                 break
-            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
-            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, use_cache=True,
-                         **cache_kwargs(policy, cache))
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B*G, P' + t + 1)
+            pos = pos + 1
+            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                         use_cache=True, **cache_kwargs(policy, cache))
             cache, logits = cache_of(out), out.logits[:, -1].float()
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
@@ -239,8 +248,8 @@ class _Preallocated(DynamicLayer):
 # The scoring pass
 
 
-def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
-                        position="after"):
+def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask,
+                        temperature, position="after"):
     """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
 
     prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
@@ -260,11 +269,10 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
     mask = torch.cat([mask, completion_mask], 1)                         # (N, P' + T)
     pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
-    logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                    # (N, T, V) row t predicts y_{t+1}
-                    logits_to_keep=T, **cache_kwargs(policy, cache)).logits
-    # (N, T)
-    return token_logprobs(torch.cat([first[:, None], logits[:, :-1]], 1), completion_ids, temperature)
+    out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                 logits_to_keep=T, **cache_kwargs(policy, cache))
+    logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
+    return token_logprobs(logits, completion_ids, temperature)   # (N, T)
 
 
 def token_logprobs(logits, tokens, temperature=1.0):
