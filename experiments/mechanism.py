@@ -40,13 +40,16 @@ Deviations (numbered):
      newline C derails the frozen policy (0 % exact at step 0, gold log-prob -10 to -21), which leaves GRPO no
      reward to start from. Here C sits after "<think>" and the fixed "</think>\n<answer>" follows it
      (PrefilledPolicy), so the untrained policy answers as it does without C and RL has a signal from step 0.
-Machine: one core; a step of B 8 x G 8 costs about 3-6 s (see each run's wall times in results.json).
+  5. The supervised run of the suite is the same setting (placement, anchor, budget of items) trained by
+     cross-entropy on the gold answer: the reference for "how many steps RL costs against supervision".
+Machine: one core; see each run's wall times in table.md.
 """
 import argparse
 import json
 import os
 import sys
 import time
+import zlib
 
 import numpy as np
 import torch
@@ -57,16 +60,38 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 import grpo  # noqa: E402
 import rollout  # noqa: E402
-from channel import ChannelAdapter, Policy, items, pad_left, states, teacher_forced, POLICY, RESPONSE  # noqa: E402
+from channel import (CACHE, POLICY, RESPONSE, TASK, TASK_CONFIG, ChannelAdapter, Policy, encode,  # noqa: E402
+                     expert_input, expert_model, pad_left, teacher_forced)
 from experts import load_model  # noqa: E402
-from rewards import build_prompt, extract_answer  # noqa: E402
+from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
 from support.stats import paired_comparison  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "mechanism")
 SUITE = {  # name -> flags over the defaults; run in this order by --suite
+    "supervised": ["--objective", "supervised"],
     "grpo": [],
     "grpo+cf1": ["--channel-weight", "1"],
 }
+
+
+def items(split, n, seed, config):
+    """[(question, answer)] of chain_sum with this reasoning-gym config, in load_entries order."""
+    return [(e["question"], e["answer"]) for e in load_entries(TASK, split, n, seed, None, config)[:n]]
+
+
+def states(expert, layer, split, n, seed, config):
+    """The oracle expert's last-token states at `layer` [n, d] for the first n items, cached on disk (the
+    expert is frozen); channel.encode reads them, as the supervised test does."""
+    os.makedirs(CACHE, exist_ok=True)
+    key = zlib.crc32(config.encode())
+    path = os.path.join(CACHE, f"mechanism-{expert}-L{layer}-{split}-s{seed}-{key:08x}.pt")
+    have = torch.load(path) if os.path.exists(path) else torch.zeros(0)
+    if len(have) < n:
+        model, tok = expert_model(expert)
+        new = encode(model, tok, [expert_input(q, a, True) for q, a in items(split, n, seed, config)[len(have):]])
+        have = torch.cat([have.view(-1, new["last"].shape[-1]), new["last"][layer]])
+        torch.save(have, path)
+    return have[:n]
 
 
 class PrefilledPolicy(Policy):
@@ -185,9 +210,9 @@ def run(a):
     torch.manual_seed(a.seed)
     t_start = time.time()
     n_train = a.steps * a.batch
-    train, evals = items("train", n_train, a.seed), items("val", a.eval_n, a.seed)
-    H_tr = states(a.expert, True, "train", n_train, a.seed)["last"][a.layer]
-    H_ev = states(a.expert, True, "val", a.eval_n, a.seed)["last"][a.layer]
+    train, evals = items("train", n_train, a.seed, a.task_config), items("val", a.eval_n, a.seed, a.task_config)
+    H_tr = states(a.expert, a.layer, "train", n_train, a.seed, a.task_config)
+    H_ev = states(a.expert, a.layer, "val", a.eval_n, a.seed, a.task_config)
     model, tok = load_model(POLICY)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -222,6 +247,19 @@ def run(a):
         t0 = time.time()
         idx = list(range((step - 1) * a.batch, step * a.batch))
         qs, ans = [train[k][0] for k in idx], [train[k][1] for k in idx]
+        if a.objective == "supervised":  # the reference: cross-entropy on the gold tokens, as channel.py
+            C, _ = g(H_tr[idx])
+            logp, gold_mask = pol.gold_logprobs([train[k] for k in idx], C)
+            loss = -(torch.where(gold_mask, logp, torch.zeros_like(logp)).sum() / gold_mask.sum())
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+            t_train += time.time() - t0
+            result["steps"].append({"step": step, "loss": loss.item(), "reward": float("nan"),
+                                    "C_rms": (C - g.anchor).pow(2).mean().sqrt().item()})
+            if step in a.eval_at:
+                curve_point(step)
+            continue
         with torch.no_grad():
             C_roll = g(H_tr[idx])[0]
         comp = sample(pol, qs, C_roll, a.group_size, a.max_new_tokens, gen)             # (B*G, T)
@@ -267,8 +305,9 @@ def markdown(res):
          "", "Regenerate: `OMP_NUM_THREADS=1 taskset -c 0 python experiments/mechanism.py --suite`", ""]
     for name, r in res["runs"].items():
         c = r["config"]
-        L += [f"## {name}: B {c['batch']} x G {c['group_size']}, lr {c['lr']:g}, channel weight "
-              f"{c['channel_weight']:g}, beta {c['beta']:g}, seed {c['seed']}", "",
+        kind = (f"GRPO, B {c['batch']} x G {c['group_size']}, channel weight {c['channel_weight']:g}, beta "
+                f"{c['beta']:g}" if c["objective"] == "grpo" else f"supervised (cross-entropy), B {c['batch']}")
+        L += [f"## {name}: {kind}, lr {c['lr']:g}, seed {c['seed']}", "",
               "| step | exact C | exact anchor | exact shuffled | C − shuffled (points) [95 % CI], p | "
               "gold log-prob C | anchor | shuffled | C − shuffled log-prob [95 % CI], p |",
               "|---|---|---|---|---|---|---|---|---|"]
@@ -281,7 +320,7 @@ def markdown(res):
                      f"{lp['diff']:+.2f} [{lp['ci95'][0]:+.2f}, {lp['ci95'][1]:+.2f}], {lp['p_sign']:.3g} |")
         w = r.get("wall", {})
         steps = r["steps"]
-        if steps:
+        if steps and c["objective"] == "grpo":
             L += ["", f"Training reward (mean of the first / last 20 steps): "
                   f"{np.mean([s['reward'] for s in steps[:20]]):.3f} / {np.mean([s['reward'] for s in steps[-20:]]):.3f}; "
                   f"|C − anchor| rms at the end {steps[-1]['C_rms']:.3f}; fast-path check {r['fast_path_check']:.1e}; "
@@ -312,15 +351,20 @@ def parse(argv=None):
     a("--expert", default="smollm2-135m-instruct", help="pocket model that reads the question and its answer")
     a("--layer", type=int, default=8, help="hidden-state index of the expert (0 = embeddings)")
     a("--num-latents", type=int, default=8, help="m context tokens")
-    a("--steps", type=int, default=200, help="GRPO steps")
-    a("--eval-at", type=int, nargs="+", default=[25, 50, 100, 200], help="steps after which to evaluate (and 0)")
-    a("--batch", type=int, default=8, help="items per step (B)")
-    a("--group-size", type=int, default=8, help="samples per item (G)")
+    a("--task-config", default=TASK_CONFIG, help="chain_sum's reasoning-gym config, JSON (default: the pocket "
+      "task, 2 terms of 1-2 digits)")
+    a("--steps", type=int, default=100, help="optimiser steps")
+    a("--eval-at", type=int, nargs="+", default=[25, 50, 100], help="steps after which to evaluate (and 0)")
+    a("--batch", type=int, default=4, help="items per step (B)")
+    a("--group-size", type=int, default=16, help="samples per item (G): the untrained policy is right about "
+      "1 % of the time, so a group needs many draws to hold one right answer")
     a("--max-new-tokens", type=int, default=8, help="sampled and greedy tokens after '<answer>'")
     a("--lr", type=float, default=3e-3, help="AdamW learning rate of g_phi (the supervised run's)")
     a("--beta", type=float, default=0.0, help="KL coefficient (deviation 1: 0)")
     a("--channel-weight", type=float, default=0.0, help="lambda of grpo.channel_forcing_loss (0: plain GRPO)")
-    a("--eval-n", type=int, default=100, help="held-out items")
+    a("--objective", default="grpo", choices=["grpo", "supervised"], help="grpo: the test; supervised: the "
+      "same setting trained by cross-entropy on the gold answer (the reference curve)")
+    a("--eval-n", type=int, default=60, help="held-out items")
     a("--seed", type=int, default=0, help="seed of the data order, the adapter's init and the sampling")
     args = p.parse_args(argv)
     for flag, v in (("--steps", args.steps), ("--batch", args.batch - 1), ("--group-size", args.group_size - 1),
