@@ -1,9 +1,9 @@
 """
 Every way to build the context g(x) for the same policy, side by side: the paper's method, its
-baselines (§4.1) and two controls that tell the experts apart from the trainable interface.
+baselines (§4.1) and three controls that tell the experts apart from the trainable interface.
 
-Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward maps
-(questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
+Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward
+maps (questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
 "hints": list of str or None, ...}. `--method NAME` picks one from METHODS; only what a method
 returns differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle
 experts (a diagnostic, experts.py). `reuse` is the rollout's output for the same questions: the loss
@@ -12,25 +12,25 @@ pass passes it back so that the gradient is taken under the C the completions we
 
   ours           Eq. 6–11: pooled expert states -> PerceiverAdapter (adapter.py) -> C.
   single         no experts, no context tokens: plain single-model RLVR.
-  output_collab  Eq. 12  g(x) = tau_pi([decode_i(LM_i(tau_i(x)))]_i): each expert writes a hint (greedy, the
-                 same 128-token budget, its own chat template); the hints go verbatim into an
-                 "[Expert Hints]" block in the policy's prompt. No trainable parameters.
-  hard_routing   Eq. 13  g(x) = FFN(sum_i R_i(E_T(x)) W_i pool(LM_i(tau_i(x)))): a frozen sentence encoder
-                 E_T (all-MiniLM-L6-v2) embeds x, a linear router head gives expert logits, R is a
-                 straight-through Gumbel-softmax one-hot in training and the argmax at evaluation;
-                 only the chosen expert runs; one memory token.
-  no_xattn       Eq. 14  g(x) = FFN(V): the FFN on the n projected expert states, no latent queries and no
-                 cross-attention; n context tokens.
+  output_collab  Eq. 12  g(x) = tau_pi([decode_i(LM_i(tau_i(x)))]_i): each expert writes a hint
+                 (greedy, the same 128-token budget, its own chat template); the hints go verbatim
+                 into an "[Expert Hints]" block in the policy's prompt. No trainable parameters.
+  hard_routing   Eq. 13  g(x) = FFN(sum_i R_i(E_T(x)) W_i pool(LM_i(tau_i(x)))): a frozen sentence
+                 encoder E_T (all-MiniLM-L6-v2) embeds x, a linear router head gives expert logits,
+                 R is a straight-through Gumbel-softmax one-hot in training and the argmax at
+                 evaluation; only the chosen expert runs; one memory token.
+  no_xattn       Eq. 14  g(x) = FFN(V): the FFN on the n projected expert states, no latent queries
+                 and no cross-attention; n context tokens.
 
 Controls (not in the paper; C2C, a system that fuses a frozen model's KV cache into another through
 a trained fuser, found that most of its gain came from the trainable interface, not from the other
 model: its receiver fine-tuned alone scored 36.8 on MMLU, fused with *itself* 42.2, with another
 model 42.9):
-  identical      ours with the policy's own frozen base model as the only expert: the interface without any
-                 knowledge the policy lacks.
-  soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the same for
-                 every prompt, built by the same layers as ours (so the same learning dynamics).
-                 What C amounts to if it carries nothing about the prompt.
+  identical      ours with the policy's own frozen base model as the only expert: the interface
+                 without any knowledge the policy lacks.
+  soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the
+                 same for every prompt, built by the same layers as ours (so the same learning
+                 dynamics). What C amounts to if it carries nothing about the prompt.
   bare_anchor    soft_prompt frozen at init (W_out = 0): C is the anchor alone (--context-anchor),
                  nothing in g trains. What m fixed tokens do without any training of the interface.
 
@@ -43,8 +43,7 @@ policy of output_collab sees the same hints (they are part of its input, not tra
 (adapter.StateNorm); hard routing's states are used as they are; (6) an oracle expert cannot write a
 hint from the answer: output_collab gives it the question only.
 
-Try it on CPU:  python train.py --task chain_sum --team tiny --method hard_routing --steps 2 --batch-size 2 \
-                    --grad-accum 1 --group-size 2 --max-new-tokens 8 --out runs/try-hard
+Try it on CPU:  python train.py --preset smoke --method hard_routing --out runs/try-hard
 """
 import torch
 import torch.nn as nn
@@ -60,7 +59,8 @@ def expert_pool(names, args, device, dtype):
     a second GPU, or the CPU to save GPU memory); their pooled states come back to `device`,
     where g_phi and the policy are."""
     from experts import ExpertPool
-    return ExpertPool(names, getattr(args, "expert_device", None) or device, dtype, args.pooling, args.seed,
+    where = getattr(args, "expert_device", None) or device
+    return ExpertPool(names, where, dtype, args.pooling, args.seed,
                       depth=getattr(args, "expert_depth", 1.0), out_device=device)
 
 
@@ -88,13 +88,15 @@ class ExpertContext(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         C, A, A_heads = self.adapter(self.norm(states), return_heads=True)
-        return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions), "states": states}
+        return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions),
+                "states": states}
 
 
 def ours(team, out_dim, args, device, dtype):
     """The paper's method (§3)."""
     pool = expert_pool(team["experts"], args, device, dtype)
-    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents, args.num_heads)
+    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents,
+                               args.num_heads)
     # g_phi stays float32 whatever the frozen weights are
     return ExpertContext(pool, adapter.to(device))
 
@@ -115,7 +117,8 @@ class SoftPrompt(nn.Module):
 
     def forward(self, questions, answers=None, reuse=None):
         C = self.out(self.ffn(self.latents))  # (m, out_dim)
-        return {"C": C.expand(len(questions), *C.shape), "A": None, "hints": [None] * len(questions)}
+        return {"C": C.expand(len(questions), *C.shape), "A": None,
+                "hints": [None] * len(questions)}
 
 
 def soft_prompt(team, out_dim, args, device, dtype):
@@ -153,11 +156,13 @@ class StackedFFN(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         V = torch.stack([W(h) for W, h in zip(self.proj, self.norm(states))], 1)       # (B, n, d)
-        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions), "states": states}
+        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions),
+                "states": states}
 
 
 def no_xattn(team, out_dim, args, device, dtype):
-    return StackedFFN(expert_pool(team["experts"], args, device, dtype), out_dim, args.latent_dim).to(device)
+    pool = expert_pool(team["experts"], args, device, dtype)
+    return StackedFFN(pool, out_dim, args.latent_dim).to(device)
 
 
 def straight_through_gumbel(logits, noise, tau=1.0):
@@ -195,8 +200,8 @@ class HardRouter(nn.Module):
                 h = reuse["states"][i]
             else:
                 pick = rows.tolist()
-                h = self.pool.encode([questions[r] for r in pick], experts=[i],
-                                     answers=None if answers is None else [answers[r] for r in pick])[0]
+                golds = None if answers is None else [answers[r] for r in pick]
+                h = self.pool.encode([questions[r] for r in pick], experts=[i], answers=golds)[0]
             states[i] = h
             z = z.index_add(0, rows, R[rows, i:i + 1] * self.proj[i](h))  # R_i W_i h_i
         C = self.out(self.ffn(z)).unsqueeze(1)  # (B, 1, out_dim)
@@ -230,13 +235,16 @@ class TextHints(nn.Module):
                     continue
                 # every prompt ends at the last column, so new tokens line up
                 tok.padding_side = "left"
-                enc = tok([expert_text(tok, HINT_INSTRUCTION + q) for q in todo], return_tensors="pt",
-                          padding=True, add_special_tokens=not tok.chat_template).to(model.device)
+                texts = [expert_text(tok, HINT_INSTRUCTION + q) for q in todo]
+                enc = tok(texts, return_tensors="pt", padding=True,
+                          add_special_tokens=not tok.chat_template).to(model.device)
                 out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
                                      pad_token_id=tok.pad_token_id)
                 for p, row in zip(parts, out[:, enc["input_ids"].shape[1]:]):
-                    p.append(f"Expert {len(p) + 1}: {tok.decode(row, skip_special_tokens=True).strip()}")
-            self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p) for q, p in zip(todo, parts)})
+                    hint = tok.decode(row, skip_special_tokens=True).strip()
+                    p.append(f"Expert {len(p) + 1}: {hint}")
+            self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p)
+                               for q, p in zip(todo, parts)})
         return [self.cache[q] for q in questions]
 
     def forward(self, questions, answers=None, reuse=None):
@@ -255,6 +263,6 @@ WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "bare_anchor", "identical"}
 # (neighbours/conductor.py: a policy that writes workflows for frozen workers; neighbours/rlae.py:
 # RL-chosen ensemble weights over the experts' next-token distributions). They import this
 # repository's core; nothing here imports them.
-METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt,
-           "bare_anchor": bare_anchor}
+METHODS = {"ours": ours, "single": single, "output_collab": output_collab,
+           "hard_routing": hard_routing, "no_xattn": no_xattn, "identical": identical,
+           "soft_prompt": soft_prompt, "bare_anchor": bare_anchor}
