@@ -14,32 +14,36 @@ section 4.1). It optimises it with GRPO (DeepSeekMath, Shao et al. 2024). For ev
 group of G completions o_1..o_G with rewards r_1..r_G, then for completion i and its token t (|o_i|
 = number of its tokens):
 
-    A_i     = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)                 group-relative advantage
-    rho_it  = pi_theta(o_it | .) / pi_old(o_it | .) = exp(logp - logp_old)   importance ratio
-    S_it    = min(rho_it * A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) * A_i)   pessimistic surrogate
-    KL_it   = exp(logp_ref - logp) - (logp_ref - logp) - 1                    k3 estimator, >= 0
-    L       = -1/G sum_i 1/|o_i| sum_t (S_it - beta * KL_it)                  ("sequence" aggregation)
-    L       = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta * KL_it)              ("token" aggregation)
+    A_i    = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        group-relative advantage
+    rho_it = pi_theta(o_it | .) / pi_old(o_it | .) = exp(logp - logp_old)    importance ratio
+    S_it   = min(rho_it * A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) * A_i)    surrogate
+    KL_it  = exp(logp_ref - logp) - (logp_ref - logp) - 1           k3 estimator, >= 0
+    L      = -1/G sum_i 1/|o_i| sum_t (S_it - beta * KL_it)         ("sequence" aggregation)
+    L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta * KL_it)     ("token" aggregation)
 
 Every choice, where it is set, and what to expect:
-| choice              | here                                    | notes                                            |
-|---------------------|-----------------------------------------|--------------------------------------------------|
-| advantage scaling   | group_advantages(scale=True)            | False: A = r - mean (Dr. GRPO); std is torch.std |
-|                     |                                         | (unbiased); a group with equal rewards has A = 0 |
-|                     |                                         | exactly, so it gives no signal: log the fraction |
-| loss aggregation    | grpo_loss(aggregation="sequence")       | "sequence": mean over a completion's own tokens, |
-|                     |                                         | then over completions (GRPO). "token": sum over  |
-|                     |                                         | all tokens / number of tokens (DAPO): long and   |
-|                     |                                         | short completions weigh the same per token       |
-| KL estimator        | k3, per token, inside the loss          | not subtracted from the reward as in PPO-RLHF    |
-| KL coefficient      | beta = 0.04                             | paper section 4                                  |
-| clip                | clip_eps = 0.2, symmetric               |                                                  |
-| inner epochs mu     | the caller; logp_old is stored          | mu = 1: pass logp_old = logp.detach(); the ratio |
-|                     | from the rollout                        | is exactly 1, the clip never fires, and the loss |
-|                     |                                         | is -mean(A) + beta*KL, about 0: this is expected |
-|                     |                                         | (the gradient A * grad(logp) is not 0)           |
-| padding             | boolean mask, first EOS inclusive       | padded positions contribute nothing, even if     |
-|                     |                                         | their logp is -inf or NaN                        |
+| choice            | here                              | notes                                    |
+|-------------------|-----------------------------------|------------------------------------------|
+| advantage scaling | group_advantages(scale=True)      | False: A = r - mean (Dr. GRPO); std is   |
+|                   |                                   | torch.std (unbiased); a group with equal |
+|                   |                                   | rewards has A = 0 exactly, so it gives   |
+|                   |                                   | no signal: log the fraction              |
+| loss aggregation  | grpo_loss(aggregation="sequence") | "sequence": mean over a completion's own |
+|                   |                                   | tokens, then over completions (GRPO).    |
+|                   |                                   | "token": sum over all tokens / number of |
+|                   |                                   | tokens (DAPO): long and short            |
+|                   |                                   | completions weigh the same per token     |
+| KL estimator      | k3, per token, inside the loss    | not subtracted from the reward as in     |
+|                   |                                   | PPO-RLHF                                 |
+| KL coefficient    | beta = 0.04                       | paper section 4                          |
+| clip              | clip_eps = 0.2, symmetric         |                                          |
+| inner epochs mu   | the caller; logp_old is stored    | mu = 1: pass logp_old = logp.detach();   |
+|                   | from the rollout                  | the ratio is exactly 1, the clip never   |
+|                   |                                   | fires, and the loss is -mean(A) +        |
+|                   |                                   | beta*KL, about 0: this is expected (the  |
+|                   |                                   | gradient A * grad(logp) is not 0)        |
+| padding           | boolean mask, first EOS inclusive | padded positions contribute nothing,     |
+|                   |                                   | even if their logp is -inf or NaN        |
 
 Deviations and choices the paper leaves open (numbered):
 1. Eq. 4 writes the KL weight as beta^-1 yet calls beta = 0.04 "the KL coefficient"; we follow GRPO
@@ -76,9 +80,11 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-6):
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B*G], got shape {tuple(rewards.shape)}")
     if group_size < 2:
-        raise ValueError(f"group_size (--group-size) must be >= 2 for a group baseline, got {group_size}")
+        raise ValueError(f"group_size (--group-size) must be >= 2 for a group baseline, got "
+                         f"{group_size}")
     if rewards.numel() == 0 or rewards.numel() % group_size != 0:
-        raise ValueError(f"len(rewards) = {rewards.numel()} is not a positive multiple of group_size = {group_size}")
+        raise ValueError(f"len(rewards) = {rewards.numel()} is not a positive multiple of "
+                         f"group_size = {group_size}")
     r = rewards.detach().float().view(-1, group_size)          # (B, G)
     if not torch.isfinite(r).all():
         raise ValueError("rewards contain NaN or inf")
@@ -101,8 +107,8 @@ def _aggregate(x, mask, aggregation):
     return x.sum() / mask.sum().clamp(min=1)  # "token": all tokens / number of tokens
 
 
-def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.04, aggregation="sequence",
-              is_weight=None):
+def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.04,
+              aggregation="sequence", is_weight=None):
     """
     logp      [N, T] log-probs of the completion tokens under pi_theta (carries the gradient)
     logp_old  [N, T] the same under the sampling policy (stored at rollout; no gradient)
@@ -123,7 +129,8 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
         raise ValueError(f"logp, logp_old, logp_ref and mask must share one [N, T] shape, got "
                          f"{[tuple(t.shape) for t in (logp, logp_old, logp_ref, mask)]}")
     if advantages.shape != mask.shape[:1]:
-        raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got {tuple(advantages.shape)}")
+        raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got "
+                         f"{tuple(advantages.shape)}")
 
     # Make padding safe first: values there may be -inf or NaN, and NaN * 0 = NaN. torch.where
     # passes zero gradient to the branch it does not select, so padded positions get gradient
@@ -214,7 +221,7 @@ def truncated_is_weights(logp_old, logp_sampler, mask, cap=2.0):
     of the policy), but the surrogate's expectation is over pi_old (the float32 scoring pass of the
     same weights). Per token,
 
-        w_t = min(pi_old(y_t) / mu(y_t), cap)                     = min(exp(logp_old - logp_sampler), cap)
+        w_t = min(pi_old(y_t) / mu(y_t), cap) = min(exp(logp_old - logp_sampler), cap)
 
     reweights each token toward pi_old; the cap bounds the variance where mu gave a token far
     less mass than pi_old does (truncation trades that variance for a small bias). [N, T] in, [N,
@@ -235,7 +242,8 @@ def completion_mask(completion_ids, eos_token_id):
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if (not isinstance(eos_ids, (list, tuple)) or not eos_ids
             or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids)):
-        raise ValueError(f"eos_token_id must be an int or a non-empty list of ints, got {eos_token_id!r}")
+        raise ValueError(f"eos_token_id must be an int or a non-empty list of ints, got "
+                         f"{eos_token_id!r}")
     # (N, T)
     is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
     # (N, T) EOS strictly before position t
