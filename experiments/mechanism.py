@@ -74,7 +74,8 @@ SHORT = ["--group-size", "8", "--steps", "60", "--eval-at", "30", "60"]
 SUITE = {  # name -> flags over the defaults; run in this order by --suite
     "supervised": ["--objective", "supervised"],
     "grpo": SHORT,
-    "grpo+cf1": SHORT + ["--channel-weight", "1"],
+    # twice the cost of a step (a second scoring pass with the mismatched C): 30 steps, the grpo run's first point
+    "grpo+cf1": SHORT[:2] + ["--steps", "30", "--eval-at", "30", "--channel-weight", "1"],
 }
 
 
