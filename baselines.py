@@ -1,47 +1,49 @@
 """
-Every way to build the context g(x) for the same policy, side by side: the paper's method, its baselines
-(§4.1) and two controls that tell the experts apart from the trainable interface.
+Every way to build the context g(x) for the same policy, side by side: the paper's method, its
+baselines (§4.1) and three controls that tell the experts apart from the trainable interface.
 
-Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward maps
-(questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
-"hints": list of str or None, ...}. `--method NAME` picks one from METHODS; only what a method returns
-differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle experts (a diagnostic,
-experts.py). `reuse` is the rollout's output for the same questions: the loss pass passes it back so that
-the gradient is taken under the C the completions were sampled with (same pooled states, same routing draw).
+Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward
+maps (questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
+"hints": list of str or None, ...}. `--method NAME` picks one from METHODS; only what a method
+returns differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle
+experts (a diagnostic, experts.py). `reuse` is the rollout's output for the same questions: the loss
+pass passes it back so that the gradient is taken under the C the completions were sampled with
+(same pooled states, same routing draw).
 
   ours           Eq. 6–11: pooled expert states -> PerceiverAdapter (adapter.py) -> C.
   single         no experts, no context tokens: plain single-model RLVR.
-  output_collab  Eq. 12  g(x) = tau_pi([decode_i(LM_i(tau_i(x)))]_i): each expert writes a hint (greedy, the
-                 same 128-token budget, its own chat template); the hints go verbatim into an
-                 "[Expert Hints]" block in the policy's prompt. No trainable parameters.
-  hard_routing   Eq. 13  g(x) = FFN(sum_i R_i(E_T(x)) W_i pool(LM_i(tau_i(x)))): a frozen sentence encoder
-                 E_T (all-MiniLM-L6-v2) embeds x, a linear router head gives expert logits, R is a
-                 straight-through Gumbel-softmax one-hot in training and the argmax at evaluation; only the
-                 chosen expert runs; one memory token.
-  no_xattn       Eq. 14  g(x) = FFN(V): the FFN on the n projected expert states, no latent queries and no
-                 cross-attention; n context tokens.
+  output_collab  Eq. 12  g(x) = tau_pi([decode_i(LM_i(tau_i(x)))]_i): each expert writes a hint
+                 (greedy, the same 128-token budget, its own chat template); the hints go verbatim
+                 into an "[Expert Hints]" block in the policy's prompt. No trainable parameters.
+  hard_routing   Eq. 13  g(x) = FFN(sum_i R_i(E_T(x)) W_i pool(LM_i(tau_i(x)))): a frozen sentence
+                 encoder E_T (all-MiniLM-L6-v2) embeds x, a linear router head gives expert logits,
+                 R is a straight-through Gumbel-softmax one-hot in training and the argmax at
+                 evaluation; only the chosen expert runs; one memory token.
+  no_xattn       Eq. 14  g(x) = FFN(V): the FFN on the n projected expert states, no latent queries
+                 and no cross-attention; n context tokens.
 
-Controls (not in the paper; C2C, a system that fuses a frozen model's KV cache into another through a trained
-fuser, found that most of its gain came from the trainable interface, not from the other model: its receiver
-fine-tuned alone scored 36.8 on MMLU, fused with *itself* 42.2, with another model 42.9):
-  identical      ours with the policy's own frozen base model as the only expert: the interface without any
-                 knowledge the policy lacks.
-  soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the same for
-                 every prompt, built by the same layers as ours (so the same learning dynamics). What C
-                 amounts to if it carries nothing about the prompt.
+Controls (not in the paper; C2C, a system that fuses a frozen model's KV cache into another through
+a trained fuser, found that most of its gain came from the trainable interface, not from the other
+model: its receiver fine-tuned alone scored 36.8 on MMLU, fused with *itself* 42.2, with another
+model 42.9):
+  identical      ours with the policy's own frozen base model as the only expert: the interface
+                 without any knowledge the policy lacks.
+  soft_prompt    ours without experts: C = FFN(Q_lat) W_out + b_out, m free trainable tokens, the
+                 same for every prompt, built by the same layers as ours (so the same learning
+                 dynamics). What C amounts to if it carries nothing about the prompt.
   bare_anchor    soft_prompt frozen at init (W_out = 0): C is the anchor alone (--context-anchor),
                  nothing in g trains. What m fixed tokens do without any training of the interface.
 
-Deviations / choices: (1) the FFN output goes through the same near-zero output projection W_out as ours, so
-every method starts as the reference policy; (2) encoders cannot write hints, so output_collab uses only
-the team's decoders; (3) for hard routing, A is the router's probability over experts [B, 1, n], so its
-entropy and utilisation are logged like ours; (4) the reference policy of output_collab sees the same hints
-(they are part of its input, not trainable context); (5) `--state-norm standardize` (ours, identical, no_xattn)
-standardises the pooled states before W_i (adapter.StateNorm); hard routing's states are used as they are;
-(6) an oracle expert cannot write a hint from the answer: output_collab gives it the question only.
+Deviations / choices: (1) the FFN output goes through the same near-zero output projection W_out as
+ours, so every method starts as the reference policy; (2) encoders cannot write hints, so
+output_collab uses only the team's decoders; (3) for hard routing, A is the router's probability
+over experts [B, 1, n], so its entropy and utilisation are logged like ours; (4) the reference
+policy of output_collab sees the same hints (they are part of its input, not trainable context); (5)
+`--state-norm standardize` (ours, identical, no_xattn) standardises the pooled states before W_i
+(adapter.StateNorm); hard routing's states are used as they are; (6) an oracle expert cannot write a
+hint from the answer: output_collab gives it the question only.
 
-Try it on CPU:  python train.py --task chain_sum --team tiny --method hard_routing --steps 2 --batch-size 2 \
-                    --grad-accum 1 --group-size 2 --max-new-tokens 8 --out runs/try-hard
+Try it on CPU:  python train.py --preset smoke --method hard_routing --out runs/try-hard
 """
 import torch
 import torch.nn as nn
@@ -53,26 +55,32 @@ HINT_INSTRUCTION = "Give a short hint or solution for this problem.\n\n"
 
 
 def expert_pool(names, args, device, dtype):
-    """The frozen experts, on --expert-device when given (they only run forward, once per prompt: a second GPU,
-    or the CPU to save GPU memory); their pooled states come back to `device`, where g_phi and the policy are."""
+    """The frozen experts, on --expert-device when given (they only run forward, once per prompt:
+    a second GPU, or the CPU to save GPU memory); their pooled states come back to `device`,
+    where g_phi and the policy are."""
     from experts import ExpertPool
-    return ExpertPool(names, getattr(args, "expert_device", None) or device, dtype, args.pooling, args.seed,
+    where = getattr(args, "expert_device", None) or device
+    return ExpertPool(names, where, dtype, args.pooling, args.seed,
                       depth=getattr(args, "expert_depth", 1.0), out_device=device)
 
 
 def pooled_states(pool, questions, answers, reuse):
-    """The experts' pooled states h_i (Eq. 5), or the rollout's own when the loss pass passes them back
-    (`--pooling random_token` / `random_layer` would otherwise draw another token or layer)."""
+    """The experts' pooled states h_i (Eq. 5), or the rollout's own when the loss pass passes
+    them back (`--pooling random_token` / `random_layer` would otherwise draw another token or
+    layer)."""
     return reuse["states"] if reuse else pool.encode(questions, answers=answers)
 
 
 class ExpertContext(nn.Module):
-    """g_phi of `ours`: frozen experts -> pooled states -> (standardised: StateNorm) -> PerceiverAdapter -> (C, A)."""
+    """g_phi of `ours`: frozen experts -> pooled states -> (standardised: StateNorm) ->
+    PerceiverAdapter -> (C, A)."""
 
     def __init__(self, pool, adapter):
         super().__init__()
-        self.pool, self.adapter = pool, adapter  # pool is not an nn.Module: experts are never trained or saved
-        self.norm = StateNorm(pool.dims)         # the identity until fit_state_norm (--state-norm standardize)
+        # pool is not an nn.Module: experts are never trained or saved
+        self.pool, self.adapter = pool, adapter
+        # the identity until fit_state_norm (--state-norm standardize)
+        self.norm = StateNorm(pool.dims)
 
     def fit_state_norm(self, questions, answers):
         self.norm.fit(self.pool.encode(questions, answers=answers))
@@ -80,18 +88,22 @@ class ExpertContext(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         C, A, A_heads = self.adapter(self.norm(states), return_heads=True)
-        return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions), "states": states}
+        return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions),
+                "states": states}
 
 
 def ours(team, out_dim, args, device, dtype):
     """The paper's method (§3)."""
     pool = expert_pool(team["experts"], args, device, dtype)
-    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents, args.num_heads)
-    return ExpertContext(pool, adapter.to(device))  # g_phi stays float32 whatever the frozen weights are
+    adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents,
+                               args.num_heads)
+    # g_phi stays float32 whatever the frozen weights are
+    return ExpertContext(pool, adapter.to(device))
 
 
 def identical(team, out_dim, args, device, dtype):
-    """Control: ours with the policy's own frozen base as the only expert (C2C's "identical" arm)."""
+    """Control: ours with the policy's own frozen base as the only expert (C2C's "identical"
+    arm)."""
     return ours({**team, "experts": [team["policy"]]}, out_dim, args, device, dtype)
 
 
@@ -100,12 +112,13 @@ class SoftPrompt(nn.Module):
 
     def __init__(self, out_dim, d, m):
         super().__init__()
-        self.latents = nn.Parameter(torch.randn(m, d) * d ** -0.5)                      # as ours' Q_lat
+        self.latents = nn.Parameter(torch.randn(m, d) * d ** -0.5)  # as ours' Q_lat
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
 
     def forward(self, questions, answers=None, reuse=None):
-        C = self.out(self.ffn(self.latents))                                             # (m, out_dim)
-        return {"C": C.expand(len(questions), *C.shape), "A": None, "hints": [None] * len(questions)}
+        C = self.out(self.ffn(self.latents))  # (m, out_dim)
+        return {"C": C.expand(len(questions), *C.shape), "A": None,
+                "hints": [None] * len(questions)}
 
 
 def soft_prompt(team, out_dim, args, device, dtype):
@@ -132,7 +145,8 @@ class StackedFFN(nn.Module):
     def __init__(self, pool, out_dim, d):
         super().__init__()
         self.pool = pool
-        self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in pool.dims])  # W_i, Eq. 6
+        # W_i, Eq. 6
+        self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in pool.dims])
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
         self.norm = StateNorm(pool.dims)
 
@@ -142,16 +156,19 @@ class StackedFFN(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         V = torch.stack([W(h) for W, h in zip(self.proj, self.norm(states))], 1)       # (B, n, d)
-        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions), "states": states}
+        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions),
+                "states": states}
 
 
 def no_xattn(team, out_dim, args, device, dtype):
-    return StackedFFN(expert_pool(team["experts"], args, device, dtype), out_dim, args.latent_dim).to(device)
+    pool = expert_pool(team["experts"], args, device, dtype)
+    return StackedFFN(pool, out_dim, args.latent_dim).to(device)
 
 
 def straight_through_gumbel(logits, noise, tau=1.0):
-    """One-hot forward, softmax gradient backward: R = hard - soft.detach() + soft, soft = softmax((l + g)/tau).
-    The Gumbel noise g is passed in so the loss pass can reuse the rollout's draw (same expert, same C)."""
+    """One-hot forward, softmax gradient backward: R = hard - soft.detach() + soft, soft =
+    softmax((l + g)/tau). The Gumbel noise g is passed in so the loss pass can reuse the
+    rollout's draw (same expert, same C)."""
     soft = F.softmax((logits + noise) / tau, dim=-1)
     hard = F.one_hot(soft.argmax(-1), logits.shape[-1]).to(soft.dtype)
     return hard - soft.detach() + soft
@@ -168,24 +185,26 @@ class HardRouter(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         logits = self.head(self.encoder.encode(questions)[0])                            # (B, n)
         if self.training:
-            noise = reuse["noise"] if reuse else -torch.empty_like(logits).exponential_().log()  # Gumbel(0, 1)
+            # Gumbel(0, 1)
+            noise = reuse["noise"] if reuse else -torch.empty_like(logits).exponential_().log()
             R = straight_through_gumbel(logits, noise)
         else:
             noise, R = None, F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
         chosen = R.argmax(-1)
         z = logits.new_zeros(len(questions), self.ffn.w1.in_features)
-        states = {}                                                                      # expert -> its rows' h
-        for i in chosen.unique().tolist():  # selective execution: only the chosen expert runs, per prompt
+        states = {}  # expert -> its rows' h
+        # selective execution: only the chosen expert runs, per prompt
+        for i in chosen.unique().tolist():
             rows = (chosen == i).nonzero().squeeze(-1)
             if reuse:
                 h = reuse["states"][i]
             else:
                 pick = rows.tolist()
-                h = self.pool.encode([questions[r] for r in pick], experts=[i],
-                                     answers=None if answers is None else [answers[r] for r in pick])[0]
+                golds = None if answers is None else [answers[r] for r in pick]
+                h = self.pool.encode([questions[r] for r in pick], experts=[i], answers=golds)[0]
             states[i] = h
-            z = z.index_add(0, rows, R[rows, i:i + 1] * self.proj[i](h))                 # R_i W_i h_i
-        C = self.out(self.ffn(z)).unsqueeze(1)                                           # (B, 1, out_dim)
+            z = z.index_add(0, rows, R[rows, i:i + 1] * self.proj[i](h))  # R_i W_i h_i
+        C = self.out(self.ffn(z)).unsqueeze(1)  # (B, 1, out_dim)
         A = F.softmax(logits, -1).unsqueeze(1)                                           # (B, 1, n)
         return {"C": C, "A": A, "hints": [None] * len(questions), "noise": noise, "states": states}
 
@@ -204,8 +223,9 @@ class TextHints(nn.Module):
 
     @torch.no_grad()
     def write_hints(self, questions):
-        """Eq. 12 for a batch: each decoder expert writes one hint per question (greedy, so cached), cut at
-        max_new_tokens expert tokens. One left-padded generate call per expert serves the whole batch."""
+        """Eq. 12 for a batch: each decoder expert writes one hint per question (greedy, so
+        cached), cut at max_new_tokens expert tokens. One left-padded generate call per expert
+        serves the whole batch."""
         from experts import expert_text, is_encoder
         todo = list(dict.fromkeys(q for q in questions if q not in self.cache))
         if todo:
@@ -213,14 +233,18 @@ class TextHints(nn.Module):
             for model, tok in self.pool.models:
                 if is_encoder(model):
                     continue
-                tok.padding_side = "left"  # every prompt ends at the last column, so new tokens line up
-                enc = tok([expert_text(tok, HINT_INSTRUCTION + q) for q in todo], return_tensors="pt",
-                          padding=True, add_special_tokens=not tok.chat_template).to(model.device)
+                # every prompt ends at the last column, so new tokens line up
+                tok.padding_side = "left"
+                texts = [expert_text(tok, HINT_INSTRUCTION + q) for q in todo]
+                enc = tok(texts, return_tensors="pt", padding=True,
+                          add_special_tokens=not tok.chat_template).to(model.device)
                 out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
                                      pad_token_id=tok.pad_token_id)
                 for p, row in zip(parts, out[:, enc["input_ids"].shape[1]:]):
-                    p.append(f"Expert {len(p) + 1}: {tok.decode(row, skip_special_tokens=True).strip()}")
-            self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p) for q, p in zip(todo, parts)})
+                    hint = tok.decode(row, skip_special_tokens=True).strip()
+                    p.append(f"Expert {len(p) + 1}: {hint}")
+            self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p)
+                               for q, p in zip(todo, parts)})
         return [self.cache[q] for q in questions]
 
     def forward(self, questions, answers=None, reuse=None):
@@ -231,17 +255,14 @@ def output_collab(team, out_dim, args, device, dtype):
     return TextHints(expert_pool(team["experts"], args, device, dtype), args.max_new_tokens)
 
 
-# Methods that read none of the team's experts (identical's only expert is the policy itself): their runs need
-# only the policy's weights.
+# Methods that read none of the team's experts (identical's only expert is the policy itself): their
+# runs need only the policy's weights.
 WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "bare_anchor", "identical"}
 
-# Two methods from other papers that need loop pieces of their own live in their own files: conductor.py (a
-# policy that writes workflows for frozen workers) and rlae.py (RL-chosen ensemble weights over the experts'
-# next-token distributions). Both give no context tokens; train.grpo_step hands them the whole step.
-from conductor import conductor  # noqa: E402  (imported here so that the registry below reads in one place)
-from rlae import rlae  # noqa: E402
-
-METHODS = {"ours": ours, "single": single, "output_collab": output_collab, "hard_routing": hard_routing,
-           "no_xattn": no_xattn, "identical": identical, "soft_prompt": soft_prompt,
-           "bare_anchor": bare_anchor, "conductor": conductor,
-           "rlae": rlae}
+# Two systems of other papers are scripts of their own, each with its own loop
+# (neighbours/conductor.py: a policy that writes workflows for frozen workers; neighbours/rlae.py:
+# RL-chosen ensemble weights over the experts' next-token distributions). They import this
+# repository's core; nothing here imports them.
+METHODS = {"ours": ours, "single": single, "output_collab": output_collab,
+           "hard_routing": hard_routing, "no_xattn": no_xattn, "identical": identical,
+           "soft_prompt": soft_prompt, "bare_anchor": bare_anchor}

@@ -1,22 +1,24 @@
 """
-Evaluate a policy on the validation split: one run, the untrained policy, or one run three ways (paired).
+Evaluate a policy on the validation split: one run, the untrained policy, or one run three ways
+(paired).
 
-    python evaluate.py --run runs/arith-pocket-ours-s0 --n 200        # validation score of one run
-    python evaluate.py --run runs/arith-pocket-ours-s0 --no-context   # the same policy fed zero context (Fig. 5)
-    python evaluate.py --run runs/arith-pocket-ours-s0 --paired       # with C, C = 0, shuffled C on the same items
-    python evaluate.py --untrained --task chain_sum --team pocket      # the policy before training
-    python evaluate.py --summarize runs/ --out results/               # table, rho and figures (report.py)
+    python evaluate.py --run runs/pocket-first --n 200        # validation score of one run
+    python evaluate.py --run runs/pocket-first --no-context   # zero context (Fig. 5)
+    python evaluate.py --run runs/pocket-first --paired       # with C, C = 0, shuffled C
+    python evaluate.py --untrained --task chain_sum --team pocket   # before training
+    python evaluate.py --summarize runs/ --out results/       # table, rho, figures (report.py)
 
 Paper: the validation accuracy of Table 1 and Fig. 5 (with vs without context tokens).
 
 Choices the paper leaves open:
-  1. Validation decodes greedily (one completion per item), with the training prompt and generation budget.
-  2. Accuracy is the mean reasoning-gym score (partial credit: reasoning-gym's score_answer is not binary);
-     the exact-solve rate (score == 1) is reported beside it.
+  1. Validation decodes greedily (one completion per item), with the training prompt and generation
+     budget.
+  2. Accuracy is the mean reasoning-gym score (partial credit: reasoning-gym's score_answer is not
+     binary); the exact-solve rate (score == 1) is reported beside it.
   3. "Without C" feeds zero tokens at the positions of C: exactly what the reference policy sees.
-  4. --paired (not in the paper) asks whether C carries anything about *this* item: the same items with C,
-     with C = 0 and with another item's C; paired differences with an exact sign test and a bootstrap
-     interval over items, on the task score and on the log-probability of the gold answer.
+  4. --paired (not in the paper) asks whether C carries anything about *this* item: the same items
+     with C, with C = 0 and with another item's C; paired differences with an exact sign test and a
+     bootstrap interval over items, on the task score and on the log-probability of the gold answer.
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
@@ -26,32 +28,35 @@ from types import SimpleNamespace
 
 import numpy as np
 import torch
+from tqdm import tqdm
 
 import rewards
 from adapter import anchor_context, empty_context
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
-from experts import check_models, load_model, pick_device, team_models
+from experts import check_models, frozen_dtype, load_model, pick_device, team_models
 from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
-from report import plot_runs, summarize
+from support.report import plot_runs, summarize
 from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
-from config import ArgumentParser, fail, parse_args
-from checkpoint import write_json
-from stats import paired_comparison
-from train import frozen_dtype
+from support.config import ArgumentParser, fail, parse_args
+from support.checkpoint import write_json
+from support.stats import paired_comparison
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
 
 
-def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu"):
-    """The policy and the context builder g of a run (its config `args`), with the trained weights loaded,
-    in eval mode. Returns (policy, tokenizer, method, eos_ids)."""
+def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu",
+                build=None):
+    """The policy and the context builder g of a run (its config `args`; `build` makes g, default
+    the --method's of baselines.py: a neighbour script passes its own), with the trained weights
+    loaded, in eval mode. Returns (policy, tokenizer, method, eos_ids)."""
     device = torch.device(device)
     dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
     team = args.team_models
     policy, tok = load_model(team["policy"], device, dtype)
-    method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args, device, dtype)
+    build = METHODS["single"] if untrained else build or METHODS[args.method]
+    method = build(team, policy.config.hidden_size, args, device, dtype)
     if not untrained:
         anchor_context(method, policy, tok, args)
     if lora_state is not None:
@@ -64,20 +69,24 @@ def load_policy(args, lora_state=None, method_state=None, untrained=False, devic
 
 
 def answer_bridge(response_prefix):
-    """Text between the prompt and the gold answer when its log-prob is measured: the answer tag, after closing
-    the reasoning block when the response was pre-filled with one."""
+    """Text between the prompt and the gold answer when its log-prob is measured: the answer tag,
+    after closing the reasoning block when the response was pre-filled with one."""
     return "</think>\n<answer>" if "<think>" in response_prefix else "<answer>"
 
 
 def gold_logprobs(policy, tok, prompts, golds, C, args, device):
-    """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's tokens, per item:
-    sees a change in how likely the right answer is even where greedy accuracy does not move. Uses the
-    training's own scoring pass (rollout.completion_logprobs), so positions are those of the rollout."""
-    ids, mask = encode_prompts(tok, [p + answer_bridge(args.response_prefix) for p in prompts], device)
+    """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's
+    tokens, per item: sees a change in how likely the right answer is even where greedy accuracy
+    does not move. Uses the training's own scoring pass (rollout.completion_logprobs), so
+    positions are those of the rollout."""
+    bridged = [p + answer_bridge(args.response_prefix) for p in prompts]
+    ids, mask = encode_prompts(tok, bridged, device)
     tok.padding_side = "right"  # completions start right after the prompt's last column
-    ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True, add_special_tokens=False)
+    ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True,
+              add_special_tokens=False)
     comp, comp_mask = ans["input_ids"].to(device), ans["attention_mask"].bool().to(device)
-    logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0, args.context_position)  # (B, T)
+    logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0,
+                               args.context_position)  # (B, T)
     return torch.where(comp_mask, logp, torch.zeros_like(logp)).sum(-1).tolist()
 
 
@@ -104,14 +113,18 @@ def context_depends_on_prompt(C_all):
 
 @torch.no_grad()
 def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",), batch_size=16):
-    """Greedy validation of a live policy and its context builder `method` on `items`, under each condition
-    (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per item]}}, scorer status
-    counts). evaluate() scores a saved run with it; train.py --eval-items the policy before and after training.
-    The task's own scorer only: training-only reward shaping (--format-bonus) never reaches it."""
+    """Greedy validation of a live policy and its context builder `method` on `items`, under each
+    condition (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per
+    item]}}, scorer status counts). evaluate() scores a saved run with it; train.py --eval-items
+    the policy before and after training. The task's own scorer only: training-only reward
+    shaping (--format-bonus) never reaches it."""
     device = next(policy.parameters()).device
-    # g(x) for every item first (shuffled C needs another item's), then the same items under each condition
-    ctxs = [method([it["question"] for it in items[s:s + batch_size]], [it["answer"] for it in items[s:s + batch_size]])
-            for s in range(0, len(items), batch_size)]
+    # g(x) for every item first (shuffled C needs another item's), then the same items under each
+    # condition
+    ctxs = []
+    for s in range(0, len(items), batch_size):
+        chunk = items[s:s + batch_size]
+        ctxs.append(method([it["question"] for it in chunk], [it["answer"] for it in chunk]))
     hints = [h for c in ctxs for h in c["hints"]]
     C_all = None if ctxs[0]["C"] is None else torch.cat([c["C"] for c in ctxs])         # (n, m, D)
     perm = torch.as_tensor(derangement(len(items), args.seed), device=device)
@@ -122,52 +135,67 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
         if cond == "shuffled_C" and not context_depends_on_prompt(C_all):
             per_item[cond] = {"n/a": SHUFFLE_NA}  # shuffled C = C: a 0 would test nothing
             continue
-        C_cond = None if C_all is None else {"with_C": C_all, "zero_C": empty_context(method, C_all),
-                                             "shuffled_C": C_all[perm]}[cond]
+        C_cond = None
+        if C_all is not None:
+            C_cond = {"with_C": C_all, "zero_C": empty_context(method, C_all),
+                      "shuffled_C": C_all[perm]}[cond]
         scores, logps = [], []
+        bar = tqdm(total=len(items), desc=f"validation ({cond})", unit="item", leave=False,
+                   dynamic_ncols=True)  # 100 items take minutes on a CPU
         for s in range(0, len(items), batch_size):
             batch = items[s:s + batch_size]
             C = None if C_cond is None else C_cond[s:s + len(batch)]
-            prompts = rewards.policy_prompts(tok, [it["question"] for it in batch], hints[s:s + len(batch)], args)
+            questions = [it["question"] for it in batch]
+            prompts = rewards.policy_prompts(tok, questions, hints[s:s + len(batch)], args)
             ids, mask = encode_prompts(tok, prompts, device)
-            if hasattr(method, "answer"):  # conductor.py, rlae.py write the answer their own way (greedy)
-                texts = method.answer(policy, tok, [it["question"] for it in batch], args)
+            # neighbours/conductor.py, neighbours/rlae.py write the answer their own way (greedy)
+            if hasattr(method, "answer"):
+                texts = method.answer(policy, tok, questions, args)
             else:
-                comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
-                              args.context_position, greedy=True)
+                comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids,
+                              tok.pad_token_id, args.context_position, greedy=True)
                 comp = comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id)
                 texts = tok.batch_decode(comp, skip_special_tokens=True)
             r, counts = rewards.score_batch(batch, texts)
             scores += r
             if len(conditions) > 1:
-                logps += gold_logprobs(policy, tok, prompts, [it["answer"] for it in batch], C, args, device)
+                golds = [it["answer"] for it in batch]
+                logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)
             for k, v in counts.items():
                 status[k] = status.get(k, 0) + v
+            bar.update(len(batch))
+        bar.close()
         per_item[cond] = {"score": scores, "gold_logprob": logps}
     return per_item, status
 
 
 @torch.no_grad()
-def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False, untrained=False,
-             device="cpu", conditions=None):
-    """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns a dict.
+def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_context=False,
+             untrained=False, device="cpu", conditions=None, build=None):
+    """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns
+    a dict.
 
-    `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every item's score
-    and gold-answer log-prob, for paired comparisons: with_C (C as trained), zero_C (zero tokens at C's
-    positions, what the reference policy sees) and shuffled_C (each item gets the C of another item, a seeded
-    derangement over the n items: the same distribution of C, no information about this item)."""
+    `conditions` (a subset of CONDITIONS) scores the *same* items several ways and keeps every
+    item's score and gold-answer log-prob, for paired comparisons: with_C (C as trained), zero_C
+    (zero tokens at C's positions, what the reference policy sees) and shuffled_C (each item gets
+    the C of another item, a seeded derangement over the n items: the same distribution of C, no
+    information about this item)."""
     device = torch.device(device)
-    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path, getattr(args, "task_config", None))
+    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path,
+                                 getattr(args, "task_config", None))
     items = [items[i] for i in range(min(n, len(items)))]
-    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device)
+    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device,
+                                               build)
     conditions = conditions or ("zero_C" if no_context else "with_C",)
-    per_item, status = score_items(policy, tok, method, eos_ids, items, args, conditions, batch_size)
+    per_item, status = score_items(policy, tok, method, eos_ids, items, args, conditions,
+                                   batch_size)
     first = per_item[conditions[0]]["score"]
     sources = [it.get("metadata", {}).get("source_dataset", args.task) for it in items]
     result = summary(np.array(first), sources)
-    result.update({"task": args.task, "method": "untrained" if untrained else args.method, "n": len(items),
-                   "no_context": no_context, "scorer_status": status})
-    result["per_item"] = per_item  # every item's score, in item order: runs of one seed share items (paired)
+    result.update({"task": args.task, "method": "untrained" if untrained else args.method,
+                   "n": len(items), "no_context": no_context, "scorer_status": status})
+    # every item's score, in item order: runs of one seed share items (paired)
+    result["per_item"] = per_item
     if len(conditions) > 1:
         result["conditions"] = {c: {**summary(np.array(v["score"]), sources, per_dataset=False),
                                     "gold_logprob": float(np.mean(v["gold_logprob"]))}
@@ -179,13 +207,15 @@ def evaluate(args, n, batch_size=16, lora_state=None, method_state=None, no_cont
 def summary(scores, sources, per_dataset=True):
     out = {"score": float(scores.mean()), "solve_rate": float((scores == 1).mean())}
     if per_dataset:
-        out["per_dataset"] = {s: {"score": float(scores[[x == s for x in sources]].mean()),
-                                  "solve_rate": float((scores[[x == s for x in sources]] == 1).mean()),
-                                  "n": sources.count(s)} for s in sorted(set(sources))}
+        out["per_dataset"] = {}
+        for s in sorted(set(sources)):
+            mine = scores[[x == s for x in sources]]
+            out["per_dataset"][s] = {"score": float(mine.mean()),
+                                     "solve_rate": float((mine == 1).mean()), "n": sources.count(s)}
     return out
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Paired statistics: the same items under two conditions
 
 
@@ -196,8 +226,9 @@ def paired_comparisons(per_item):
         if "with_C" in per_item and "n/a" in per_item.get(other, {}):
             out[f"with_C - {other}"] = {"n/a": per_item[other]["n/a"]}
         elif "with_C" in per_item and other in per_item:
-            out[f"with_C - {other}"] = {k: paired_comparison(per_item["with_C"][k], per_item[other][k])
-                                        for k in ("score", "gold_logprob")}
+            out[f"with_C - {other}"] = {
+                k: paired_comparison(per_item["with_C"][k], per_item[other][k])
+                for k in ("score", "gold_logprob")}
     return out
 
 
@@ -205,7 +236,8 @@ def paired_table(result):
     """The paired evaluation as Markdown: one row per condition, then the paired differences."""
     lines = ["| condition | score | solved | gold answer log-prob |", "|---|---|---|---|"]
     for c, v in result["conditions"].items():
-        lines.append(f"| {c} | {100 * v['score']:.1f} | {100 * v['solve_rate']:.1f} | {v['gold_logprob']:.3f} |")
+        lines.append(f"| {c} | {100 * v['score']:.1f} | {100 * v['solve_rate']:.1f} | "
+                     f"{v['gold_logprob']:.3f} |")
     lines += ["", "| paired difference | score (points) [95 % CI] | sign test p (better/worse) | "
               "gold log-prob [95 % CI] | sign test p |", "|---|---|---|---|---|"]
     for name, v in result["paired"].items():
@@ -213,46 +245,60 @@ def paired_table(result):
             lines.append(f"| {name} | {v['n/a']} | – | – | – |")
             continue
         s, g = v["score"], v["gold_logprob"]
-        lines.append(f"| {name} | {100 * s['diff']:+.1f} [{100 * s['ci95'][0]:+.1f}, {100 * s['ci95'][1]:+.1f}] | "
-                     f"{s['p_sign']:.3g} ({s['better']}/{s['worse']}) | {g['diff']:+.3f} [{g['ci95'][0]:+.3f}, "
-                     f"{g['ci95'][1]:+.3f}] | {g['p_sign']:.3g} |")
+        lines.append(f"| {name} | {100 * s['diff']:+.1f} [{100 * s['ci95'][0]:+.1f}, "
+                     f"{100 * s['ci95'][1]:+.1f}] | {s['p_sign']:.3g} "
+                     f"({s['better']}/{s['worse']}) | "
+                     f"{g['diff']:+.3f} [{g['ci95'][0]:+.3f}, {g['ci95'][1]:+.3f}] | "
+                     f"{g['p_sign']:.3g} |")
     return "\n".join(lines) + "\n"
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 
 
 def read_run(folder):
-    """(config, checkpoint) of a train.py run; exits with one line naming --run if either is missing or corrupt."""
+    """(config, checkpoint) of a train.py run; exits with one line naming --run if either is
+    missing or corrupt."""
     cfg_path, ckpt = os.path.join(folder, "config.json"), os.path.join(folder, "checkpoint.pt")
     if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
-        fail(f"--run {folder} has no config.json and checkpoint.pt (is it a finished train.py run?)")
+        fail(f"--run {folder} has no config.json and checkpoint.pt (is it a finished train.py "
+             "run?)")
     try:  # a corrupt or foreign file: say so in one line
         with open(cfg_path) as f:
             cfg = json.load(f)
         state = torch.load(ckpt, map_location="cpu", weights_only=False)
         if "team_models" not in cfg or any(k not in state for k in ("lora", "method", "step")):
-            raise KeyError("config.json needs team_models; checkpoint.pt needs lora, method and step")
+            raise KeyError("config.json needs team_models; checkpoint.pt needs lora, method and "
+                           "step")
     except Exception as e:
         fail(f"--run {folder}: unreadable config.json or checkpoint.pt ({type(e).__name__}: "
              f"{(str(e).splitlines() or [''])[0][:160]})")
     return cfg, state
 
 
-def main(argv=None):
-    p = ArgumentParser(description="Score runs on the validation split; summarise and plot folders of runs. "
-                       "With --untrained, any train.py flag (--task, --team, --policy, --task-config, prompt and "
-                       "generation flags) describes the policy to score.")
+def main(argv=None, build=None):
+    """evaluate.py's command line; `build`: a neighbour script's context builder (neighbours/*.py
+    evaluate)."""
+    p = ArgumentParser(description="Score runs on the validation split; summarise and plot "
+                       "folders of runs. With --untrained, any train.py flag (--task, --team, "
+                       "--policy, --task-config, prompt and generation flags) describes the policy "
+                       "to score.")
     p.add_argument("--run", help="a run folder written by train.py")
-    p.add_argument("--untrained", action="store_true", help="score the policy before training, as train.py's "
-                   "flags describe it (e.g. --task chain_sum --team pocket --worked-example)")
-    p.add_argument("--n", type=int, default=4000, help="validation items (paper: 4000; GSM8K: its 1319 test items)")
+    p.add_argument("--untrained", action="store_true", help="score the policy before training, as "
+                   "train.py's flags describe it (e.g. --task chain_sum --team pocket "
+                   "--worked-example)")
+    p.add_argument("--n", type=int, default=4000,
+                   help="validation items (paper: 4000; GSM8K: its 1319 test items)")
     p.add_argument("--batch-size", type=int, default=16, help="prompts per generation batch")
-    p.add_argument("--no-context", action="store_true", help="feed zero context tokens instead of C (Fig. 5)")
-    p.add_argument("--paired", action="store_true", help="score the same items with C, with C = 0 and with C "
-                   "shuffled across items; paired differences, sign tests and bootstrap intervals -> eval_paired.json")
-    p.add_argument("--summarize", nargs="+", metavar="FOLDER", help="folders of runs -> table, Spearman rho, plots")
-    p.add_argument("--out", default=None, help="where to write (default: the run folder, or results/)")
+    p.add_argument("--no-context", action="store_true",
+                   help="feed zero context tokens instead of C (Fig. 5)")
+    p.add_argument("--paired", action="store_true", help="score the same items with C, with C = 0 "
+                   "and with C shuffled across items; paired differences, sign tests and bootstrap "
+                   "intervals -> eval_paired.json")
+    p.add_argument("--summarize", nargs="+", metavar="FOLDER",
+                   help="folders of runs -> table, Spearman rho, plots")
+    p.add_argument("--out", default=None,
+                   help="where to write (default: the run folder, or results/)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
     a, train_flags = p.parse_known_args(argv)
     if sum(map(bool, (a.run, a.untrained, a.summarize))) != 1:
@@ -262,7 +308,8 @@ def main(argv=None):
     if a.paired and not a.run:
         p.error("--paired needs --run DIR (a run with context tokens)")
     if train_flags and not a.untrained:
-        p.error(f"unrecognized arguments: {' '.join(train_flags)} (train.py flags go with --untrained only)")
+        p.error(f"unrecognized arguments: {' '.join(train_flags)} (train.py flags go with "
+                "--untrained only)")
     for flag in ("n", "batch_size"):
         if getattr(a, flag) < 1:
             p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
@@ -272,34 +319,43 @@ def main(argv=None):
             p.error(f"--summarize: no such folder {missing[0]}")
         out = a.out or "results"
         table, rho = summarize(a.summarize, out)
-        print(table + f"\nSpearman rho(reward, entropy): mean {rho['mean']} over {len(rho['per_run'])} runs")
+        print(table + f"\nSpearman rho(reward, entropy): mean {rho['mean']} over "
+              f"{len(rho['per_run'])} runs")
         for path in plot_runs(a.summarize, out):
             print("wrote", path)
         return
     if a.untrained:
         targs = parse_args([*train_flags, "--method", "single"])
         cfg, state = {**vars(targs), "team_models": team_models(targs)}, {}
-        models = [(cfg["team_models"]["policy"], "--policy" if targs.policy else f"--team {targs.team}")]
+        flag = "--policy" if targs.policy else f"--team {targs.team}"
+        models = [(cfg["team_models"]["policy"], flag)]
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
         cfg, state = read_run(a.run)
+        # a neighbour's run: its own script builds it
+        if build is None and cfg["method"] not in METHODS:
+            fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py "
+                 f"evaluate --run {a.run}")
         experts = [] if cfg["method"] in WITHOUT_TEAM_EXPERTS else cfg["team_models"]["experts"]
         models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
-        name = "eval_paired.json" if a.paired else "eval_no_context.json" if a.no_context else "eval.json"
+        name = "eval_paired.json" if a.paired else \
+            "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)
     try:
         check_models(models)
-        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"), state.get("method"),
-                          a.no_context, untrained=a.untrained, device=pick_device(a.device),
-                          conditions=CONDITIONS if a.paired else None)
-    except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA: one line
+        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"),
+                          state.get("method"), a.no_context, untrained=a.untrained,
+                          device=pick_device(a.device),
+                          conditions=CONDITIONS if a.paired else None, build=build)
+    except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA
         fail(str(e))
     if "step" in state:
         result["step"] = int(state["step"])
     write_json(path, result)
     if a.paired:  # eval.json too: the with-C scores are the run's validation score
         write_json(os.path.join(os.path.dirname(path), "eval.json"),
-                   {**{k: v for k, v in result.items() if k not in ("conditions", "paired", "per_item")},
+                   {**{k: v for k, v in result.items()
+                       if k not in ("conditions", "paired", "per_item")},
                     "per_item": {"with_C": result["per_item"]["with_C"]}})
     print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "
           f"solved {100 * result['solve_rate']:.1f} | n {result['n']} -> {path}")

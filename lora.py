@@ -1,13 +1,13 @@
 """
 Handwritten LoRA: the only trainable part of the policy pi_theta.
 
-The paper trains "LoRA adapters [36] of rank 8" on a frozen Qwen2.5-3B-Instruct (§4.1). LoRA (Hu et al.
-2021) keeps a frozen weight W and learns a low-rank update:
+The paper trains "LoRA adapters [36] of rank 8" on a frozen Qwen2.5-3B-Instruct (§4.1). LoRA (Hu et
+al. 2021) keeps a frozen weight W and learns a low-rank update:
 
     y = x W^T + b + (alpha / r) * x A^T B^T,      A in R^{r x in},  B in R^{out x r}
 
-A starts random and B starts at zero, so the wrapped layer is an exact no-op at step 0 and the policy
-starts as the reference policy (paper Eq. 4, pi_ref = the frozen initial policy).
+A starts random and B starts at zero, so the wrapped layer is an exact no-op at step 0 and the
+policy starts as the reference policy (paper Eq. 4, pi_ref = the frozen initial policy).
 
 What is here:
   LoRALinear          one wrapped nn.Linear
@@ -17,8 +17,9 @@ What is here:
   lora_state_dict     the trainable tensors only (small checkpoints)
   save_peft           export in PEFT's on-disk format, so `peft.PeftModel.from_pretrained` loads it
 
-Deviations from the paper: none known. The paper does not give alpha, dropout or target modules; we use
-alpha = 2r = 16, no dropout, and all attention and MLP projections (the common choice for Qwen/Llama).
+Deviations from the paper: none known. The paper does not give alpha, dropout or target modules; we
+use alpha = 2r = 16, no dropout, and all attention and MLP projections (the common choice for
+Qwen/Llama).
 
 Try it on CPU:  python -m pytest tests/test_lora.py -q
 """
@@ -30,8 +31,9 @@ import os
 import torch
 import torch.nn as nn
 
-# Linear layers of Llama/Qwen/Gemma/Mistral/Phi-3 style decoders. GPT-2 style models use Conv1D instead of
-# nn.Linear and are not supported as a policy (experts are never wrapped, so any model works as an expert).
+# Linear layers of Llama/Qwen/Gemma/Mistral/Phi-3 style decoders. GPT-2 style models use Conv1D
+# instead of nn.Linear and are not supported as a policy (experts are never wrapped, so any model
+# works as an expert).
 DEFAULT_TARGETS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj",
                    "qkv_proj", "gate_up_proj")
 
@@ -46,12 +48,15 @@ class LoRALinear(nn.Module):
         self.base = base
         self.rank, self.alpha = rank, alpha
         self.scaling = alpha / rank
-        # float32 whatever the frozen weight is: an Adam step of 3e-5 on a weight of 0.02 rounds to nothing in
-        # bfloat16 (8 bits of mantissa, spacing 1.2e-4 there), so a bf16 LoRA would silently stop learning
+        # float32 whatever the frozen weight is: an Adam step of 3e-5 on a weight of 0.02 rounds to
+        # nothing in bfloat16 (8 bits of mantissa, spacing 1.2e-4 there), so a bf16 LoRA would
+        # silently stop learning
         dev = base.weight.device
-        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, device=dev, dtype=torch.float32))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, device=dev, dtype=torch.float32))
-        # Same init as the LoRA paper's reference code and PEFT: A ~ Kaiming-uniform, B = 0 (update is zero).
+        fp32 = dict(device=dev, dtype=torch.float32)
+        self.lora_A = nn.Parameter(torch.empty(rank, base.in_features, **fp32))   # (r, in)
+        self.lora_B = nn.Parameter(torch.zeros(base.out_features, rank, **fp32))  # (out, r), B = 0
+        # Same init as the LoRA paper's reference code and PEFT: A ~ Kaiming-uniform, B = 0 (update
+        # is zero).
         nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
         self.enabled = True   # lora_disabled() flips this to get the base (reference) model
         self.merged = False   # inside lora_merged() the update lives in (a copy of) base.weight
@@ -60,14 +65,16 @@ class LoRALinear(nn.Module):
         y = self.base(x)
         if self.enabled and not self.merged:
             # (..., in) -> (..., r) -> (..., out); never forms the (out x in) product B A
-            y = y + self.scaling * ((x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T).to(y.dtype)
+            low_rank = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T  # (..., out)
+            y = y + self.scaling * low_rank.to(y.dtype)
         return y
 
     def delta_weight(self):
         return self.scaling * (self.lora_B @ self.lora_A)  # (out, in)
 
 
-def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, target_modules=DEFAULT_TARGETS) -> list:
+def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0,
+               target_modules=DEFAULT_TARGETS) -> list:
     """Freeze every parameter of `model`, then wrap each nn.Linear whose last name part is in
     `target_modules`. Returns the dotted names of the wrapped modules (PEFT's naming)."""
     for p in model.parameters():
@@ -81,8 +88,8 @@ def apply_lora(model: nn.Module, rank: int = 8, alpha: float = 16.0, target_modu
             setattr(parent, child, LoRALinear(module, rank, alpha))
             wrapped.append(name)
     if not wrapped:
-        raise ValueError(f"LoRA found no nn.Linear named any of {sorted(targets)} in {type(model).__name__}; "
-                         "pass target_modules that exist in this model")
+        raise ValueError(f"LoRA found no nn.Linear named any of {sorted(targets)} in "
+                         f"{type(model).__name__}; pass target_modules that exist in this model")
     return wrapped
 
 
@@ -107,11 +114,12 @@ def lora_disabled(model: nn.Module):
 
 @contextlib.contextmanager
 def lora_merged(model: nn.Module):
-    """Run with each enabled update folded into its weight, W' = W + (alpha/r) B A: one matmul per layer
-    instead of three, ~15 % faster decoding for the rollout (no gradient is needed there). The frozen W
-    is never modified: W' is a new tensor and W's own storage comes back on exit, bit for bit
-    (W + D - D is not W in floating point, and the reference model must not drift). Costs one extra copy of
-    the wrapped weights while inside. No gradient flows through W'."""
+    """Run with each enabled update folded into its weight, W' = W + (alpha/r) B A: one matmul
+    per layer instead of three, ~15 % faster decoding for the rollout (no gradient is needed
+    there). The frozen W is never modified: W' is a new tensor and W's own storage comes back on
+    exit, bit for bit (W + D - D is not W in floating point, and the reference model must not
+    drift). Costs one extra copy of the wrapped weights while inside. No gradient flows through
+    W'."""
     layers = [m for _, m in lora_layers(model) if m.enabled and not m.merged]
     frozen = [m.base.weight.data for m in layers]
     with torch.no_grad():
@@ -126,7 +134,8 @@ def lora_merged(model: nn.Module):
 
 
 def lora_state_dict(model: nn.Module) -> dict:
-    """{'<module>.lora_A': tensor, '<module>.lora_B': tensor, ...}: everything LoRA trains, nothing else."""
+    """{'<module>.lora_A': tensor, '<module>.lora_B': tensor, ...}: everything LoRA trains,
+    nothing else."""
     sd = {}
     for name, m in lora_layers(model):
         sd[f"{name}.lora_A"] = m.lora_A.detach().clone()
@@ -136,13 +145,14 @@ def lora_state_dict(model: nn.Module) -> dict:
 
 @torch.no_grad()
 def load_lora_state_dict(model: nn.Module, state: dict):
-    """Inverse of lora_state_dict. Fails on any missing, extra or mis-shaped tensor (a checkpoint from
-    another model or another rank must not load half-way)."""
-    ours = {f"{n}.lora_{ab}": getattr(m, f"lora_{ab}") for n, m in lora_layers(model) for ab in "AB"}
+    """Inverse of lora_state_dict. Fails on any missing, extra or mis-shaped tensor (a checkpoint
+    from another model or another rank must not load half-way)."""
+    ours = {f"{n}.lora_{ab}": getattr(m, f"lora_{ab}")
+            for n, m in lora_layers(model) for ab in "AB"}
     missing, extra = set(ours) - set(state), set(state) - set(ours)
     if missing or extra:
-        raise ValueError(f"LoRA checkpoint does not match the model: {len(missing)} missing, {len(extra)} "
-                         f"unexpected tensors (e.g. {sorted(missing or extra)[0]})")
+        raise ValueError(f"LoRA checkpoint does not match the model: {len(missing)} missing, "
+                         f"{len(extra)} unexpected tensors (e.g. {sorted(missing or extra)[0]})")
     for k, p in ours.items():
         if p.shape != state[k].shape:
             raise ValueError(f"LoRA checkpoint tensor {k} has shape {tuple(state[k].shape)}, "
@@ -161,11 +171,14 @@ def save_peft(model: nn.Module, folder: str, base_model_name_or_path: str = ""):
     rank, alpha = layers[0][1].rank, layers[0][1].alpha
     tensors = {}
     for name, m in layers:
-        tensors[f"base_model.model.{name}.lora_A.weight"] = m.lora_A.detach().float().contiguous().cpu()
-        tensors[f"base_model.model.{name}.lora_B.weight"] = m.lora_B.detach().float().contiguous().cpu()
+        for ab in "AB":
+            weight = getattr(m, f"lora_{ab}").detach().float().contiguous().cpu()
+            tensors[f"base_model.model.{name}.lora_{ab}.weight"] = weight
     config = {
-        "peft_type": "LORA", "task_type": "CAUSAL_LM", "base_model_name_or_path": base_model_name_or_path,
-        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none", "fan_in_fan_out": False,
+        "peft_type": "LORA", "task_type": "CAUSAL_LM",
+        "base_model_name_or_path": base_model_name_or_path,
+        "r": rank, "lora_alpha": alpha, "lora_dropout": 0.0, "bias": "none",
+        "fan_in_fan_out": False,
         "target_modules": sorted({n.split(".")[-1] for n, _ in layers}), "inference_mode": True,
         "use_rslora": False, "use_dora": False, "init_lora_weights": True,
     }

@@ -1,31 +1,37 @@
 """The task: data, prompts and rewards for n-Musketeers (GRPO with frozen expert LMs).
 
-`load_entries` draws the paper's Reasoning Gym families (arithmetic, algorithmic, logic; paper §8, Listings
-2-4, every dataset weight 1) or GSM8K. `build_prompt` is the policy's input x: reasoning-gym's "DeepSeekZero"
-system prompt and the question through the chat template (paper §8). `extract_answer` takes the last
-<answer>...</answer> block and `score_batch` turns each answer into the reward r in [0, 1] of the GRPO
-objective (Eq. 4) with the dataset's own `score_answer`. Model outputs are untrusted input (some scorers `eval`
-them), so the scorers run in safe_scoring.py, which never executes model text and never blocks.
+`load_entries` draws the paper's Reasoning Gym families (arithmetic, algorithmic, logic; paper §8,
+Listings 2-4, every dataset weight 1) or GSM8K. `build_prompt` is the policy's input x:
+reasoning-gym's "DeepSeekZero" system prompt and the question through the chat template (paper §8).
+`extract_answer` takes the last <answer>...</answer> block and `score_batch` turns each answer into
+the reward r in [0, 1] of the GRPO objective (Eq. 4) with the dataset's own `score_answer`. Model
+outputs are untrusted input (some scorers `eval` them), so the scorers run in
+support/safe_scoring.py, which never executes model text and never blocks.
 
 Deviations from the paper (which only names the datasets):
-1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and each
-   split draws from its own seed range (`split_seed`). Seeds alone are not enough: with disjoint seeds 51 of
-   300 self_reference and 81 of 300 jugs questions still recur in both splits. The price: about 2x generation.
-2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic (safe_scoring.py).
-3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>"). Same
-   result on well-formed text; with nested tags we take the innermost last block.
-4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked example, a
-   response prefix such as "<think>". Measured on 2-term chain_sum, 16 prompts x 4 samples: with the paper's
-   prompt SmolLM2-135M-Instruct wrote the answer tags in 0 of 64 completions (every reward 0, no GRPO signal);
-   with a worked example and "<think>", in 23 %. A template that rejects the system role gets the system text
-   before the question; a tokenizer without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
-5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####" numerically, else 0.
-   Val = the 1,319 test items in file order; train is shuffled with the seed. The splits are fixed, so a larger
-   `size` (the default 4,000 validation items, 16,000 training items) gets the whole split: one epoch.
+1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and
+   each split draws from its own seed range (`split_seed`). Seeds alone are not enough: with
+   disjoint seeds 51 of 300 self_reference and 81 of 300 jugs questions still recur in both splits.
+   The price: about 2x generation.
+2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic
+   (support/safe_scoring.py).
+3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>").
+   Same result on well-formed text; with nested tags we take the innermost last block.
+4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked
+   example, a response prefix such as "<think>". Measured on 2-term chain_sum, 16 prompts x 4
+   samples: with the paper's prompt SmolLM2-135M-Instruct wrote the answer tags in 0 of 64
+   completions (every reward 0, no GRPO signal); with a worked example and "<think>", in 23 %. A
+   template that rejects the system role gets the system text before the question; a tokenizer
+   without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
+5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####"
+   numerically, else 0. Val = the 1,319 test items in file order; train is shuffled with the seed.
+   The splits are fixed, so a larger `size` (the default 4,000 validation items, 16,000 training
+   items) gets the whole split: one epoch.
 6. A single dataset name (`--task chain_sum`) uses the config of its paper family if it has one.
-7. Training helpers, each a pure function so that --resume needs no state: `batch_indices` (the data order of
-   (seed, step, micro-batch)), `policy_prompts` (x for a batch, shared by training and evaluation, so a fork's
-   prompt change reaches both) and `coin_rewards` (the random-reward control: a seeded coin per completion).
+7. Training helpers, each a pure function so that --resume needs no state: `batch_indices` (the data
+   order of (seed, step, micro-batch)), `policy_prompts` (x for a batch, shared by training and
+   evaluation, so a fork's prompt change reaches both) and `coin_rewards` (the random-reward
+   control: a seeded coin per completion).
 
 Try it on CPU (about 5 s, no network):
     python rewards.py --task arithmetic --n 3
@@ -36,28 +42,31 @@ import json
 import random
 import re
 from collections.abc import Sequence
-from decimal import Decimal
 from pathlib import Path
 
 import numpy as np
 
-from safe_scoring import STATUSES, score_answers
+# score_gsm8k lives beside the sandbox that calls it; rewards.score_gsm8k is the same function
+from support.safe_scoring import STATUSES, score_answers, score_gsm8k  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Tasks: paper §8, Listings 2-4 (reasoning-gym defaults plus these configs)
 
 FAMILIES = {
     "arithmetic": {name: {} for name in [
-        "complex_arithmetic", "intermediate_integration", "polynomial_equations", "polynomial_multiplication",
-        "simple_geometry", "bitwise_arithmetic", "chain_sum", "decimal_arithmetic", "decimal_chain_sum"]},
+        "complex_arithmetic", "intermediate_integration", "polynomial_equations",
+        "polynomial_multiplication", "simple_geometry", "bitwise_arithmetic", "chain_sum",
+        "decimal_arithmetic", "decimal_chain_sum"]},
     "algorithmic": {
         "ab": {}, "base_conversion": {}, "binary_alternation": {"p_solvable": 0.9},
-        "binary_matrix": {"min_n": 2, "max_n": 6}, "caesar_cipher": {"max_words": 10}, "cryptarithm": {},
+        "binary_matrix": {"min_n": 2, "max_n": 6}, "caesar_cipher": {"max_words": 10},
+        "cryptarithm": {},
         "isomorphic_strings": {"max_string_length": 8}, "jugs": {"difficulty": 6},
         "rotate_matrix": {"min_n": 2, "max_n": 6},
         "string_manipulation": {"max_string_length": 15, "max_num_rules": 6}},
     "logic": {name: {} for name in [
-        "aiw", "circuit_logic", "knights_knaves", "propositional_logic", "self_reference", "syllogism",
+        "aiw", "circuit_logic", "knights_knaves", "propositional_logic", "self_reference",
+        "syllogism",
         "zebra_puzzles"]},
 }
 SPLITS = ("train", "val")
@@ -71,19 +80,22 @@ def dataset_config(name):
 
 
 def split_seed(seed, split):
-    """Base seed of a split. The composite uses seeds base .. base + draws + datasets, so the ranges of all
-    (seed, split) pairs are disjoint while a split makes fewer than _SEED_SPAN - 100 draws."""
+    """Base seed of a split. The composite uses seeds base .. base + draws + datasets, so the
+    ranges of all (seed, split) pairs are disjoint while a split makes fewer than _SEED_SPAN -
+    100 draws."""
     return (2 * seed + SPLITS.index(split)) * _SEED_SPAN
 
 
 def question_split(question):
-    """'train' or 'val', fixed by the question text alone (sha256): no question can be in both splits."""
+    """'train' or 'val', fixed by the question text alone (sha256): no question can be in both
+    splits."""
     return SPLITS[hashlib.sha256(question.encode("utf-8", "replace")).digest()[0] & 1]
 
 
 def load_entries(task, split, size, seed=0, data_path=None, config=None):
-    """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one reasoning-gym dataset;
-    metadata['source_dataset'] names the dataset that scores the entry. GSM8K: at most its whole split."""
+    """`size` entries {'question', 'answer', 'metadata'} of a family, 'gsm8k' or one
+    reasoning-gym dataset; metadata['source_dataset'] names the dataset that scores the entry.
+    GSM8K: at most its whole split."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
     if task == "gsm8k":
@@ -99,28 +111,35 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
                          "or a reasoning-gym dataset name (e.g. chain_sum)")
     if config:  # --task-config: JSON over the reasoning-gym defaults of one dataset
         if task not in configs or len(configs) != 1:
-            raise ValueError(f"--task-config applies to a single reasoning-gym dataset, not to --task {task}")
+            raise ValueError("--task-config applies to a single reasoning-gym dataset, not to "
+                             f"--task {task}")
         try:
             configs = {task: {**configs[task], **json.loads(config)}}
             DATASETS[task][1](**configs[task]).validate()
         except (ValueError, TypeError, AssertionError) as err:
-            raise ValueError(f"--task-config {config!r} is not a valid {task} config: {err}") from None
-    assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, f"size must be a positive int, got {size!r}"
+            raise ValueError(f"--task-config {config!r} is not a valid {task} config: "
+                             f"{err}") from None
+    assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, \
+        f"size must be a positive int, got {size!r}"
     from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
-    max_draws = 20 * size + 1000  # we expect 2 per kept entry: half the questions belong to the other split
+    # we expect 2 per kept entry: half the questions belong to the other split
+    max_draws = 20 * size + 1000
     specs = [DatasetSpec(name, 1.0, dict(config)) for name, config in configs.items()]
-    composite = CompositeDataset(CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs))
+    composite_config = CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs)
+    composite = CompositeDataset(composite_config)
     return LazyEntries(composite, split, size, max_draws, task)
 
 
 class LazyEntries(Sequence):
-    """`size` entries of one split, generated in order on first access and kept. Generation is lazy because
-    some datasets are slow (a zebra puzzle takes ~0.2 s: 16,000 up front would delay the first step by
-    almost an hour), and a run of N steps only ever touches its first N x 32 entries."""
+    """`size` entries of one split, generated in order on first access and kept. Generation is
+    lazy because some datasets are slow (a zebra puzzle takes ~0.2 s: 16,000 up front would delay
+    the first step by almost an hour), and a run of N steps only ever touches its first N x 32
+    entries."""
 
     def __init__(self, composite, split, size, max_draws, task):
-        self.composite, self.split, self.size, self.max_draws, self.task = composite, split, size, max_draws, task
+        self.composite, self.split, self.size = composite, split, size
+        self.max_draws, self.task = max_draws, task
         self.entries, self.draws = [], 0
 
     def __len__(self):
@@ -134,8 +153,8 @@ class LazyEntries(Sequence):
         i %= self.size
         while len(self.entries) <= i:
             if self.draws == self.max_draws:
-                raise ValueError(f"--task {self.task}: only {len(self.entries)} {self.split} questions in "
-                                 f"{self.max_draws} draws")
+                raise ValueError(f"--task {self.task}: only {len(self.entries)} {self.split} "
+                                 f"questions in {self.max_draws} draws")
             entry = self.composite[self.draws]
             self.draws += 1
             if question_split(entry["question"]) == self.split:
@@ -144,27 +163,34 @@ class LazyEntries(Sequence):
 
 
 def _load_gsm8k(split, size, seed, data_path):
-    """GSM8K rows {'question', 'answer'} from a local jsonl (or a folder with train/test.jsonl) or the hub."""
+    """GSM8K rows {'question', 'answer'} from a local jsonl (or a folder with train/test.jsonl)
+    or the hub."""
     hub_split = {"train": "train", "val": "test"}[split]  # the paper validates on the test set
     if data_path is not None:
-        path = Path(data_path) / f"{hub_split}.jsonl" if Path(data_path).is_dir() else Path(data_path)
+        path = Path(data_path)
+        if path.is_dir():
+            path = path / f"{hub_split}.jsonl"
         if not path.is_file():
-            raise ValueError(f"--data-path {data_path}: expected a .jsonl or a folder with {hub_split}.jsonl")
+            raise ValueError(f"--data-path {data_path}: expected a .jsonl or a folder with "
+                             f"{hub_split}.jsonl")
         with open(path, encoding="utf-8") as f:
             rows = [json.loads(line) for line in f if line.strip()]
     else:
         try:
             import datasets
 
-            rows = [dict(row) for row in datasets.load_dataset("openai/gsm8k", "main", split=hub_split)]
+            hub = datasets.load_dataset("openai/gsm8k", "main", split=hub_split)
+            rows = [dict(row) for row in hub]
         except Exception as err:
             raise ValueError(f"could not load openai/gsm8k from the hub ({type(err).__name__}); "
-                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} object per line, "
-                             "the answer ending in '#### N') or a folder with train.jsonl and test.jsonl") from err
+                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} "
+                             "object per line, the answer ending in '#### N') or a folder with "
+                             "train.jsonl and test.jsonl") from err
     rows = list(enumerate(rows))
     if split == "train":
         random.Random(seed).shuffle(rows)
-    size = len(rows) if size is None else min(size, len(rows))  # fixed splits: at most all of it (deviation 5)
+    # fixed splits: at most all of it (deviation 5)
+    size = len(rows) if size is None else min(size, len(rows))
     if size <= 0:
         raise ValueError(f"gsm8k: size must be positive or None, got {size}")
     return [{"question": row["question"], "answer": row["answer"].split("####")[-1].strip(),
@@ -174,38 +200,48 @@ def _load_gsm8k(split, size, seed, data_path):
 
 
 def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
-    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch in order
-    (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on load), every later
-    epoch a fresh seeded permutation."""
+    """Data order, a pure function of (seed, position), so resume needs no state: the first epoch
+    in order (reasoning-gym items are drawn at random and generated lazily, GSM8K is shuffled on
+    load), every later epoch a fresh seeded permutation."""
     start = (step * grad_accum + micro) * batch_size
     out = []
     for k in range(start, start + batch_size):
         epoch, i = divmod(k, n_items)
-        out.append(i if epoch == 0 else int(np.random.default_rng([seed, epoch]).permutation(n_items)[i]))
+        if epoch > 0:  # a fresh seeded permutation per epoch
+            i = int(np.random.default_rng([seed, epoch]).permutation(n_items)[i])
+        out.append(i)
     return out
 
 # -----------------------------------------------------------------------------
-# Prompt: system prompt + question through the chat template (paper §8, developer_prompt: DeepSeekZero)
+# Prompt: system prompt + question through the chat template (paper §8, developer_prompt:
+# DeepSeekZero)
 
-SYSTEM_PROMPT_NAMES = ("DeepSeekZero", "default", "simple", "direct", "chain_of_draft")  # reasoning_gym's keys
-WORKED_EXAMPLE = "\nExample:\nUser: What is 3 + 4?\nAssistant: <think>3 plus 4 is 7.</think>\n<answer>7</answer>\n"
+# reasoning_gym's keys
+SYSTEM_PROMPT_NAMES = ("DeepSeekZero", "default", "simple", "direct", "chain_of_draft")
+WORKED_EXAMPLE = ("\nExample:\nUser: What is 3 + 4?\n"
+                  "Assistant: <think>3 plus 4 is 7.</think>\n<answer>7</answer>\n")
 
 
-def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_example=False, response_prefix=""):
-    """The text the policy continues: chat template with add_generation_prompt=True, then response_prefix."""
+def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_example=False,
+                 response_prefix=""):
+    """The text the policy continues: chat template with add_generation_prompt=True, then
+    response_prefix."""
     from reasoning_gym.utils import SYSTEM_PROMPTS
 
     if system_prompt not in SYSTEM_PROMPTS:
-        raise ValueError(f"unknown system prompt {system_prompt!r}: use one of {', '.join(SYSTEM_PROMPTS)}")
+        raise ValueError(f"unknown system prompt {system_prompt!r}: use one of "
+                         f"{', '.join(SYSTEM_PROMPTS)}")
     system = SYSTEM_PROMPTS[system_prompt] + (WORKED_EXAMPLE if worked_example else "")
-    if getattr(tokenizer, "chat_template", None) is None:  # e.g. a base model: the plain format of deviation 4
+    # e.g. a base model: the plain format of deviation 4
+    if getattr(tokenizer, "chat_template", None) is None:
         return f"System: {system.rstrip()}\n\nUser: {question}\n\nAssistant: {response_prefix}"
     from jinja2.exceptions import TemplateError
 
     messages = [{"role": "system", "content": system}, {"role": "user", "content": question}]
     try:
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
-    except TemplateError:  # templates such as Gemma's reject the system role: put it before the question
+    # templates such as Gemma's reject the system role: put it before the question
+    except TemplateError:
         messages = [{"role": "user", "content": system + "\n\n" + question}]
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
     return text + response_prefix
@@ -213,8 +249,9 @@ def build_prompt(tokenizer, question, system_prompt="DeepSeekZero", worked_examp
 
 
 def policy_prompts(tok, questions, hints, args):
-    """The policy's input text x for each question (hints: output_collab's expert hints, else None). Training
-    and evaluation both call this, so a fork that changes the prompt changes it in both."""
+    """The policy's input text x for each question (hints: output_collab's expert hints, else
+    None). Training and evaluation both call this, so a fork that changes the prompt changes it
+    in both."""
     return [build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
                                  args.response_prefix) for q, h in zip(questions, hints)]
 
@@ -222,8 +259,9 @@ def policy_prompts(tok, questions, hints, args):
 # Answer extraction and reward
 
 def extract_answer(text):
-    """Content of the last complete <answer>...</answer> block, stripped; None if there is none. Linear time:
-    the last opening tag before the last closing tag, up to the first closing tag after it."""
+    """Content of the last complete <answer>...</answer> block, stripped; None if there is none.
+    Linear time: the last opening tag before the last closing tag, up to the first closing tag
+    after it."""
     if isinstance(text, bytes):  # invalid UTF-8 becomes U+FFFD
         text = text.decode("utf-8", "replace")
     text = "" if text is None else str(text)
@@ -236,43 +274,29 @@ def extract_answer(text):
 
 
 def format_bonus(completions, bonus):
-    """--format-bonus, a training-only deviation: `bonus` for each completion with a non-empty answer block,
-    else 0. It rewards the form, not the answer, so it gives a group reward variance before any answer is
-    right; evaluation (evaluate.score_items) scores with the task's scorer alone and never calls this."""
+    """--format-bonus, a training-only deviation: `bonus` for each completion with a non-empty
+    answer block, else 0. It rewards the form, not the answer, so it gives a group reward
+    variance before any answer is right; evaluation (evaluate.score_items) scores with the task's
+    scorer alone and never calls this."""
     return [float(bonus) if (extract_answer(c) or "") else 0.0 for c in completions]
 
 
 def coin_rewards(seed, step, micro, draw, n):
-    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch, draw), so a
-    resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The text is never read."""
+    """The random-reward control: n fair coins, a pure function of (seed, step, micro-batch,
+    draw), so a resumed run draws the same ones (draw > 0: --dynamic-sampling's re-draws). The
+    text is never read."""
     key = [seed, step, micro, 7] + ([draw] if draw else [])
     return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
 
 
-_GSM8K_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
-
-
-def _parse_number(text):
-    """'1,234', '$18', '18.0', ' 18 ', '18.' -> Decimal; anything else -> None. At most 64 characters reach
-    the regex and Decimal, so a hostile answer costs nothing (GSM8K is scored in the trainer's own process)."""
-    if len(text) > 1000:
-        return None
-    text = re.sub(r"[\s,$]", "", text).rstrip(".")
-    return Decimal(text) if len(text) <= 64 and _GSM8K_NUMBER.fullmatch(text) else None
-
-
-def score_gsm8k(answer, entry):
-    """GSM8K's reward (deviation 5): 1 if the answer equals the gold number numerically, else 0."""
-    gold = _parse_number(entry["answer"])
-    return float(gold is not None and _parse_number(answer) == gold)
-
-
 def score_batch(entries, completions, timeout=2.0):
-    """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers are scored by
-    safe_scoring.score_answers: model text never runs, and no single answer takes more than `timeout` seconds."""
-    assert len(entries) == len(completions), f"{len(entries)} entries but {len(completions)} completions"
+    """Rewards of a batch and counts {status: n, 'no_answer': n}, status in STATUSES. The answers
+    are scored by safe_scoring.score_answers: model text never runs, and no single answer takes
+    more than `timeout` seconds."""
+    assert len(entries) == len(completions), \
+        f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
-    results = score_answers(entries, answers, timeout)
+    results = score_answers(entries, answers, timeout, dataset_config)
     counts = {status: sum(s == status for _, s in results) for status in STATUSES}
     counts["no_answer"] = sum(a is None for a in answers)
     return [r for r, _ in results], counts
@@ -280,7 +304,7 @@ def score_batch(entries, completions, timeout=2.0):
 
 def safe_score(entry, completion, timeout=2.0):
     """(reward in [0, 1], status in STATUSES) of one completion."""
-    return score_answers([entry], [extract_answer(completion)], timeout)[0]
+    return score_answers([entry], [extract_answer(completion)], timeout, dataset_config)[0]
 
 
 def score(entry, completion):
@@ -291,14 +315,19 @@ def score(entry, completion):
 if __name__ == "__main__":
     import argparse
 
-    parser = argparse.ArgumentParser(description="Rewards of a right, a wrong and a hostile answer.")
-    parser.add_argument("--task", default="arithmetic", help="a family, gsm8k, or a reasoning-gym dataset name")
+    parser = argparse.ArgumentParser(description="Rewards of a right, a wrong and a hostile "
+                                     "answer.")
+    parser.add_argument("--task", default="arithmetic",
+                        help="a family, gsm8k, or a reasoning-gym dataset name")
     parser.add_argument("--n", type=int, default=3, help="number of validation items to show")
-    parser.add_argument("--data-path", default=None, help="gsm8k only: a local jsonl or a folder with them")
+    parser.add_argument("--data-path", default=None,
+                        help="gsm8k only: a local jsonl or a folder with them")
     args = parser.parse_args()
     assert args.n > 0, "--n must be positive"
     for entry in load_entries(args.task, "val", args.n, data_path=args.data_path):
-        gold = entry["metadata"].get("example_answer", entry["answer"])  # propositional_logic has no gold
+        # propositional_logic has no gold
+        gold = entry["metadata"].get("example_answer", entry["answer"])
         print(f"[{entry['metadata']['source_dataset']}] {entry['question'][-150:]!r}")
         for answer in (gold, "42", "__import__('os').system('echo pwned')"):
-            print(f"  {answer[:40]!r:44} -> reward %.3f (%s)" % safe_score(entry, f"<answer>{answer}</answer>"))
+            reward, status = safe_score(entry, f"<answer>{answer}</answer>")
+            print(f"  {answer[:40]!r:44} -> reward {reward:.3f} ({status})")

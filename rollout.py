@@ -1,58 +1,63 @@
 """
-Where the policy runs: the rollout (sampling G completions per prompt) and the scoring pass (their log-probs
-under the current policy or the reference), both conditioned on the context tokens C.
+Where the policy runs: the rollout (sampling G completions per prompt) and the scoring pass (their
+log-probs under the current policy or the reference), both conditioned on the context tokens C.
 
     pi_theta(y | [x || C])                                   (Eq. 3)
 
-Both start from the same `prefill`: [x || C] built by `policy_inputs`, run once per prompt, its KV cache repeated
-G times. So the rollout and the scoring pass see the same inputs and the same positions by construction; if they
-did not, the log-probs of the scoring pass would not be those of the policy that sampled (a small error for RoPE
-models, a large one for GPT-2's learned positions). tests/test_adapter.py checks it token for token.
+Both start from the same `prefill`: [x || C] built by `policy_inputs`, run once per prompt, its KV
+cache repeated G times. So the rollout and the scoring pass see the same inputs and the same
+positions by construction; if they did not, the log-probs of the scoring pass would not be those of
+the policy that sampled (a small error for RoPE models, a large one for GPT-2's learned positions).
+tests/test_adapter.py checks it token for token.
 
-  policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, attention mask, position ids
+  policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
-  sample               the rollout: G completions per prompt, KV-cached, LoRA merged into the weights
-  low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on a bfloat16 copy of the weights
+  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
+  low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
+  token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
 
-Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own loop
-instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring share `prefill`).
+Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own
+loop instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring
+share `prefill`).
 
 Try it on CPU:  python -m pytest tests/test_adapter.py -q -k "positions or prefix"
 """
 import contextlib
+import functools
+import inspect
 
 import torch
 import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
-from grpo import token_logprobs
 from lora import lora_merged
 
-# ----------------------------------------------------------------------------------------------------------
-# How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first token)
+# --------------------------------------------------------------------------------------------------
+# How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first
+# token)
 
 
 def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
     """Build (inputs_embeds, attention_mask, position_ids) for the policy.
 
-    prompt_ids, prompt_mask: [B, T] left-padded (padding on the left, so every prompt ends at T-1 and the
-    completion follows directly). C: [B, m, D] or None (no context tokens). embed: the policy's input
-    embedding module. The sequence is, with x_0 the first real token of the prompt:
+    prompt_ids, prompt_mask: [B, T] left-padded (padding on the left, so every prompt ends at T-1
+    and the completion follows directly). C: [B, m, D] or None (no context tokens). embed: the
+    policy's input embedding module. The sequence is, with x_0 the first real token of the prompt:
         "after"   [pad.. x C]            Eq. 3
         "before"  [x_0 C pad.. x_1..]    prefix tuning, kept behind the first token (see below)
-    The mask hides the padding wherever it sits, and positions count only unmasked tokens, so a prompt gets
-    the same positions whatever its batch-mates are. The reference policy gets torch.zeros_like(C) here:
-    zero tokens at the same positions (paper §4.1).
+    The mask hides the padding wherever it sits, and positions count only unmasked tokens, so a
+    prompt gets the same positions whatever its batch-mates are. The reference policy gets
+    torch.zeros_like(C) here: zero tokens at the same positions (paper §4.1).
 
-    Why not [C x] for "before": C starts at exactly 0 (W_out = 0). Tokens at the very front attend only to
-    each other, so zero tokens keep a hidden state of exactly 0 through every layer, where each RMSNorm has
-    slope 1/sqrt(eps) (316 for eps = 1e-5): the gradient reaching them grows ~316x per norm and overflows
-    float32 within ~15 layers. On SmolLM2-135M (30 layers) every update with a non-zero advantage had a NaN
-    gradient, was skipped, and C stayed 0 for ever (regression test in tests/test_adapter.py). Behind x_0
-    (the template's first token, the model's usual attention sink) C's hidden states are non-zero from the
-    first attention layer on, as with "after".
-    """
+    Why not [C x] for "before": C starts at exactly 0 (W_out = 0). Tokens at the very front
+    attend only to each other, so zero tokens keep a hidden state of exactly 0 through every
+    layer, where each RMSNorm has slope 1/sqrt(eps) (316 for eps = 1e-5): the gradient reaching
+    them grows ~316x per norm and overflows float32 within ~15 layers. On SmolLM2-135M (30
+    layers) every update with a non-zero advantage had a NaN gradient, was skipped, and C stayed
+    0 for ever (regression test in tests/test_adapter.py). Behind x_0 (the template's first
+    token, the model's usual attention sink) C's hidden states are non-zero from the first
+    attention layer on, as with "after"."""
     x = embed(prompt_ids)                                                   # (B, T, D)
     mask = prompt_mask.bool()
     if C is not None:
@@ -61,82 +66,113 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
         if position == "after":
             x, mask = torch.cat([x, C], 1), torch.cat([mask, ones], 1)
         elif position == "before":
-            first = mask & (mask.long().cumsum(-1) == 1)                    # (B, T) one-hot: x_0 of each row
+            first = mask & (mask.long().cumsum(-1) == 1)  # (B, T) one-hot: x_0 of each row
             x0 = x[first].unsqueeze(1)                                      # (B, 1, D)
             x = torch.cat([x0, C, x], 1)                                    # (B, 1 + m + T, D)
-            mask = torch.cat([ones[:, :1], ones, mask & ~first], 1)         # x_0's old column becomes padding
+            # x_0's old column becomes padding
+            mask = torch.cat([ones[:, :1], ones, mask & ~first], 1)
         else:
             raise ValueError(f"--context-position must be 'after' or 'before', got {position!r}")
     return x, mask, position_ids(mask)
 
 
 def position_ids(mask):
-    """Positions that skip padding: (mask.cumsum - 1) clamped at 0. Use it for every forward: a KV-cached
-    rollout and a one-pass scorer that count left padding differently score different sequences."""
+    """Positions that skip padding: (mask.cumsum - 1) clamped at 0. Use it for every forward: a
+    KV-cached rollout and a one-pass scorer that count left padding differently score different
+    sequences."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
 def encode_prompts(tok, prompts, device):
-    """Token ids and mask of the policy's prompts, left-padded. A chat template writes its own special tokens
-    into the text; a model without one (a base model such as Gemma-3-270M, GPT-2) gets what its tokenizer adds
-    to plain text, e.g. Gemma's <bos>, as the experts do (experts.py). Without its <bos> Gemma-3-270M scored 0.0
-    on the pocket task, with it 8.3 % on 12 items (a bug we had)."""
-    tok.padding_side = "left"  # every prompt ends at the last column, so completions follow directly
-    batch = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+    """Token ids and mask of the policy's prompts, left-padded. A chat template writes its own
+    special tokens into the text; a model without one (a base model such as Gemma-3-270M, GPT-2)
+    gets what its tokenizer adds to plain text, e.g. Gemma's <bos>, as the experts do
+    (experts.py). Without its <bos> Gemma-3-270M scored 0.0 on the pocket task, with it 8.3 % on
+    12 items (a bug we had)."""
+    # every prompt ends at the last column, so completions follow directly
+    tok.padding_side = "left"
+    batch = tok(prompts, return_tensors="pt", padding=True,
+                add_special_tokens=not tok.chat_template)
     return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
 
 
 def eos_token_ids(policy, tok):
-    """Every id that ends a completion: the tokenizer's EOS and the generation config's (Qwen2.5-Instruct ends
-    turns with <|im_end|> but lists <|endoftext|> too). Sorted, for completion_mask and sample."""
+    """Every id that ends a completion: the tokenizer's EOS and the generation config's
+    (Qwen2.5-Instruct ends turns with <|im_end|> but lists <|endoftext|> too). Sorted, for
+    completion_mask and sample."""
     ids = policy.generation_config.eos_token_id
     ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
     return sorted({tok.eos_token_id, *ids} - {None})
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The shared prefill
 
 
+def cache_kwargs(model, cache):
+    """The KV cache as a forward's keyword: `cache`, the name transformers 5.x moved to (the old
+    name, past_key_values, prints a FutureWarning on every call), or past_key_values where the
+    model has no other."""
+    return {cache_name(type(model)): cache}
+
+
+@functools.lru_cache(maxsize=None)
+def cache_name(model_class):
+    names = inspect.signature(model_class.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def cache_of(out):
+    """The KV cache a forward returned, by its name in this transformers version."""
+    return out.cache if "cache" in out else out.past_key_values
+
+
 def prefill(policy, prompt_ids, prompt_mask, C, G, position):
-    """Run [x || C] once per prompt and make room for G completions of each.
-    Returns (cache repeated G times, logits of y_0 [B*G, V], mask [B*G, P'], position of the last prefix
-    token [B*G, 1]). repeat_interleave is differentiable, so with gradient on, every completion's gradient flows
-    back through the cache into LoRA and C, and the prefix's activations are stored once."""
-    x, mask, pos = policy_inputs(policy.get_input_embeddings(), prompt_ids, prompt_mask, C, position)  # (B, P', D)
-    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True, logits_to_keep=1)
-    cache = out.past_key_values
+    """Run [x || C] once per prompt and make room for G completions of each. Returns (cache
+    repeated G times, logits of y_0 [B*G, V], mask [B*G, P'], position of the last prefix token
+    [B*G, 1]). repeat_interleave is differentiable, so with gradient on, every completion's
+    gradient flows back through the cache into LoRA and C, and the prefix's activations are
+    stored once."""
+    # (B, P', D)
+    embed = policy.get_input_embeddings()
+    x, mask, pos = policy_inputs(embed, prompt_ids, prompt_mask, C, position)  # (B, P', D)
+    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                 logits_to_keep=1)
+    cache = cache_of(out)
     cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
     return (cache, out.logits[:, -1].repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
             pos[:, -1:].repeat_interleave(G, 0))
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The rollout
 
 
 def draw(logits, temperature):
-    """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF sampling: one
-    uniform number per row, where torch.multinomial draws one exponential per vocabulary entry (~9 ms a step
-    for 8 x 49k on 2 CPU cores). A zero-probability token has an empty CDF interval and is never drawn."""
+    """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF
+    sampling: one uniform number per row, where torch.multinomial draws one exponential per
+    vocabulary entry (~9 ms a step for 8 x 49k on 2 CPU cores). A zero-probability token has an
+    empty CDF interval and is never drawn."""
     cdf = torch.softmax(logits.float() / temperature, -1).cumsum(-1)         # (N, V)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]         # (N, 1) uniform in [0, total)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # (N, 1) uniform in [0, total)
     return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
 
 
 @contextlib.contextmanager
 def low_precision_linears(model, dtype=torch.bfloat16):
-    """Inside: every nn.Linear (the LM head included) multiplies with a `dtype` copy of its weight, taken on
-    entry (after lora_merged, so the copy holds W + BA); activations go in as `dtype` and come out in their
-    own dtype, so attention, norms and the softmax stay float32. Decoding is memory-bound, and the 576 x
-    49,152 LM head alone reads 113 MB per token in float32: half the bytes, measured 1.55x faster decoding
-    of the pocket policy on one AVX512-BF16 core. The sampling distribution then differs slightly from the
-    float32 scoring pass: train.py logs the gap and can correct for it (grpo.truncated_is_weights)."""
+    """Inside: every nn.Linear (the LM head included) multiplies with a `dtype` copy of its
+    weight, taken on entry (after lora_merged, so the copy holds W + BA); activations go in as
+    `dtype` and come out in their own dtype, so attention, norms and the softmax stay float32.
+    Decoding is memory-bound, and the 576 x 49,152 LM head alone reads 113 MB per token in
+    float32: half the bytes, measured 1.55x faster decoding of the pocket policy on one
+    AVX512-BF16 core. The sampling distribution then differs slightly from the float32 scoring
+    pass: train.py logs the gap and can correct for it (grpo.truncated_is_weights)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
     for m in linears:
         w = m.weight.detach().to(dtype)
         b = None if m.bias is None else m.bias.detach().to(dtype)
-        m.forward = lambda x, w=w, b=b: F.linear(x.to(w.dtype), w, b).to(x.dtype)  # an instance attribute
+        # an instance attribute
+        m.forward = lambda x, w=w, b=b: F.linear(x.to(w.dtype), w, b).to(x.dtype)
     try:
         yield model
     finally:
@@ -147,48 +183,55 @@ def low_precision_linears(model, dtype=torch.bfloat16):
 @torch.no_grad()
 def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
            position="after", greedy=False, return_logprobs=False, dtype=None):
-    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad after EOS),
-    and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them with the scoring pass;
-    with dtype=bfloat16 they are the low-precision sampler's own, for the importance correction).
-    Speed-ups: one prefill per prompt (not G); LoRA folded into the weights while sampling (lora.lora_merged:
-    one matmul per layer instead of three, and no gradient is needed here); a preallocated KV cache; with
-    dtype, the matmuls on a copy of the weights in that dtype (low_precision_linears)."""
-    low = low_precision_linears(policy, dtype) if dtype not in (None, torch.float32) else contextlib.nullcontext()
+    """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad
+    after EOS), and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them
+    with the scoring pass; with dtype=bfloat16 they are the low-precision sampler's own, for the
+    importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
+    weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
+    gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
+    weights in that dtype (low_precision_linears)."""
+    low = contextlib.nullcontext()
+    if dtype not in (None, torch.float32):
+        low = low_precision_linears(policy, dtype)
     with lora_merged(policy), low:
         cache, logits, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, G, position)
-        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l for l in cache.layers]
+        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
+                        for l in cache.layers]
         logits = logits.float()                                           # (B*G, vocab)
         eos = torch.tensor(eos_ids, device=logits.device)
         done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
         tokens, logps = [], []
         for _ in range(max_new_tokens):
             nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)        # finished rows emit padding
+            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
             tokens.append(nxt)
             if return_logprobs:
-                logps.append(torch.log_softmax(logits / temperature, -1).gather(-1, nxt[:, None]).squeeze(-1))
+                logp_all = torch.log_softmax(logits / temperature, -1)     # (B*G, vocab)
+                logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
             done = done | torch.isin(nxt, eos)
             if done.all():
                 break
-            mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
-            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                         use_cache=True)
-            cache, logits = out.past_key_values, out.logits[:, -1].float()
+            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B*G, P' + t + 1)
+            pos = pos + 1
+            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                         use_cache=True, **cache_kwargs(policy, cache))
+            cache, logits = cache_of(out), out.logits[:, -1].float()
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
     return torch.stack(tokens, 1)
 
 
 class _Preallocated(DynamicLayer):
-    """One layer of HF's DynamicCache with room for `extra` tokens reserved up front. DynamicLayer.update
-    torch.cat-s the whole history for every new token: O(T^2) copying, 35 % of the rollout's time measured
-    on the pocket policy (8 x 64 tokens after a 193-token prompt). Here each token is written in place and
-    keys/values are views of the filled part, so shapes and masks are exactly DynamicLayer's."""
+    """One layer of HF's DynamicCache with room for `extra` tokens reserved up front.
+    DynamicLayer.update torch.cat-s the whole history for every new token: O(T^2) copying, 35 %
+    of the rollout's time measured on the pocket policy (8 x 64 tokens after a 193-token prompt).
+    Here each token is written in place and keys/values are views of the filled part, so shapes
+    and masks are exactly DynamicLayer's."""
 
     def __init__(self, layer, extra):
         super().__init__()
         (N, H, P, Dk), Dv = layer.keys.shape, layer.values.shape[-1]
-        self.k_buf = layer.keys.new_empty(N, H, P + extra, Dk)            # (B*G, heads, P + extra, head dim)
+        self.k_buf = layer.keys.new_empty(N, H, P + extra, Dk)  # (B*G, heads, P + extra, head dim)
         self.v_buf = layer.values.new_empty(N, H, P + extra, Dv)
         self.k_buf[:, :, :P], self.v_buf[:, :, :P] = layer.keys, layer.values
         self.n, self.keys, self.values = P, self.k_buf[:, :, :P], self.v_buf[:, :, :P]
@@ -201,31 +244,58 @@ class _Preallocated(DynamicLayer):
         return self.keys, self.values
 
 
-# ----------------------------------------------------------------------------------------------------------
+# --------------------------------------------------------------------------------------------------
 # The scoring pass
 
 
-def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
-                        position="after"):
+def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask,
+                        temperature, position="after"):
     """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
 
     prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
-    completion_mask [N, T] hold G = N / B completions per prompt in consecutive blocks, as `sample` returns
-    them (B = N, G = 1 is fine too).
+    completion_mask [N, T] hold G = N / B completions per prompt in consecutive blocks, as `sample`
+    returns them (B = N, G = 1 is fine too).
 
-    Speed-ups, both exact up to float rounding (tests/test_adapter.py compares log-probs and gradients with
-    one plain forward over G copies of [x || C || y]):
-      1. Shared prefix (`prefill`): P + G*T tokens per group instead of G*(P + T). The prompt is often longer
-         than the completion (system prompt, worked example), so this roughly halves the policy and reference
-         passes.
-      2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no [P, V]
-         log-softmax over the prompt is ever built."""
+    Speed-ups, both exact up to float rounding (tests/test_adapter.py compares log-probs and
+    gradients with one plain forward over G copies of [x || C || y]):
+      1. Shared prefix (`prefill`): P + G*T tokens per group instead of G*(P + T). The prompt is
+         often longer than the completion (system prompt, worked example), so this roughly halves
+         the policy and reference passes.
+      2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no
+         [P, V] log-softmax over the prompt is ever built."""
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")
     cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
     mask = torch.cat([mask, completion_mask], 1)                         # (N, P' + T)
-    pos = pos + completion_mask.long().cumsum(-1)                        # (N, T) = (mask.cumsum - 1) there
-    logits = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, past_key_values=cache,
-                    use_cache=True, logits_to_keep=T).logits              # (N, T, V) row t predicts y_{t+1}
-    return token_logprobs(torch.cat([first[:, None], logits[:, :-1]], 1), completion_ids, temperature)  # (N, T)
+    pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
+    out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                 logits_to_keep=T, **cache_kwargs(policy, cache))
+    logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
+    return token_logprobs(logits, completion_ids, temperature)   # (N, T)
+
+
+def token_logprobs(logits, tokens, temperature=1.0):
+    """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at
+    tokens, float32 [N, T]. Align first: logits[:, t] must be the distribution that produced
+    tokens[:, t] (for a prompt of length P, completion tokens ids[:, P:] are scored by logits[:,
+    P-1:-1]). Temperature must be the sampling temperature, or logp_old and logp describe a
+    different policy.
+
+    log softmax(x)_k = x_k - logsumexp(x): gather one logit and subtract the row's logsumexp, so
+    no [T, V] log_softmax tensor is written. Going one completion at a time bounds the float32
+    copy of the logits to one [T, V] row: under torch.no_grad (the logp_ref pass) that is the
+    peak extra memory; with gradient, autograd keeps each row's float32 logits for the backward
+    pass, as log_softmax would."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
+        raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
+                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
+    rows = []
+    for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
+        x = row_logits.float() / temperature  # (T, V) float32: bf16 softmax loses ~1e-2
+        picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
+        rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
+    # (N, T) fp32
+    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)

@@ -340,7 +340,7 @@ class Policy:
         if fast:
             T = gold.shape[1]
             out, _, _ = self._fast_prefill([q for q, _ in items_], C, self.embed(gold), gmask, logits_to_keep=T + 1)
-            return grpo.token_logprobs(out.logits[:, :T], gold), gmask
+            return rollout.token_logprobs(out.logits[:, :T], gold), gmask
         ids, mask = pad_left([self.prompt_ids(q) for q, _ in items_], self.pad)
         return rollout.completion_logprobs(self.model, ids, mask, C, gold, gmask, 1.0, self.position), gmask
 
@@ -413,7 +413,7 @@ def teacher_forced(pol, it, C):
         x, m = torch.cat([x, pol.embed(gold)], 1), torch.cat([m, gm], 1)
         pos = (m.long().cumsum(-1) - 1).clamp(min=0)
         logits = pol.model(inputs_embeds=x, attention_mask=m, position_ids=pos, logits_to_keep=T + 1).logits[:, :T]
-    logp = grpo.token_logprobs(logits, gold)
+    logp = rollout.token_logprobs(logits, gold)
     return torch.where(gm, logp, torch.zeros_like(logp)).sum(1), ((logits.argmax(-1) == gold) | ~gm).all(1)
 
 

@@ -64,7 +64,7 @@ from channel import (CACHE, POLICY, RESPONSE, TASK, TASK_CONFIG, ChannelAdapter,
                      expert_input, expert_model, pad_left, teacher_forced)
 from experts import load_model  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
-from stats import paired_comparison  # noqa: E402
+from support.stats import paired_comparison  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "mechanism")
 # The GRPO runs of the suite are shorter than the defaults for lack of CPU: on one shared core a step of
@@ -162,7 +162,7 @@ def completion_logprobs(pol, questions, C, comp, comp_mask):
     T = comp.shape[1]
     out, _, _ = pol._fast_prefill(qs, C.repeat_interleave(G, dim=0), pol.embed(comp), comp_mask,
                                   logits_to_keep=T + 1)
-    return grpo.token_logprobs(out.logits[:, :T], comp)
+    return rollout.token_logprobs(out.logits[:, :T], comp)
 
 
 def rewards_of(pol, comp, comp_mask, answers, G):

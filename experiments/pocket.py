@@ -52,7 +52,8 @@ TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
 
 LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1", "--rollout-dtype", "bfloat16", "--tis-cap", "2"]
-STATE_NORM_METHODS = {"ours", "identical", "no_xattn"}  # the methods with a fit_state_norm (baselines.py)
+STATE_NORM_METHODS = {"ours", "identical", "no_xattn"}
+NEIGHBOURS = {"conductor", "rlae"}  # neighbours/NAME.py, not train.py --method NAME  # the methods with a fit_state_norm (baselines.py)
 
 
 def run(cmd, log):
@@ -119,10 +120,13 @@ def main():
             resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []  # started before
             done = os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
             norm = ["--state-norm", a.state_norm] if method in STATE_NORM_METHODS else []
+            # the neighbours are scripts of their own (neighbours/), which evaluate their runs too
+            script = [f"neighbours/{method}.py"] if method in NEIGHBOURS else ["train.py", "--method", method]
+            scorer = [f"neighbours/{method}.py", "evaluate"] if method in NEIGHBOURS else ["evaluate.py"]
             if not done:
-                run(["train.py", *TASK, *PROMPT, *hyper, *extra, *norm, *flags, "--team", team, "--method", method,
+                run([*script, *TASK, *PROMPT, *hyper, *extra, *norm, *flags, "--team", team,
                      "--seed", str(seed), "--out", out, *resume], log)
-            run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
+            run([*scorer, "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
         archive(out, os.path.join(a.results, "runs"))
     run(["evaluate.py", "--summarize", a.out, "--out", a.results], log)
     print(open(os.path.join(a.results, "table.md")).read())

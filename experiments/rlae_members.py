@@ -5,7 +5,7 @@ The control RLAE's pocket score needs: each ensemble member alone, through the *
     python experiments/rlae_members.py --weights 0 1          # SmolLM2-135M-Instruct alone
     python experiments/rlae_members.py --weights 0.5 0.5      # the uniform mixture, with no agent at all
 
-RLAE's decoder (rlae.py) does more than mix: it moves each member's distribution onto a union vocabulary and
+RLAE's decoder (neighbours/rlae.py) does more than mix: it moves each member's distribution onto a union vocabulary and
 re-tokenises every chosen token piece by piece for each member, which plain decoding does not. If a member alone
 through this decoder scored like the mixture, the gain would come from the decoder, not from ensembling. With
 fixed weights the agent is never consulted, so no trained run is needed. The items are the validation items of
@@ -26,12 +26,13 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import config  # noqa: E402
+from support import config  # noqa: E402
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
-import stats  # noqa: E402
-from checkpoint import write_json  # noqa: E402
+from support import stats  # noqa: E402
+from support.checkpoint import write_json  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
+from neighbours import rlae  # noqa: E402
 
 POCKET = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
           "--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
@@ -49,12 +50,13 @@ def main():
     w = torch.tensor(a.weights)
     if (w < 0).any() or abs(float(w.sum()) - 1) > 1e-6:
         config.fail(f"--weights must be >= 0 and sum to 1, got {a.weights}")
-    args = config.parse_args(POCKET + ["--team", a.team, "--method", "rlae", "--seed", str(a.seed)])
+    args = rlae.parse_args(POCKET + ["--team", a.team, "--seed", str(a.seed)])
     args.team_models = team_models(args)
     device = pick_device("auto")
     items = rewards.load_entries(args.task, "val", a.n, args.seed, args.data_path, args.task_config)
     items = [items[i] for i in range(min(a.n, len(items)))]
-    policy, tok, method, eos_ids = evaluate.load_policy(SimpleNamespace(**vars(args)), device=device)
+    policy, tok, method, eos_ids = evaluate.load_policy(SimpleNamespace(**vars(args)), device=device,
+                                                        build=rlae.rlae)
     if len(method.members) != len(w):
         config.fail(f"--weights: the team has {len(method.members)} members ({', '.join(method.names)}), got {len(w)}")
     method.fixed_weights = w

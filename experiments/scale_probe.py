@@ -26,9 +26,9 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-import config  # noqa: E402
+from support import config  # noqa: E402
 import rewards  # noqa: E402
-from checkpoint import write_json  # noqa: E402
+from support.checkpoint import write_json  # noqa: E402
 from evaluate import gold_logprobs  # noqa: E402
 from experts import load_model, team_models  # noqa: E402
 

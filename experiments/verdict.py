@@ -35,7 +35,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from pocket import archive, run  # noqa: E402
-from stats import holm, mean_std, sign_flip_p  # noqa: E402
+from support.stats import holm, mean_std, sign_flip_p  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict")
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]

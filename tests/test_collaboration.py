@@ -11,7 +11,7 @@ import torch
 from baselines import METHODS
 from evaluate import derangement
 from evaluate import SHUFFLE_NA, paired_table
-from stats import paired_bootstrap_ci, paired_comparison, sign_test_p
+from support.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
 from rewards import coin_rewards

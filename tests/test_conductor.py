@@ -1,4 +1,4 @@
-"""The Conductor (conductor.py): the workflow parser reads data and never code, the reward's three levels, the
+"""The Conductor (neighbours/conductor.py): the workflow parser reads data and never code, the reward's three levels, the
 workers' routing statistics, and a tiny-team run of train.py and evaluate.py."""
 import json
 import os
@@ -7,8 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import conductor as C
-from conductor import parse_workflow
+from neighbours import conductor as C
+from neighbours.conductor import parse_workflow
 
 GOOD = 'model_id = [0, 1]\nsubtasks = ["Add the numbers.", "Check the sum and answer."]\naccess_list = [[], [0]]'
 
@@ -118,40 +118,40 @@ def test_workers_see_only_what_access_list_gives(tiny_policy):
 @pytest.mark.parametrize("flags", [["--inner-epochs", "2"], ["--reward", "random"], ["--format-bonus", "0.1"],
                                    ["--dynamic-sampling", "2"], ["--rollout-dtype", "bfloat16"]])
 def test_options_their_own_step_does_not_have_fail_loudly(method, flags, capsys):
-    from train import parse_args
+    from neighbours import rlae
+    parse_args = {"conductor": C.parse_args, "rlae": rlae.parse_args}[method]
     with pytest.raises(SystemExit) as e:
-        parse_args(["--method", method, *flags])
+        parse_args(flags)
     assert e.value.code == 2 and capsys.readouterr().err.startswith(f"error: --method {method} runs its own step")
 
 
 def test_beta_defaults_to_zero_for_the_conductor_only():
     from train import parse_args
-    assert parse_args(["--method", "conductor"]).beta == 0.0
+    assert C.parse_args([]).beta == 0.0 and C.parse_args([]).method == "conductor"
     assert parse_args(["--method", "ours"]).beta == 0.04
-    assert parse_args(["--method", "conductor", "--beta", "0.1"]).beta == 0.1
+    assert C.parse_args(["--beta", "0.1"]).beta == 0.1
 
 
 def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
-    """train.py --method conductor: 2 GRPO steps, its log fields, a checkpoint that evaluate.py scores."""
+    """neighbours/conductor.py: 2 GRPO steps, its log fields, a checkpoint that evaluate.py scores."""
     from evaluate import evaluate
-    from train import main
     out = str(tmp_path / "c")
-    main(["--task", "chain_sum", "--team", "tiny", "--method", "conductor", "--device", "cpu", "--dataset-size", "16",
+    C.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16",
           "--system-prompt", "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
           "--max-new-tokens", "8", "--out", out])
     ms = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [m["step"] for m in ms] == [1, 2] and all(0 <= m["parse_rate"] <= 1 and m["kl"] == 0 for m in ms)
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
-    res = evaluate(cfg, 2, 2, state["lora"], state["method"])
+    res = evaluate(cfg, 2, 2, state["lora"], state["method"], build=C.conductor)
     assert res["n"] == 2 and res["method"] == "conductor"
 
 
 def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
-    """report.py: both methods get a table row and a Fig. 4 of their own (workers / members by name); a conductor
+    """support/report.py: both methods get a table row and a Fig. 4 of their own (workers / members by name); a conductor
     step where nothing parsed has no utilisation and is a gap, not a crash."""
     pytest.importorskip("matplotlib")
-    from report import plot_runs, summarize
+    from support.report import plot_runs, summarize
     for method in ("conductor", "rlae"):
         run = tmp_path / method
         os.makedirs(run)
@@ -175,7 +175,6 @@ def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
 def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypatch):
     """The random tiny policy never writes a workflow that parses, so plant one for every other completion: the
     workers run, the rewards take their three levels, and GRPO's gradient reaches LoRA."""
-    from train import main
     calls = {"n": 0}
 
     def every_other(text, n_workers, max_steps):
@@ -184,7 +183,7 @@ def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypa
     monkeypatch.setattr(C, "parse_workflow", every_other)
     right = lambda items, texts: ([float(i % 2) for i in range(len(texts))], {})  # noqa: E731  half right
     out = str(tmp_path / "c")
-    main(["--task", "chain_sum", "--team", "tiny", "--method", "conductor", "--device", "cpu", "--dataset-size", "16",
+    C.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16",
           "--system-prompt", "simple", "--steps", "1", "--batch-size", "2", "--grad-accum", "1", "--group-size", "4",
           "--max-new-tokens", "6", "--out", out], score_batch=right)
     m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())

@@ -1,4 +1,4 @@
-"""Data parallelism (distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
+"""Data parallelism (support/distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
 as one process does; a rank that dies stops the job in one line and --resume continues it; bad input is refused.
 
 The runs are subprocesses (torchrun starts its own); they are started together by one fixture, as in
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-import distributed
+from support import distributed
 from test_hardening import read_metrics as metrics  # whole lines, steps 1, 2, ... once each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import completion_mask, group_advantages, grpo_loss, token_logprobs
-from rollout import draw
+from grpo import completion_mask, group_advantages, grpo_loss
+from rollout import draw, token_logprobs
 
 e = math.exp
 

@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-import checkpoint
+from support import checkpoint
 import evaluate
 import train
 

@@ -1,4 +1,4 @@
-"""--plan (plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
+"""--plan (support/plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
 autograd keeps, it writes nothing; experts can run on another device and their states come back."""
 import os
 import subprocess
@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-import plan
+from support import plan
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

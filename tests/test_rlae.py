@@ -1,4 +1,4 @@
-"""RLAE (rlae.py): the union vocabulary round-trips text and tokens across a byte-level and a SentencePiece-style
+"""RLAE (neighbours/rlae.py): the union vocabulary round-trips text and tokens across a byte-level and a SentencePiece-style
 tokenizer, the mixture is a distribution and equals a member's when its weight is 1 (planted mistakes fail the
 same checks), the Dirichlet log-prob matches torch's, the agent starts uniform and gets gradient, and a tiny-team
 run of train.py and evaluate.py."""
@@ -11,7 +11,7 @@ import torch
 
 import grpo
 import rewards
-import rlae
+from neighbours import rlae
 from experts import TEAMS, tiny_tokenizer
 
 TEXT = "12+ the\n\u00e9 \u00f6x 12"  # a merged piece, spaces, a newline, a 2-byte letter and one only bytes can spell
@@ -182,9 +182,8 @@ def test_fixed_weights_decode_one_member_alone_whatever_the_agent(tiny_rlae):
 
 def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
     from evaluate import evaluate
-    from train import main
     out = str(tmp_path / "r")
-    main(["--task", "chain_sum", "--team", "tiny", "--method", "rlae", "--device", "cpu", "--dataset-size", "16",
+    rlae.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16",
           "--system-prompt", "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
           "--max-new-tokens", "8", "--ensemble-span", "4", "--out", out])
     ms = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
@@ -195,5 +194,5 @@ def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert set(state["method"]) == {k for k, _ in state["method"].items() if k.startswith("agent.")}
-    res = evaluate(cfg, 2, 2, state["lora"], state["method"])
+    res = evaluate(cfg, 2, 2, state["lora"], state["method"], build=rlae.rlae)
     assert res["n"] == 2 and res["method"] == "rlae"

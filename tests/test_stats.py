@@ -1,9 +1,9 @@
-"""stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
+"""support/stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
 hand-worked cases are in tests/test_baselines.py and tests/test_collaboration.py)."""
 import numpy as np
 import pytest
 
-from stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p, spearman
+from support.stats import paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p, spearman
 
 scipy_stats = pytest.importorskip("scipy.stats")
 
@@ -90,7 +90,7 @@ def test_seed_table_pairs_each_method_with_single_on_the_same_seed(tmp_path):
 def test_holm_by_hand_and_as_the_sequential_rule():
     """Holm (1979) worked by hand: p = (0.01, 0.04, 0.03, 0.005), m = 4. Sorted 0.005, 0.01, 0.03, 0.04 times
     4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; the running maximum makes the last 0.06."""
-    from stats import holm
+    from support.stats import holm
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([0.5]) == [0.5] and holm([0.9, 0.2]) == [0.9, 0.4] and holm([0.6, 0.7, 0.01]) == [1.0, 1.0, 0.03]
     # the same decisions as the step-down rule: reject p_(k) while p_(k) < alpha / (m - k + 1), then stop
@@ -111,7 +111,7 @@ def test_the_two_level_bootstrap_covers_badly_with_few_seeds_and_the_sign_flip_t
     difference (the between-seed spread the pocket runs show), 100 items of 0/1 noise. The bootstrap's 95 %
     interval should exclude 0 in 5 % of draws; with 3 seeds it does so far more often. The exact sign-flip test
     at alpha = 0.05 never rejects with 3 seeds (its smallest p is 0.25) and stays at or below 5 % with 10."""
-    from stats import MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci
+    from support.stats import MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci
     rng = np.random.default_rng(0)
 
     def null_draw(n_seeds):

@@ -9,7 +9,7 @@ import numpy as np
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
 from verdict import FAMILY, analyse  # noqa: E402
 
-from stats import holm, sign_flip_p  # noqa: E402
+from support.stats import holm, sign_flip_p  # noqa: E402
 
 
 def record(score, shuffled=None, strong=0.25, n=100, seed=0):

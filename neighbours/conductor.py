@@ -1,8 +1,9 @@
 """
 The Conductor: the LoRA policy writes a workflow in text, frozen workers carry it out, GRPO trains the writer.
 
-    python train.py --task chain_sum --team tiny --method conductor --steps 2 --batch-size 2 --grad-accum 1 \
+    python neighbours/conductor.py --task chain_sum --team tiny --steps 2 --batch-size 2 --grad-accum 1 \
         --group-size 2 --max-new-tokens 16 --out runs/try-conductor          # seconds, on any CPU
+    python neighbours/conductor.py evaluate --run runs/try-conductor --n 20   # evaluate.py's flags
 
 Conductor (Nielsen et al., 2025): a language model trained with GRPO coordinates a pool of worker models by
 writing, for each question, a workflow of three equal-length lists:
@@ -20,8 +21,10 @@ The workers run in order; the last worker's answer is the workflow's output. Rew
 Here the conductor is the same LoRA policy every other method trains, and the workers are the team's frozen
 generative experts (an encoder has no words to give, so it cannot be a worker). The policy's completion is the
 workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
-grpo.grpo_loss; only the prompt and the reward differ. train.grpo_step hands the whole step to
-Conductor.grpo_step; evaluate.py calls Conductor.answer.
+grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own loop, as cleanrl
+keeps one file per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main
+is train.py's loop around it (the plumbing, checkpoints, --resume and --eval-items, is train.py's own). No
+torchrun: one process. evaluate.py calls Conductor.answer.
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
 it knows brackets, commas, integers and quoted strings and nothing else. Nothing the model writes is ever
@@ -40,7 +43,7 @@ Deviations from the paper (numbered):
      from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache).
   4. The output is scored by the task's scorer (rewards.score_batch); with partial credit, r = 0.5 + 0.5 * score
      for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong.
-  5. The paper trains without KL; here --beta defaults to 0 for this method (train.py), and a user's --beta
+  5. The paper trains without KL; here --beta defaults to 0 (parse_args below), and a user's --beta
      adds the usual k3 KL to the policy with LoRA off.
   6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
      (the paper's recursive variant lets it pick itself).
@@ -48,17 +51,27 @@ Deviations from the paper (numbered):
 Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse), mean_steps (over parsed
 workflows), and each workflow's share of steps per worker as the routing distribution A [N, 1, K], so
 `utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
-for the other methods and report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
+for the other methods and support/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
 """
+import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
 
-import grpo
-import rewards
-import rollout
-from adapter import routing_stats
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's core
+
+import evaluate  # noqa: E402
+import grpo  # noqa: E402
+import rewards  # noqa: E402
+import rollout  # noqa: E402
+import train  # noqa: E402
+from adapter import routing_stats  # noqa: E402
+from experts import is_encoder, load_model  # noqa: E402
+from lora import lora_disabled  # noqa: E402
+from support import distributed  # noqa: E402
+from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -289,87 +302,9 @@ class Conductor(nn.Module):
         plans = [parse_workflow(CONDUCTOR_PREFIX + t, len(self.workers), self.max_steps) for t in texts]
         return self.run_workflows(questions, plans)
 
-    def grpo_step(self, step, run, args, score_batch):
-        """rollout (workflow text) -> workers -> reward -> advantage -> (reference) -> loss -> step -> log."""
-        from lora import lora_disabled
-        from rewards import batch_indices
-        from train import clip_gradients
-        policy, tok, optimizer, G, device = run["policy"], run["tok"], run["optimizer"], args.group_size, run["device"]
-        eos_ids, K, t0 = run["eos_ids"], len(self.workers), time.time()
-        batches = []
-        for micro in range(args.grad_accum):
-            items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                                  len(run["train_items"]), args.seed)]
-            questions = [it["question"] for it in items]
-            # ---- rollout: G workflows per question, written by the policy --------------------------------------
-            ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, self.max_steps) for q in questions],
-                                               device)
-            comp = rollout.sample(policy, ids, mask, None, G, args.max_new_tokens, args.temperature, eos_ids,
-                                  tok.pad_token_id)
-            comp_mask = grpo.completion_mask(comp, eos_ids)
-            texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
-            plans = [parse_workflow(CONDUCTOR_PREFIX + t, K, self.max_steps) for t in texts]
-            # ---- the workers carry the workflows out; the last answer is scored -------------------------------
-            rows = [q for q in questions for _ in range(G)]
-            outputs = self.run_workflows(rows, plans)
-            parsed = [n for n, p in enumerate(plans) if p is not None]
-            item_rows = [it for it in items for _ in range(G)]
-            scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
-                if parsed else ([], {})
-            score_of = dict(zip(parsed, scores))
-            r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
-            adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
-            logp_ref = None
-            if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
-                with torch.no_grad(), lora_disabled(policy):
-                    logp_ref = rollout.completion_logprobs(policy, ids, mask, None, comp, comp_mask, args.temperature)
-            batches.append(dict(questions=questions, items=items, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
-                                r=r, adv=adv, logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
-                                texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
-        # ---- loss and step (mu = 1: logp_old = logp, detached) ----------------------------------------------------
-        optimizer.zero_grad(set_to_none=True)
-        losses, stats = [], []
-        for b in batches:
-            logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None, b["comp"], b["comp_mask"],
-                                               args.temperature)
-            logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
-            loss, m = grpo.grpo_loss(logp, logp.detach(), logp_ref, b["adv"], b["comp_mask"], args.clip_eps,
-                                     args.beta, args.loss_aggregation)
-            (loss / args.grad_accum).backward()
-            losses.append(loss.item()), stats.append(m)
-        grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
-        finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-        if finite:
-            optimizer.step()
-        # ---- log ----------------------------------------------------------------------------------------------------
-        r_all = torch.cat([b["r"] for b in batches])
-        plans = [p for b in batches for p in b["plans"]]
-        n_parsed = sum(b["n_parsed"] for b in batches)
-        same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-        rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-               "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
-               **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
-               "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
-               "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
-               "truncated_fraction": torch.cat([~torch.isin(b["comp"], torch.tensor(eos_ids, device=device)).any(-1)
-                                                for b in batches]).float().mean().item(),
-               "zero_std_fraction": same.float().mean().item(),
-               "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
-               "answer_rate": (n_parsed - sum(b["counts"].get("no_answer", 0) for b in batches)) / len(plans),
-               "parse_rate": n_parsed / len(plans),
-               "mean_steps": sum(len(p[0]) for p in plans if p) / n_parsed if n_parsed else 0.0,
-               "skipped_update": not finite}
-        A = self.usage(plans)
-        if A is not None:
-            rec["entropy"], rec["utilization"] = routing_stats(A)
-            rec["utilization_names"] = self.names
-        rec["seconds"] = time.time() - t0
-        return rec, batches
-
 
 def conductor(team, out_dim, args, device, dtype):
     """baselines.py's signature. Workers: the team's experts that can write (decoders), "Model 0..k-1" in order."""
-    from experts import is_encoder, load_model
     workers, names = [], []
     for name in team["experts"]:
         model, tok = load_model(name, device, dtype)
@@ -379,3 +314,112 @@ def conductor(team, out_dim, args, device, dtype):
         raise ValueError(f"--method conductor: team {team['experts']} has no generative expert to be a worker")
     return Conductor(workers, names, args.max_workflow_steps, args.max_new_tokens,
                      (args.system_prompt, args.worked_example, args.response_prefix))
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One GRPO step, and the loop
+
+
+def grpo_step(step, run, args, score_batch):
+    """rollout (workflow text) -> workers -> reward -> advantage -> (reference) -> loss -> step -> log."""
+    cond, policy, tok, optimizer = run["method"], run["policy"], run["tok"], run["optimizer"]
+    G, device, eos_ids, K, t0 = args.group_size, run["device"], run["eos_ids"], len(cond.workers), time.time()
+    train.set_learning_rates(optimizer, step, args)                     # --lr-schedule, --warmup-steps
+    batches = []
+    for micro in range(args.grad_accum):
+        items = [run["train_items"][i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                              len(run["train_items"]), args.seed)]
+        questions = [it["question"] for it in items]
+        # ---- rollout: G workflows per question, written by the policy --------------------------------------
+        ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, cond.max_steps) for q in questions],
+                                           device)
+        comp = rollout.sample(policy, ids, mask, None, G, args.max_new_tokens, args.temperature, eos_ids,
+                              tok.pad_token_id)
+        comp_mask = grpo.completion_mask(comp, eos_ids)
+        texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
+        plans = [parse_workflow(CONDUCTOR_PREFIX + t, K, cond.max_steps) for t in texts]
+        # ---- the workers carry the workflows out; the last answer is scored -------------------------------
+        rows = [q for q in questions for _ in range(G)]
+        outputs = cond.run_workflows(rows, plans)
+        parsed = [n for n, p in enumerate(plans) if p is not None]
+        item_rows = [it for it in items for _ in range(G)]
+        scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
+            if parsed else ([], {})
+        score_of = dict(zip(parsed, scores))
+        r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
+        adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
+        logp_ref = None
+        if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
+            with torch.no_grad(), lora_disabled(policy):
+                logp_ref = rollout.completion_logprobs(policy, ids, mask, None, comp, comp_mask, args.temperature)
+        batches.append(dict(questions=questions, items=items, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
+                            r=r, adv=adv, logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
+                            texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
+    # ---- loss and step (mu = 1: logp_old = logp, detached) ----------------------------------------------------
+    optimizer.zero_grad(set_to_none=True)
+    losses, stats = [], []
+    for b in batches:
+        logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None, b["comp"], b["comp_mask"],
+                                           args.temperature)
+        logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
+        loss, m = grpo.grpo_loss(logp, logp.detach(), logp_ref, b["adv"], b["comp_mask"], args.clip_eps,
+                                 args.beta, args.loss_aggregation)
+        (loss / args.grad_accum).backward()
+        losses.append(loss.item()), stats.append(m)
+    grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
+    finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
+    if finite:
+        optimizer.step()
+    # ---- log ----------------------------------------------------------------------------------------------------
+    r_all = torch.cat([b["r"] for b in batches])
+    plans = [p for b in batches for p in b["plans"]]
+    n_parsed = sum(b["n_parsed"] for b in batches)
+    same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+           "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
+           **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+           "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
+           "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
+           "truncated_fraction": torch.cat([~torch.isin(b["comp"], torch.tensor(eos_ids, device=device)).any(-1)
+                                            for b in batches]).float().mean().item(),
+           "zero_std_fraction": same.float().mean().item(),
+           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
+           "answer_rate": (n_parsed - sum(b["counts"].get("no_answer", 0) for b in batches)) / len(plans),
+           "parse_rate": n_parsed / len(plans),
+           "mean_steps": sum(len(p[0]) for p in plans if p) / n_parsed if n_parsed else 0.0,
+           "skipped_update": not finite}
+    A = cond.usage(plans)
+    if A is not None:
+        rec["entropy"], rec["utilization"] = routing_stats(A)
+        rec["utilization_names"] = cond.names
+    rec["seconds"] = time.time() - t0
+    return rec, batches
+
+
+def parse_args(argv=None):
+    """train.py's flags (support/config.py), --method conductor, and the conductor's own."""
+    p = build_parser(methods=["conductor"], description=__doc__.strip().splitlines()[0])
+    p.set_defaults(beta=0.0)  # the paper trains without KL (deviation 5)
+    p.add_argument("--max-workflow-steps", type=COUNT, default=2, help="most steps a workflow may have "
+                   "(paper: 5; 2 keeps a CPU step affordable)")
+    args = parse(p, argv)
+    return refuse_train_levers(p, args)
+
+
+def main(argv=None, score_batch=None):
+    """Train the conductor (train.py's flags), or `evaluate ...` a run of it (evaluate.py's flags)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["evaluate"]:
+        return evaluate.main(argv[1:], build=conductor)
+    args = parse_args(argv)
+    run, start = train.start_run(args, distributed.ONE, build=conductor)
+    score_batch = score_batch or rewards.score_batch
+    bar, bad_steps = train.progress_bar(start, args), 0
+    for step in bar:
+        rec, batches = grpo_step(step, run, args, score_batch)
+        bad_steps = train.after_step(run, args, step, rec, batches, bar, bad_steps)
+    return train.finish_run(run, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,25 +1,32 @@
 """
 The configuration of a training run: every train.py flag, its default (the paper's, unless the help says
-otherwise), its type check and the checks between flags; and the one-line error every bad input gets.
+otherwise), its type check and the checks between flags; the presets; and the one-line error every bad input
+gets.
 
     python train.py --help                                    # every flag, with its default and help
-    python -c "import config; print(vars(config.parse_args(['--team', 'tiny'])))"
+    python -c "from support.config import parse_args; print(vars(parse_args(['--preset', 'pocket'])))"
 
 One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is
 checked by its type (COUNT, NONNEG, POSITIVE, number(...)), so a bad value fails on its own line, naming its
-flag, with exit code 2 and before anything is written. train.py, evaluate.py, plan.py and the experiments all
-parse their training flags here, so a flag means the same everywhere.
+flag, with exit code 2 and before anything is written. train.py, evaluate.py, support/plan.py, the neighbours and the
+experiments all parse their training flags here, so a flag means the same everywhere. A value may be negative
+("--flag -1e-3" is a value, not an option); each flag's type says whether a negative value makes sense.
+
+A preset (PRESETS) is a plain dict of flag values: `--preset pocket` sets them, any flag given beside it wins,
+and config.json records the resolved values with the preset's name.
 """
 import argparse
 import math
 import os
+import re
+import shlex
 import sys
 
-import distributed
 import rewards
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
-from checkpoint import check_resume
 from experts import POOLINGS, TEAMS, check_models, team_models
+from support import distributed
+from support.checkpoint import check_resume
 
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
 
@@ -39,21 +46,82 @@ def number(kind, low, low_ok=True):
 
 COUNT, NONNEG, POSITIVE = number(int, 1), number(float, 0), number(float, 0, low_ok=False)
 
+# The README's first run: the pocket team on 2-term sums, 6 steps with the speedrun's levers, scored on 100
+# validation items before and after (about 9 minutes on a 2-core CPU). `smoke`: the tiny random-init team,
+# seconds on any CPU, to see every part run.
+PRESETS = {
+    "pocket": {"task": "chain_sum", "task_config": '{"min_terms": 2, "max_terms": 2, "min_digits": 1, '
+               '"max_digits": 2}', "team": "pocket", "worked_example": True, "response_prefix": "<think>",
+               "context_position": "before", "batch_size": 4, "grad_accum": 1, "group_size": 4,
+               "max_new_tokens": 48, "lr": 1e-3, "router_lr": 1e-3, "rollout_dtype": "bfloat16",
+               "tis_cap": 2.0, "dynamic_sampling": 1, "format_bonus": 0.1, "steps": 6, "save_every": 3,
+               "eval_items": 100, "out": "runs/pocket-first"},
+    "smoke": {"task": "chain_sum", "team": "tiny", "system_prompt": "simple", "dataset_size": 64,
+              "batch_size": 2, "grad_accum": 1, "group_size": 4, "max_new_tokens": 16, "steps": 3,
+              "eval_items": 8, "out": "runs/smoke"},
+}
+NEIGHBOURS = ("conductor", "rlae")  # neighbours/NAME.py, not train.py --method NAME
+# a negative number, exponent and all, is a flag's value ("--lr -1e-3"), never an option
+NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
+    """--help: each flag's help as written, with its default."""
+
 
 class ArgumentParser(argparse.ArgumentParser):
-    """argparse with a one-line error (no usage block), like every other bad-input error here."""
+    """argparse with a one-line error that names the flag (no usage block), like every other bad-input error
+    here, and negative numbers read as values."""
+
+    def __init__(self, *args, **kwargs):
+        super().__init__(*args, **kwargs)
+        self._negative_number_matcher = NEGATIVE_NUMBER
 
     def error(self, message):
-        fail(message)
+        fail(re.sub(r"^argument ([-\w]+)(/[-\w]+)?: ", r"\1: ", message))
+
+
+def presets_help():
+    lines = ["presets (--preset NAME sets these flags; a flag given beside it wins):"]
+    for name, values in PRESETS.items():
+        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(v)}" if isinstance(v, str)
+                                                       else f" {v}") for k, v in values.items())
+        lines.append(f"  {name}: {flags}")
+    return "\n".join(lines)
 
 
 def parse_args(argv=None):
-    p = ArgumentParser(description=DESCRIPTION, formatter_class=argparse.RawTextHelpFormatter)
+    """train.py's flags, checked."""
+    return parse(build_parser(), argv)
+
+
+def parse(p, argv=None):
+    """Parse with `p` (build_parser's): --preset's values become the defaults, so that a flag given beside it
+    wins; then the checks between flags."""
+    pre = ArgumentParser(add_help=False)
+    pre.add_argument("--preset", default=None, choices=sorted(PRESETS))
+    pre.add_argument("--method", default=None)
+    first = pre.parse_known_args(argv)[0]
+    if first.method in NEIGHBOURS and first.method != p.get_default("method"):
+        fail(f"--method {first.method}: a system of its own, with its own loop and train.py's flags: "
+             f"python neighbours/{first.method}.py")
+    if first.preset:
+        p.set_defaults(**PRESETS[first.preset])
+    return check_args(p, p.parse_args(argv))
+
+
+def build_parser(methods=METHODS, description=DESCRIPTION):
+    """Every training flag. `methods`: --method's choices, the first the default (a neighbour script passes
+    its own one)."""
+    p = ArgumentParser(description=description, formatter_class=HelpFormatter, epilog=presets_help())
     a = p.add_argument
+    a("--preset", default=None, choices=sorted(PRESETS), help="a plain dict of flag values (below); flags "
+      "given beside it override it")
     a("--task", default="arithmetic",
       help="a family (arithmetic, algorithmic, logic), gsm8k, or any reasoning-gym dataset name")
     a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
-    a("--method", default="ours", choices=sorted(METHODS), help="how experts reach the policy (baselines.py)")
+    a("--method", default=list(methods)[0], choices=sorted(methods),
+      help="how experts reach the policy (baselines.py)")
     a("--policy", default=None, help="policy model: hub id, local folder or .gguf (default: the team's)")
     a("--experts", default=None, help="comma-separated expert models, overriding the team's")
     a("--steps", type=COUNT, default=None, help="optimiser steps (default 500; 233 for gsm8k: one epoch)")
@@ -72,12 +140,8 @@ def parse_args(argv=None):
     a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
     a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
       "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
-    a("--beta", type=NONNEG, default=None, help="KL coefficient beta (Eq. 4; default 0.04, and 0 for --method "
-      "conductor, whose paper trains without KL)")
+    a("--beta", type=NONNEG, default=0.04, help="KL coefficient beta (Eq. 4)")
     a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
-    a("--max-workflow-steps", type=COUNT, default=2, help="--method conductor: most steps a workflow may have "
-      "(paper: 5; 2 keeps a CPU step affordable)")
-    a("--ensemble-span", type=COUNT, default=8, help="--method rlae: tokens between two weight decisions (paper: L = 8)")
     a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
@@ -126,7 +190,7 @@ def parse_args(argv=None):
     a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
       "their pooled states move to the policy's device")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
-      "nothing downloaded or allocated) and exit without writing (plan.py)")
+      "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
@@ -134,7 +198,11 @@ def parse_args(argv=None):
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
     a("--eval-items", type=number(int, 0), default=0, help="score N validation items (greedy, the task's scorer) "
       "before the first step and after the last, and print both on one line (0: off)")
-    args = p.parse_args(argv)
+    return p
+
+
+def check_args(p, args):
+    """The checks between flags; a bad value exits (code 2) with one line naming its flag."""
     checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
               (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
@@ -157,19 +225,25 @@ def parse_args(argv=None):
                f"--data-path {args.data_path}: no such file or folder"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
               (args.context_anchor == "zero" or args.method not in ("single", "output_collab", "conductor", "rlae"),
-               f"--context-anchor newline: --method {args.method} has no context tokens to anchor"),
-              (args.method not in ("conductor", "rlae") or (args.inner_epochs == 1 and args.reward == "task" and not
-               (args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32")),
-               f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 rollout): drop "
-               "--inner-epochs / --reward / --format-bonus / --dynamic-sampling / --rollout-dtype / --tis-cap")]
+               f"--context-anchor newline: --method {args.method} has no context tokens to anchor")]
     for ok, msg in checks:
         if not ok:
             p.error(msg)
-    if args.beta is None:
-        args.beta = 0.0 if args.method == "conductor" else 0.04
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
+    return args
+
+
+def refuse_train_levers(p, args):
+    """A neighbour script's own step has mu = 1, the task's reward and a float32 rollout: a lever of
+    train.py's step given to it fails loudly instead of doing nothing."""
+    own_step = (args.inner_epochs == 1 and args.reward == "task" and not (
+        args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
+    if not own_step:
+        p.error(f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 "
+                "rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
+                "--rollout-dtype / --tis-cap")
     return args
 
 

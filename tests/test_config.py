@@ -1,0 +1,85 @@
+"""support/config.py: a preset is a plain dict of flag values that explicit flags override, and config.json
+records the resolved values; --help shows every default and the presets; a negative number is a flag's value
+(accepted where the flag's type allows it, refused with the flag's own message where it does not)."""
+import json
+import os
+import sys
+
+import pytest
+
+from support.config import PRESETS, ArgumentParser, number, parse_args
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
+from record_metrics import POCKET_FLAGS  # noqa: E402  (the README's first command before presets)
+
+
+def test_the_pocket_preset_is_the_readme_first_command():
+    preset = vars(parse_args(["--preset", "pocket"]))
+    flags = vars(parse_args(POCKET_FLAGS + ["--out", "runs/pocket-first"]))
+    assert preset.pop("preset") == "pocket" and flags.pop("preset") is None
+    assert preset == flags
+    assert all(type(preset[k]) is type(flags[k]) for k in preset), "the same types, so config.json matches"
+
+
+def test_a_flag_given_beside_a_preset_wins_even_at_its_default():
+    args = parse_args(["--preset", "pocket", "--steps", "2", "--grad-accum", "8", "--out", "elsewhere"])
+    assert (args.steps, args.grad_accum, args.out) == (2, 8, "elsewhere")  # 8 is the flag's own default
+    assert args.team == "pocket" and args.lr == 1e-3                           # the rest from the preset
+
+
+def test_every_preset_names_real_flags():
+    known = set(vars(parse_args([])))
+    for name, values in PRESETS.items():
+        assert set(values) <= known, (name, set(values) - known)
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--lr", "-1e-3"], "--lr: must be > 0, got -1e-3"),
+    (["--router-lr", "-5"], "--router-lr: must be > 0, got -5"),
+    (["--beta", "-0.04"], "--beta: must be >= 0, got -0.04"),
+    (["--warmup-steps", "-1"], "--warmup-steps: must be >= 0, got -1"),
+    (["--format-bonus", "-.1"], "--format-bonus: must be >= 0, got -.1"),
+    (["--lr", "-inf"], "--lr: must be > 0, got -inf"),
+])
+def test_a_negative_value_is_refused_with_the_flags_own_message(flags, message, capsys):
+    """Before: argparse took "-1e-3" for an option and answered "expected one argument"."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(flags)
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: {message}\n"
+
+
+@pytest.mark.parametrize("text, value", [("-1e-3", -1e-3), ("-5", -5.0), ("-.5", -0.5), ("-2.5E+3", -2500.0)])
+def test_a_negative_number_is_a_value_where_the_flag_allows_it(text, value):
+    p = ArgumentParser()
+    p.add_argument("--shift", type=number(float, float("-inf")), default=0.0)
+    p.add_argument("--flag", action="store_true")
+    assert p.parse_args(["--shift", text, "--flag"]).shift == value
+
+
+def test_help_shows_every_default_and_the_presets(capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    assert e.value.code == 0
+    assert "(default: 0.0001)" in out and "(default: 0.04)" in out and "(default: ours)" in out
+    assert "pocket: --task chain_sum" in out and "--out runs/pocket-first" in out and "smoke:" in out
+
+
+def test_config_json_records_the_preset_and_the_resolved_values(tmp_path):
+    """The smoke preset end to end: config.json, the before/after line's scores, and the run's plot."""
+    from train import main
+    out = str(tmp_path / "smoke")
+    main(["--preset", "smoke", "--device", "cpu", "--eval-items", "2", "--out", out])
+    cfg = json.load(open(os.path.join(out, "config.json")))
+    assert cfg["preset"] == "smoke" and cfg["team"] == "tiny" and cfg["steps"] == 3 and cfg["eval_items"] == 2
+    validation = json.load(open(os.path.join(out, "validation.json")))
+    assert len(validation["before"]) == len(validation["after"]) == 2
+    pytest.importorskip("matplotlib")
+    assert os.path.getsize(os.path.join(out, "plot.png")) > 1000
+
+
+@pytest.mark.parametrize("method", ["conductor", "rlae"])
+def test_a_neighbour_asked_of_train_py_says_where_it_lives(method, capsys):
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--method", method])
+    assert e.value.code == 2 and f"python neighbours/{method}.py" in capsys.readouterr().err

@@ -1,0 +1,107 @@
+"""The import graph is a tree of layers, never a circle (function-level imports count): every .py file of the
+project is parsed with ast, each `import x` / `from x import y` anywhere in it (top level, inside functions,
+under `if __name__ == "__main__"`) becomes an arrow to the project file it names, and the graph must have no
+cycle. The leaves import no project file (rollout.py only lora.py, for lora_merged while sampling), no core
+file imports train.py, and nothing in the core or support/ imports a neighbour, an experiment or a test."""
+import ast
+import os
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+SKIP = {".git", "results", "runs", "__pycache__", ".pytest_cache"}
+CORE = {"experts.py", "adapter.py", "lora.py", "grpo.py", "rollout.py", "rewards.py", "train.py",
+        "evaluate.py", "baselines.py"}
+
+
+def project_files():
+    for folder, dirs, files in os.walk(ROOT):
+        dirs[:] = sorted(d for d in dirs if d not in SKIP and not d.startswith("."))
+        for name in sorted(files):
+            if name.endswith(".py"):
+                yield os.path.relpath(os.path.join(folder, name), ROOT)
+
+
+def resolve(name, importer):
+    """The project file a dotted module name means, seen from `importer`: from the repository root (its
+    modules and packages) or from the importer's own folder (a script's sys.path[0]); None if neither."""
+    parts = name.split(".")
+    for base in ("", os.path.dirname(importer)):
+        for path in (os.path.join(base, *parts) + ".py", os.path.join(base, *parts, "__init__.py")):
+            if os.path.exists(os.path.join(ROOT, path)):
+                return os.path.normpath(path)
+    return None
+
+
+def imports_of(path):
+    """The project files `path` imports, anywhere in the file."""
+    with open(os.path.join(ROOT, path)) as f:
+        tree = ast.parse(f.read(), path)
+    found = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            names = [a.name for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
+            # `from support import stats` names the module support.stats; `from train import main` train
+            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+        else:
+            continue
+        found |= {resolve(name, path) for name in names} - {None}
+    return found - {path}
+
+
+def graph():
+    return {path: imports_of(path) for path in project_files()}
+
+
+def find_cycle(edges):
+    """One cycle as a list of files [a, b, ..., a], or None."""
+    WHITE, GREY, BLACK = 0, 1, 2
+    colour, stack = {n: WHITE for n in edges}, []
+
+    def visit(n):
+        colour[n] = GREY
+        stack.append(n)
+        for m in sorted(edges.get(n, ())):
+            if colour.get(m, BLACK) == GREY:
+                return stack[stack.index(m):] + [m]
+            if colour.get(m) == WHITE and (cycle := visit(m)):
+                return cycle
+        colour[n] = BLACK
+        stack.pop()
+        return None
+
+    for n in sorted(edges):
+        if colour[n] == WHITE and (cycle := visit(n)):
+            return cycle
+    return None
+
+
+def test_the_import_graph_has_no_cycle():
+    edges = graph()
+    assert len(edges) > 40 and "train.py" in edges["neighbours/conductor.py"], "the graph was not read"
+    cycle = find_cycle(edges)
+    assert cycle is None, "import cycle: " + " -> ".join(cycle)
+
+
+def test_the_cycle_finder_finds_a_cycle():
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": set()}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b"}, "b": set()}) is None
+
+
+def test_function_level_imports_count():
+    """The reader sees an import inside a function, and `from support import x` as support/x.py."""
+    edges = graph()
+    assert "support/plan.py" in edges["train.py"]            # inside main(), under --plan
+    assert "evaluate.py" in edges["train.py"]                # inside validation_scores()
+    assert "support/stats.py" in edges["support/report.py"]
+
+
+def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
+    edges = graph()
+    for leaf in ("grpo.py", "lora.py", "adapter.py"):
+        assert edges[leaf] == set(), (leaf, edges[leaf])
+    assert edges["rollout.py"] == {"lora.py"}  # lora_merged: the rollout samples with LoRA folded in
+    lower = [p for p in edges if p in CORE or p.startswith("support/")]
+    assert not [p for p in lower if "train.py" in edges[p]], "a core file imports train.py"
+    for p in lower:
+        outside = [q for q in edges[p] if q.split("/")[0] in ("neighbours", "experiments", "tests")]
+        assert not outside, (p, outside)
