@@ -20,12 +20,12 @@ Deviations from the paper's protocol (all forced by a 2-core CPU; the GPU recipe
      behind its first token (--context-position before).
   4. G = 4 (paper 8), 4 prompts per step (paper 32), 48 new tokens (paper 128; the policy's answers take 10-30),
      --steps 15 (paper 500), lr 1e-3 for LoRA and g_phi (paper 1e-4: we see ~1/500 of its samples).
-  5. The speedrun's levers (--levers, on by default; README "Speedrun"): a format bonus of 0.1 in the training
+  5. The speedrun's levers (--levers, on by default; results/performance.md): a format bonus of 0.1 in the training
      reward only, one re-draw of flat groups (dynamic sampling), a bfloat16 copy of the policy for the rollout with
      truncated importance sampling (cap 2). With them a step gets a reward signal from the first step; without
      them (the first pocket table: 30 steps, lr 5e-4) the first 4-8 steps were mostly flat.
   6. --state-norm standardize for the methods that read expert states (ours, identical, no_xattn): without it C
-     is the same for every prompt (README "Does C carry expert information?"), so the question of this table
+     is the same for every prompt (results/channel.md), so the question of this table
      could not even be asked. --state-norm none gives the paper's adapter.
   7. Validation on --n-eval items (greedy), not 4,000.
   8. Two cores: run one process per core with disjoint --seeds (each pinned to its core with

@@ -269,7 +269,7 @@ def write(a, report):
 
 
 def markdown(report, target):
-    """The table of the README's Speedrun section: seconds (steps) to the target per seed, and the median."""
+    """The speedrun table (results/speedrun.md, discussed in results/performance.md): seconds (steps) to the target per seed, and the median."""
     runs = report.get("runs", {})
     seeds = sorted({s for r in runs.values() for s in r}, key=int)
     cell = lambda r: "not reached" if r["seconds_to_target"] is None else (  # noqa: E731

@@ -25,7 +25,7 @@ What is counted, per device of one process (under torchrun every process holds t
                loaded), measured; on CUDA, the CUDA context, ~0.5 GB (a common figure, not measured here)
 peak = weights + LoRA/g_phi state + max(rollout, loss pass) + runtime.
 
-Deviations / limits: an estimate, checked on CPU against a measured pocket run (README "Many GPUs"); the prompt
+Deviations / limits: an estimate, checked on CPU against a measured pocket run (results/scaling.md); the prompt
 length is that of the first micro-batch when the policy's tokenizer is on disk, else 256 tokens; allocator
 fragmentation and the CUDA caching allocator's slack are not modelled; gpt-oss-20b ships MXFP4 weights, counted
 here at --dtype (bfloat16: ~2x what the MXFP4 file takes).
