@@ -44,12 +44,14 @@ def test_it_learns_with_lora_and_adapter(tmp_path):
 
 
 def test_it_learns_through_the_context_tokens_alone(tmp_path):
-    """LoRA frozen: only g_phi trains, so any rise in reward must come through C. Gradient reaches every W_i."""
+    """LoRA frozen: only g_phi trains, so any rise in reward must come through C. Gradient reaches every W_i.
+    48 steps: with 24, the rise was 0.11 -> 0.23 on an AVX2 machine (other float sums than where the test was
+    written), learning but short of the +0.3 asked; the bar is kept, the budget doubled."""
     from baselines import METHODS
     from experts import TEAMS
     from train import parse_args
     rewards, out = learn(tmp_path, ["--freeze-policy", "--router-lr", "3e-2", "--latent-dim", "32",
-                                    "--num-heads", "4", "--num-latents", "4"], steps=24)
+                                    "--num-heads", "4", "--num-latents", "4"], steps=48)
     first, last = sum(rewards[:4]) / 4, sum(rewards[-4:]) / 4
     assert last > first + 0.3, rewards
     args = parse_args(TINY + ["--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"])
