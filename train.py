@@ -33,16 +33,13 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
   4. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
 Conductor and RLAE, two other systems, are scripts of their own with their own loop: neighbours/.
 
-Failure modes (tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
+Failure modes (support/run.py, tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
 anything in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the
 checkpoint holding the last good weights; a killed run continues exactly with --resume
 (support/checkpoint.py); under torchrun, a rank that dies stops the job with exit code 3
 (support/distributed.py).
 """
-import glob
-import json
 import math
-import os
 import random
 import time
 
@@ -54,12 +51,12 @@ import rewards
 import rollout
 from adapter import anchor_context, context_probes, empty_context
 from baselines import METHODS
-from experts import frozen_dtype, load_model, pick_device, team_models
-from lora import apply_lora, lora_disabled, save_peft
+from experts import frozen_dtype, load_model, team_models
+from lora import apply_lora, lora_disabled
 from support import distributed
-from support.checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
-from support.checkpoint import write_json
-from support.config import check_run, fail, parse_args
+from support.checkpoint import sigkill_hook
+from support.config import fail, parse_args
+from support.run import after_step, finish_run, progress_bar, start_run
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -379,7 +376,8 @@ def mean(xs):
 
 
 # --------------------------------------------------------------------------------------------------
-# Plumbing: build the run, check everything, then the loop with its log lines and checkpoints
+# Building the run: the policy with LoRA, g, the data and the optimiser. The rest of a run's life
+# (checks, config.json, resume, log lines, checkpoints, the end) is support/run.py's.
 
 
 def build_run(args, device, build=None):
@@ -440,149 +438,6 @@ def make_optimizer(policy, method, args):
     return torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
 
 
-def start_run(args, world, build=None):
-    """Check everything, build the run, load its checkpoint with --resume; then (rank 0) write
-    config.json and, with --eval-items, the validation score before training. Returns (run, first
-    step)."""
-    paths = run_paths(args.out)
-    try:  # check everything before writing anything into --out
-        check_run(args, world, paths["config"])
-        device = distributed.rank_device(pick_device(args.device), world)
-        run = build_run(args, device, build)
-        # killed before its first: step 0
-        resuming = args.resume and os.path.exists(paths["checkpoint"])
-        parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
-        start = load_checkpoint(paths["checkpoint"], *parts) if resuming else 0
-    except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-        fail(str(e))
-    if start > args.steps:
-        fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out "
-             f"{args.out}")
-    # every process has checked everything; joining waits for all, so rank 0 writes only after that
-    distributed.init(world, run["device"])
-    run.update(world=world, writer=world.rank == 0, paths=paths, start=start)  # only rank 0 writes
-    if not run["writer"]:
-        return run, start
-    # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
-    if args.resume:
-        for name in ("metrics", "samples"):
-            keep_metrics_upto(paths[name], start)
-        for tmp in glob.glob(paths["checkpoint"] + ".tmp*"):  # left by a run killed while saving
-            os.remove(tmp)
-    os.makedirs(args.out, exist_ok=True)
-    write_json(paths["config"], {**vars(args), "team_models": run["team"],
-                                 "device_used": str(run["device"]), "processes": world.size})
-    if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
-        before = validation_scores(run, args)
-        write_json(paths["validation"], {"items": args.eval_items, "before": before})
-    return run, start
-
-
-def run_paths(out):
-    names = {"config": "config.json", "metrics": "metrics.jsonl", "samples": "samples.jsonl",
-             "checkpoint": "checkpoint.pt", "validation": "validation.json"}
-    return {k: os.path.join(out, v) for k, v in names.items()}
-
-
-def progress_bar(start, args, writer=True):
-    from tqdm import tqdm
-    return tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",
-                dynamic_ncols=True, disable=not writer)
-
-
-def after_step(run, args, step, rec, batches, bar, bad_steps):
-    """Rank 0 writes the step's metrics, its log line, a few samples and the checkpoint; every
-    rank stops (exit code 3) after --max-bad-steps non-finite steps in a row. Returns the new
-    count of those."""
-    bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
-    stop = bad_steps >= args.max_bad_steps
-    if not run["writer"]:  # the other ranks took their share of the step; rank 0 logs and saves it
-        if stop:
-            # rank 0 has saved the checkpoint: stop too (it says why)
-            distributed.barrier(run["world"])
-            fail("", code=3)
-        return bad_steps
-    with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
-        f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
-                            for k, v in rec.items()}) + "\n")
-    bar.write(log_line(rec, args.steps))
-    if (step + 1) % args.sample_every == 0 or step == run["start"]:
-        write_samples(run["paths"]["samples"], step, batches[0], args.group_size)
-    if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
-        parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
-        save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
-    if stop:  # the skipped steps left the weights as they were, and saved
-        bar.close()  # so that the message gets a line of its own
-        distributed.barrier(run["world"])  # the others stop with rank 0, not while it saves
-        ckpt = run["paths"]["checkpoint"]
-        fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; "
-             f"stopped. The last good weights are in {ckpt}; try a lower --lr / --router-lr",
-             code=3)
-    return bad_steps
-
-
-def log_line(rec, steps):
-    """step 12/500 | reward 0.41 | kl 0.003 | len 38 | H 1.02 | 9.8 s"""
-    parts = [f"step {rec['step']}/{steps}", f"reward {rec['reward']:.3f}", f"kl {rec['kl']:.4f}",
-             f"len {rec['completion_length']:.0f}"]
-    if "entropy" in rec:
-        parts.append(f"H {rec['entropy']:.3f}")
-    parts.append(f"{rec['seconds']:.1f} s")
-    if rec["skipped_update"]:
-        parts.append("update skipped: non-finite loss or gradient")
-    return " | ".join(parts)
-
-
-def write_samples(path, step, b, G):
-    """The first prompt's first few completions, with their rewards."""
-    with open(path, "a") as f:
-        for k in range(min(G, 4)):
-            f.write(json.dumps({"step": step + 1, "question": b["questions"][0],
-                                "answer": b["items"][0].get("answer"), "completion": b["texts"][k],
-                                "reward": b["r"][k].item()}) + "\n")
-
-
-def finish_run(run, args):
-    """Rank 0, after the last step: the LoRA weights as a PEFT adapter, the plot of the run and,
-    with --eval-items, the validation score after training beside the one before."""
-    distributed.finish(run["world"])  # the other ranks are done; rank 0 writes the rest alone
-    if not run["writer"]:
-        return args.out
-    save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
-    from support.plot import plot_run
-    plot_run(args.out)
-    if args.eval_items:
-        with open(run["paths"]["validation"]) as f:
-            before = json.load(f)["before"]
-        after = validation_scores(run, args)
-        scores = {"items": args.eval_items, "before": before, "after": after}
-        write_json(run["paths"]["validation"], scores)
-        print(validation_line(before, after), flush=True)
-    return args.out
-
-
-def validation_line(before, after):
-    better = sum(a > b for a, b in zip(after, before))
-    worse = sum(a < b for a, b in zip(after, before))
-    return (f"validation, {len(after)} items, greedy, the task's scorer: before training "
-            f"{100 * np.mean(before):.1f} % -> after {100 * np.mean(after):.1f} % "
-            f"({better} items better, {worse} worse)")
-
-
-def validation_scores(run, args):
-    """--eval-items: the live policy's greedy score on each of the first N validation items, the
-    items evaluate.py scores for this seed."""
-    from evaluate import score_items
-    items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
-                                 args.task_config)
-    items = [items[i] for i in range(min(args.eval_items, len(items)))]
-    run["policy"].eval(), run["method"].eval()
-    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args,
-                              batch_size=50)
-    run["policy"].train(), run["method"].train()
-    return per_item["with_C"]["score"]
-
-
 def main(argv=None, score_batch=None):
     """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's
     scorer (a fork's own reward, or the tests' synthetic one); by default rewards.score_batch."""
@@ -595,7 +450,7 @@ def main(argv=None, score_batch=None):
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support import plan
         return plan.main(args, world)
-    run, start = start_run(args, world)
+    run, start = start_run(args, world, build_run)
     score_batch = score_batch or rewards.score_batch
     bar, bad_steps = progress_bar(start, args, run["writer"]), 0
     for step in bar:

@@ -23,7 +23,7 @@ generative experts (an encoder has no words to give, so it cannot be a worker). 
 workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
 grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own loop, as cleanrl
 keeps one file per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main
-is train.py's loop around it (the plumbing, checkpoints, --resume and --eval-items, is train.py's own). No
+is train.py's loop around it (the plumbing, checkpoints, --resume and --eval-items, is support/run.py's). No
 torchrun: one process. evaluate.py calls Conductor.answer.
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
@@ -56,6 +56,7 @@ for the other methods and support/report.py's Fig. 4 draws them. Workflows that 
 import os
 import sys
 import time
+from functools import partial
 
 import torch
 import torch.nn as nn
@@ -72,6 +73,7 @@ from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support import distributed  # noqa: E402
 from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
+from support.run import after_step, finish_run, progress_bar, start_run  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -412,13 +414,13 @@ def main(argv=None, score_batch=None):
     if argv[:1] == ["evaluate"]:
         return evaluate.main(argv[1:], build=conductor)
     args = parse_args(argv)
-    run, start = train.start_run(args, distributed.ONE, build=conductor)
+    run, start = start_run(args, distributed.ONE, partial(train.build_run, build=conductor))
     score_batch = score_batch or rewards.score_batch
-    bar, bad_steps = train.progress_bar(start, args), 0
+    bar, bad_steps = progress_bar(start, args), 0
     for step in bar:
         rec, batches = grpo_step(step, run, args, score_batch)
-        bad_steps = train.after_step(run, args, step, rec, batches, bar, bad_steps)
-    return train.finish_run(run, args)
+        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
+    return finish_run(run, args)
 
 
 if __name__ == "__main__":

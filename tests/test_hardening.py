@@ -352,7 +352,8 @@ def inject_faults(monkeypatch, faults):
     """faults: {step: "loss" | "grad"}. Also records the trainable weights at every checkpoint."""
     import grpo
     from lora import lora_state_dict
-    real_loss, real_save, calls, saved = grpo.grpo_loss, train.save_checkpoint, [0], {}
+    from support import run
+    real_loss, real_save, calls, saved = grpo.grpo_loss, run.save_checkpoint, [0], {}
 
     def grpo_loss(logp, *args, **kwargs):  # one call per step here: --grad-accum 1, --inner-epochs 1
         calls[0] += 1
@@ -368,7 +369,7 @@ def inject_faults(monkeypatch, faults):
         real_save(path, step, policy, method, optimizer, pool)
 
     monkeypatch.setattr(grpo, "grpo_loss", grpo_loss)
-    monkeypatch.setattr(train, "save_checkpoint", save_checkpoint)
+    monkeypatch.setattr(run, "save_checkpoint", save_checkpoint)
     return saved
 
 

@@ -91,7 +91,7 @@ def test_function_level_imports_count():
     """The reader sees an import inside a function, and `from support import x` as support/x.py."""
     edges = graph()
     assert "support/plan.py" in edges["train.py"]            # inside main(), under --plan
-    assert "evaluate.py" in edges["train.py"]                # inside validation_scores()
+    assert "evaluate.py" in edges["support/run.py"]         # inside validation_scores()
     assert "support/stats.py" in edges["support/report.py"]
 
 
