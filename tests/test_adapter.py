@@ -244,3 +244,34 @@ def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
         first = ids[mask].new_tensor([row[m][0] for row, m in zip(ids, mask)])   # each prompt's first real token
         assert (first == bos).all() != chat, chat
         assert len(ids[1][mask[1]]) == len(tok.encode("What is 14 + 9?", add_special_tokens=False)) + (not chat)
+
+
+def test_recomputed_mlps_give_the_same_logprobs_and_gradients_bit_for_bit(lora_policy, monkeypatch):
+    """With gradient on, completion_logprobs keeps no MLP activations for the backward pass and runs the
+    MLPs again there (rollout.mlps_recomputed, memory). The log-probs and every gradient are the very same
+    bits as with the activations kept; the MLPs really do run twice."""
+    import contextlib
+    import rollout
+    model, tok = copy.deepcopy(lora_policy[0]), lora_policy[1]
+    torch.manual_seed(4)
+    for p in model.parameters():
+        if p.requires_grad:
+            nn.init.normal_(p, std=0.05)
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")
+    C = (torch.randn(2, 3, model.config.hidden_size) * 0.5).requires_grad_()
+    comp = torch.randint(3, 200, (4, 5))
+    cmask = torch.ones_like(comp, dtype=torch.bool)
+    params = [C] + [p for p in model.parameters() if p.requires_grad]
+    calls = []
+    model.model.layers[0].mlp.gate_proj.register_forward_hook(lambda *_: calls.append(1))
+
+    def logp_and_grads():
+        logp = completion_logprobs(model, ids, mask, C, comp, cmask, 0.9, "before")
+        return logp.detach(), torch.autograd.grad(logp.sum(), params)
+
+    logp, grads = logp_and_grads()
+    assert len(calls) == 4  # prefill and completions, then both again in the backward pass
+    monkeypatch.setattr(rollout, "mlps_recomputed", lambda model: contextlib.nullcontext())
+    logp_kept, grads_kept = logp_and_grads()
+    assert torch.equal(logp, logp_kept)
+    assert all(torch.equal(a, b) for a, b in zip(grads, grads_kept))

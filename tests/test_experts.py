@@ -73,3 +73,25 @@ def test_bad_inputs_are_clear_errors():
 def test_experts_are_frozen(tiny_pool):
     assert not any(p.requires_grad for m, _ in tiny_pool.models for p in m.parameters())
     assert all(not m.training for m, _ in tiny_pool.models)
+
+
+def test_a_model_loaded_twice_shares_its_frozen_weights_and_keeps_them():
+    """The pocket policy is also a pocket expert: the second load points its parameters at the first's
+    tensors (experts.share_frozen_weights), so one copy sits in memory. The policy's LoRA, trained and
+    merged into its weights for the rollout, must leave the expert's weights as they were, bit for bit."""
+    from lora import apply_lora, lora_merged
+    policy, _ = load_model("tiny:qwen2")
+    expert, _ = load_model("tiny:qwen2")
+    other, _ = load_model("tiny:qwen2", dtype=torch.float64)  # another dtype: another copy
+    pairs = list(zip(policy.parameters(), expert.parameters()))
+    assert all(p.data_ptr() == e.data_ptr() for p, e in pairs)
+    assert other.dtype == torch.float64 and next(other.parameters()).data_ptr() != pairs[0][0].data_ptr()
+    before = [e.detach().clone() for e in expert.parameters()]
+    apply_lora(policy)
+    for name, p in policy.named_parameters():
+        if "lora_B" in name:
+            torch.nn.init.normal_(p)
+    with lora_merged(policy):
+        assert any(not torch.equal(e, b) for e, b in zip(policy.parameters(), before))  # merged
+        assert all(torch.equal(e, b) for e, b in zip(expert.parameters(), before))
+    assert all(torch.equal(e, b) for e, b in zip(expert.parameters(), before))
