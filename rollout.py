@@ -282,9 +282,10 @@ def mlps_recomputed(model):
     """With gradient on, each block's MLP keeps only its input [tokens, d] for the backward pass
     and runs again there (torch.utils.checkpoint), instead of keeping its four [tokens, d_ff]
     activations (gate, up, act(gate), act(gate) * up). On the pocket policy (d 576, d_ff 1536,
-    30 blocks) that is ~24 KB per token and block: ~1.2 GB for a step's ~1,700 tokens, the
-    largest part of the peak memory of the README's first run. It costs one more forward of the
-    MLPs in the backward pass. Exact: non-reentrant checkpointing keeps the autograd graph as it
+    30 blocks) that is ~24 KB per token and block, ~1.2 GB for a step's ~1,700 tokens: with it
+    the README's first run peaked at 4.0 GB in the policy pass and backward, against >= 5.6 GB
+    without (results/performance.md). It costs one more forward of the MLPs in the backward
+    pass. Exact: non-reentrant checkpointing keeps the autograd graph as it
     is and only computes its saved tensors again, with the same kernels on the same inputs."""
     from torch.utils.checkpoint import checkpoint
     mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]

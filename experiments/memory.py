@@ -22,7 +22,7 @@ Two ways of measuring, both read from the kernel, neither sampled:
      one. Linux only.
 The RSS of the child alone: a command that starts processes of its own is not summed.
 
-Try it on CPU:  python experiments/memory.py --phases -- train.py --preset smoke --out /tmp/mem-smoke
+Try it on CPU:  python experiments/memory.py --phases -- train.py --preset smoke --out /tmp/smoke
 """
 import argparse
 import json
@@ -163,8 +163,8 @@ def run(command, phases):
 def table(rows):
     lines = [f"{'phase':58s} {'peak RSS':>10s} {'RSS after':>10s} {'calls':>6s}"]
     for name, r in rows.items():
-        lines.append(f"{name[:58]:58s} {r['peak_kb'] / 2**20:8.2f} G {r['rss_after_kb'] / 2**20:8.2f} G "
-                     f"{r['calls']:6d}")
+        peak, after = r["peak_kb"] / 2**20, r["rss_after_kb"] / 2**20
+        lines.append(f"{name[:58]:58s} {peak:6.2f} GiB {after:6.2f} GiB {r['calls']:6d}")
     return "\n".join(lines)
 
 
