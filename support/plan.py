@@ -44,13 +44,14 @@ from lora import apply_lora, lora_layers
 GB = 2 ** 30
 # Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
 # LoRA (their frozen weights need no gradient, so only inputs are kept): the input of each RMSNorm (2 D), the
-# inputs of the LoRA-wrapped projections (q/k/v share one: D; o_proj: D; gate/up share one: D; down_proj: I),
-# the query (D), SiLU's input, its output and the up projection (3 I): 6 D + 4 I; the LoRA branches' rank-r
-# intermediates are negligible. Keys and values are counted apart, over the whole sequence and at the query's
-# head count (transformers' SDPA path repeats grouped key/value heads before attention). Checked with
-# torch.autograd.graph.saved_tensors_hooks on SmolLM2-135M, B 4, G 4, 211 + 48 tokens: 2.58 GiB of distinct
-# saved storage besides the weights, against 2.51 GiB from these counts (tests/test_plan.py: the tiny policy).
-ACTIVATIONS_PER_TOKEN_LAYER = lambda D, I: 6 * D + 4 * I  # noqa: E731
+# inputs of the LoRA-wrapped projections (q/k/v share one: D; o_proj: D; the MLP's: D), the query (D): 6 D;
+# the LoRA branches' rank-r intermediates are negligible. The MLP keeps nothing else: rollout.mlps_recomputed
+# runs it again in the backward pass (before that it kept down_proj's input and SiLU's input, its output and the
+# up projection, 4 I more; with them, on SmolLM2-135M, B 4, G 4, 211 + 48 tokens, saved_tensors_hooks measured
+# 2.58 GiB of distinct saved storage besides the weights against 2.51 GiB counted). Keys and values are counted
+# apart, over the whole sequence and at the query's head count (transformers' SDPA path repeats grouped
+# key/value heads before attention). tests/test_plan.py checks the count on the tiny policy.
+ACTIVATIONS_PER_TOKEN_LAYER = lambda D: 6 * D  # noqa: E731
 DEFAULT_PROMPT_TOKENS = 256
 CUDA_CONTEXT = 0.5 * GB
 
@@ -202,11 +203,12 @@ def estimate(args, world_size=1):
     rollout = {"merged LoRA weights": merged * nbytes,
                "KV cache": B * G * (2 * Pc + T) * kv_token,              # the cache, and the prefill's while copied
                "logits of a step": 3 * B * G * V * 4}                   # float32 logits, softmax, cdf
-    act = ACTIVATIONS_PER_TOKEN_LAYER(D, I) * L * nbytes
+    act = ACTIVATIONS_PER_TOKEN_LAYER(D) * L * nbytes
     kv_saved = L * 2 * H * hd * nbytes                                  # keys and values as attention keeps them
     loss = {"activations": (B * Pc + B * G * T) * act,
             "keys and values": (B * G * (Pc + T) + B * Pc) * kv_saved + B * G * Pc * kv_token,  # + repeated cache
-            "logits": B * G * T * V * (2 * nbytes + 4)}  # the lm head's output, its float32 rows, their gradient
+            "logits": B * G * T * V * (2 * nbytes + 4),  # the lm head's output, its float32 rows, their gradient
+            "one MLP recomputed": (B * Pc + B * G * T) * 4 * I * nbytes}  # in the backward pass, one layer at a time
     per_expert = []
     for m in expert_models:
         d, l, _, kv, ehd, i, _ = shape(m.config)
