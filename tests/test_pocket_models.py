@@ -109,6 +109,8 @@ def test_partial_temp_dir_is_not_a_cache_and_failed_writes_leave_nothing(loaded,
         calls.append(gguf_file)
         return model, tok
     monkeypatch.setattr(pm, "_load_gguf", fake_gguf_load)
+    # here, not in the process of its own a real conversion runs in (_convert_apart): the stand-in lives here
+    monkeypatch.setattr(pm, "_convert_apart", pm._convert)
 
     def disk_full(*args, **kwargs):
         raise OSError("disk full")
