@@ -13,6 +13,7 @@ tests/test_adapter.py checks it token for token.
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
+  decode               its token-by-token loop, from a prefill
   low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
@@ -194,28 +195,37 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
     with lora_merged(policy), low:
-        cache, logits, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, G, position)
-        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
-                        for l in cache.layers]
-        logits = logits.float()                                           # (B*G, vocab)
-        eos = torch.tensor(eos_ids, device=logits.device)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        tokens, logps = [], []
-        for _ in range(max_new_tokens):
-            nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
-            tokens.append(nxt)
-            if return_logprobs:
-                logp_all = torch.log_softmax(logits / temperature, -1)     # (B*G, vocab)
-                logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
-            done = done | torch.isin(nxt, eos)
-            if done.all():
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B*G, P' + t + 1)
-            pos = pos + 1
-            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                         use_cache=True, **cache_kwargs(policy, cache))
-            cache, logits = cache_of(out), out.logits[:, -1].float()
+        start = prefill(policy, prompt_ids, prompt_mask, C, G, position)
+        return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
+                      return_logprobs)
+
+
+def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
+           greedy=False, return_logprobs=False):
+    """The token-by-token loop of `sample`, from what `prefill` returned: draw (or argmax) a
+    token per row, feed it, until every row has ended or max_new_tokens are written. Finished
+    rows emit pad_id. evaluate.py calls it directly to reuse one prefill for two things."""
+    cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
+                    for l in cache.layers]
+    logits = logits.float()                                               # (B*G, vocab)
+    eos = torch.tensor(eos_ids, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logps = [], []
+    for _ in range(max_new_tokens):
+        nxt = logits.argmax(-1) if greedy else draw(logits, temperature)      # (B*G,)
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
+        tokens.append(nxt)
+        if return_logprobs:
+            logp_all = torch.log_softmax(logits / temperature, -1)         # (B*G, vocab)
+            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
+        done = done | torch.isin(nxt, eos)
+        if done.all():
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)      # (B*G, P' + t + 1)
+        pos = pos + 1
+        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                     use_cache=True, **cache_kwargs(policy, cache))
+        cache, logits = cache_of(out), out.logits[:, -1].float()
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
     return torch.stack(tokens, 1)
