@@ -191,7 +191,8 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
-    bonus = rewards.format_bonus(texts, args.format_bonus)
+    golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
+    bonus = rewards.format_bonus(texts, args.format_bonus, golds)
     bonus = torch.tensor(bonus, dtype=torch.float32, device=run["device"])
     return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts,
                 texts=texts)

@@ -152,6 +152,8 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
     a("--format-bonus", type=NONNEG, default=0.0, help="a deviation, for training only: add this to the reward "
       "of a completion with a non-empty <answer>...</answer> block; evaluation never sees it (0: off, the paper)")
+    a("--format-bonus-strict", action="store_true", help="pay --format-bonus only when the completion ends with "
+      "its answer block and, where the gold answer is a number, the answer is one (rewards.answer_shaped)")
     a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
       "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16"], help="the rollout's matmuls on a "
@@ -214,6 +216,8 @@ def check_args(p, args):
               (args.reward == "task" or not args.format_bonus,
                "--format-bonus with --reward random: the random-reward control pays a coin and nothing else; "
                "use --format-bonus 0"),
+              (args.format_bonus or not args.format_bonus_strict,
+               "--format-bonus-strict shapes the format bonus: give --format-bonus > 0 too"),
               (not args.tis_cap or args.rollout_dtype != "float32",
                "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
