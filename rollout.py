@@ -208,8 +208,11 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
         tokens, logps = [], []
         for _ in range(max_new_tokens):
             if allowed is not None:
-                logits = logits.masked_fill(~allowed(tokens[-1] if tokens else None), -torch.inf)
+                ok = allowed(tokens[-1] if tokens else None)                  # (B*G, vocab) bool
+                logits = logits.masked_fill(~ok, -torch.inf)
             nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
+            if allowed is not None:  # draw's clamp when u rounds up to the total (p ~ 1e-7): stay inside
+                nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
             tokens.append(nxt)
             if return_logprobs:

@@ -341,3 +341,29 @@ def test_constrained_conductor_trains_on_the_tiny_team(tmp_path):
     m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
     assert m["parse_rate"] == 1 and m["truncated_fraction"] == 0 and len(m["utilization"]) == 2
     assert m["grad_norm_lora"] > 0 and m["reward"] == pytest.approx(0.75)
+
+
+@pytest.mark.pocket
+def test_constrained_masks_with_the_pocket_policys_tokenizer():
+    """The pocket policy's real tokenizer (SmolLM2, 49,152 tokens, multi-character tokens that can straddle the
+    grammar's pieces, e.g. '"]'): 32 rows drawn from peaked random logits (fixed per row) through WorkflowMasks,
+    with the forward pass left out, all parse and end with EOS within longest_workflow's budget."""
+    pytest.importorskip("llguidance", reason="constrained decoding needs requirements-conductor.txt")
+    import llguidance.hf
+
+    from experts import load_model
+    _, tok = load_model("pocket:smollm2-135m-instruct")
+    import rollout
+    K, S, L, N, V = 2, 2, 30, 32, len(tok)
+    masks = C.WorkflowMasks(llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=[tok.eos_token_id]),
+                            C.workflow_grammar(K, S, L), N, V, [tok.eos_token_id])
+    torch.manual_seed(0)
+    base, last, rows = torch.randn(N, V) * 4, None, []
+    for _ in range(len(C.longest_workflow(K, S, L)) + 1):
+        last = rollout.draw(base.masked_fill(~masks(last), float("-inf")), 1.0)          # (N,)
+        rows.append(last)
+    comp = torch.stack(rows, 1)
+    for row in comp.tolist():
+        assert tok.eos_token_id in row
+        text = tok.decode(row[:row.index(tok.eos_token_id)])
+        assert parse_workflow(C.CONDUCTOR_PREFIX + text, K, S) is not None, text
