@@ -12,7 +12,8 @@ tests/test_adapter.py checks it token for token.
 
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
-  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
+  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
+                       under a mask of allowed tokens: constrained decoding)
   low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
@@ -211,7 +212,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
                 ok = allowed(tokens[-1] if tokens else None)                  # (B*G, vocab) bool
                 logits = logits.masked_fill(~ok, -torch.inf)
             nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
-            if allowed is not None:  # draw's clamp when u rounds up to the total (p ~ 1e-7): stay inside
+            if allowed is not None:  # draw clamps to the last token if u rounds up (p ~ 1e-7)
                 nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
             nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
             tokens.append(nxt)
@@ -275,7 +276,7 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
          [P, V] log-softmax over the prompt is ever built.
 
     allowed_mask [N, T, V] bool (constrained decoding): the tokens `sample`'s `allowed` let through
-    at each step; the log-probs are then the masked, renormalised distribution's (token_logprobs)."""
+    at each step; the log-probs are then the masked, renormalised distribution's."""
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")

@@ -3,6 +3,7 @@ The Conductor: the LoRA policy writes a workflow in text, frozen workers carry i
 
     python neighbours/conductor.py --task chain_sum --team tiny --steps 2 --batch-size 2 --grad-accum 1 \
         --group-size 2 --max-new-tokens 16 --out runs/try-conductor          # seconds, on any CPU
+        # (constrained decoding, the default, needs `pip install -r requirements-conductor.txt`)
     python neighbours/conductor.py evaluate --run runs/try-conductor --n 20   # evaluate.py's flags
 
 Conductor (Nielsen et al., 2025): a language model trained with GRPO coordinates a pool of worker models by
@@ -47,9 +48,23 @@ Deviations from the paper (numbered):
      adds the usual k3 KL to the policy with LoRA off.
   6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
      (the paper's recursive variant lets it pick itself).
+  7. Constrained decoding (--workflow-decoding constrained, the default; `free` is the paper's plain sampling).
+     The paper's conductor is a 7B model; ours, 135M at temperature 1, derailed into code or prose within a few
+     tokens: 0 of 80 sampled workflows parsed in a 5-step pocket run, every reward was 0 and nothing learned. So
+     the completion is sampled under the workflow's grammar (workflow_grammar: one spelling, the worked example's,
+     with integer worker ids, subtasks of 1..--max-subtask-chars printable ASCII characters and access lists of
+     earlier steps), by llguidance, which gives the tokens allowed next for the text so far; every sampled
+     workflow parses. What the grammar forces (the names, brackets, separators) gets log-prob 0 and no gradient,
+     so GRPO works on the free slots: which worker, what subtask, which earlier answers. The log-probs of the
+     ratio and the KL are those of the masked, renormalised distribution the tokens were drawn from
+     (WorkflowMasks derives it). The grammar bounds the text, so the constrained rollout's token budget is the
+     longest workflow's length (longest_workflow: 174 tokens at most for 2 workers, 2 steps, 60 characters; a
+     workflow usually stops far sooner) and --max-new-tokens is the workers' budget only. Evaluation writes the
+     greedy workflow under the same grammar.
 
-Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse), mean_steps (over parsed
-workflows), and each workflow's share of steps per worker as the routing distribution A [N, 1, K], so
+Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse: 1 under constrained
+decoding), mean_steps (over parsed workflows), and each workflow's share of steps per worker as the routing
+distribution A [N, 1, K], so
 `utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
 for the other methods and support/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
 """
