@@ -58,9 +58,9 @@ Deviations from the paper (numbered):
      so GRPO works on the free slots: which worker, what subtask, which earlier answers. The log-probs of the
      ratio and the KL are those of the masked, renormalised distribution the tokens were drawn from
      (WorkflowMasks derives it). The grammar bounds the text, so the constrained rollout's token budget is the
-     longest workflow's length (longest_workflow: 174 tokens at most for 2 workers, 2 steps, 60 characters; a
-     workflow usually stops far sooner) and --max-new-tokens is the workers' budget only. Evaluation writes the
-     greedy workflow under the same grammar.
+     longest workflow's length (longest_workflow: 134 tokens at most for 2 workers, 2 steps, 40 characters, the
+     defaults; a workflow often stops far sooner) and --max-new-tokens is the workers' budget only. Evaluation
+     writes the greedy workflow under the same grammar.
 
 Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse: 1 under constrained
 decoding), mean_steps (over parsed workflows), and each workflow's share of steps per worker as the routing
@@ -273,9 +273,11 @@ def longest_workflow(n_workers, max_steps, max_chars):
 
 def unpack_bits(bits, vocab_size):
     """Packed masks [..., W] int32 -> bool [..., vocab_size]: bit b of word w says whether token 32 w + b may
-    come next (llguidance's layout: 1/32 of the memory of a bool mask, the form the rollout records)."""
-    shifts = torch.arange(32, dtype=torch.int32, device=bits.device)
-    return ((bits.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]   # (..., W * 32) -> (..., V)
+    come next (llguidance's layout: 1/32 of the memory of a bool mask, the form the rollout records). Read as
+    little-endian bytes, that is bit b % 8 of byte 4 w + b // 8, so one byte per token is the largest temporary."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    octets = bits.contiguous().view(torch.uint8)                                            # (..., 4 W)
+    return ((octets.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]     # (..., V)
 
 
 class WorkflowMasks:
@@ -355,13 +357,13 @@ class Conductor(nn.Module):
     """No trainable parameters of its own (the conductor is the LoRA policy); holds the frozen workers."""
 
     def __init__(self, workers, names, max_steps, max_new_tokens, prompt_args, decoding="free",
-                 max_subtask_chars=60):
+                 max_subtask_chars=40):
         super().__init__()
         self.workers, self.names = workers, names   # [(model, tokenizer)], not submodules: never trained or saved
         self.max_steps, self.max_new_tokens, self.prompt_args = max_steps, max_new_tokens, prompt_args
         self.decoding, self.max_subtask_chars = decoding, max_subtask_chars    # --workflow-decoding
         self.cache = {}                                 # (worker, prompt) -> answer: greedy workers repeat themselves
-        self.grammar_tok = (None, None)                 # (policy tokenizer, llguidance's view of it: ~1 s to build)
+        self.grammar_tok = (None, None)                 # (policy tokenizer, llguidance's view of it: ~1 s)
 
     def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
         return {"C": None, "A": None, "hints": [None] * len(questions)}
@@ -454,7 +456,7 @@ def conductor(team, out_dim, args, device, dtype):
         raise ImportError(NO_LIBRARY)
     return Conductor(workers, names, args.max_workflow_steps, args.max_new_tokens,
                      (args.system_prompt, args.worked_example, args.response_prefix), decoding,
-                     getattr(args, "max_subtask_chars", 60))
+                     getattr(args, "max_subtask_chars", 40))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -548,7 +550,7 @@ def parse_args(argv=None):
     p.add_argument("--workflow-decoding", default="constrained", choices=["constrained", "free"],
                    help="constrained: the workflow is sampled under its grammar (llguidance, "
                    "requirements-conductor.txt), so every workflow parses; free: plain sampling (the paper's)")
-    p.add_argument("--max-subtask-chars", type=COUNT, default=60, help="longest subtask string, in characters, "
+    p.add_argument("--max-subtask-chars", type=COUNT, default=40, help="longest subtask string, in characters, "
                    f"under constrained decoding (at most {MAX_STRING}, the parser's limit)")
     args = parse(p, argv)
     if args.max_subtask_chars > MAX_STRING:
