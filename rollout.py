@@ -12,7 +12,8 @@ tests/test_adapter.py checks it token for token.
 
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
-  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
+  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
+                       under a mask of allowed tokens: constrained decoding)
   decode               its token-by-token loop, from a prefill
   low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
@@ -183,25 +184,30 @@ def low_precision_linears(model, dtype=torch.bfloat16):
 
 @torch.no_grad()
 def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
-           position="after", greedy=False, return_logprobs=False, dtype=None):
+           position="after", greedy=False, return_logprobs=False, dtype=None, allowed=None):
     """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad
     after EOS), and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them
     with the scoring pass; with dtype=bfloat16 they are the low-precision sampler's own, for the
     importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
     weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
     gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
-    weights in that dtype (low_precision_linears)."""
+    weights in that dtype (low_precision_linears).
+
+    allowed (constrained decoding, e.g. a grammar): a function called before each draw with the
+    last drawn tokens [B*G] (None before the first) that returns a bool [B*G, vocab] mask of the
+    tokens allowed next; the others get logit -inf, so the draw, the greedy pick and the returned
+    log-probs are those of the masked, renormalised softmax. Without it nothing changes."""
     low = contextlib.nullcontext()
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
     with lora_merged(policy), low:
         start = prefill(policy, prompt_ids, prompt_mask, C, G, position)
         return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
-                      return_logprobs)
+                      return_logprobs, allowed)
 
 
 def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
-           greedy=False, return_logprobs=False):
+           greedy=False, return_logprobs=False, allowed=None):
     """The token-by-token loop of `sample`, from what `prefill` returned: draw (or argmax) a
     token per row, feed it, until every row has ended or max_new_tokens are written. Finished
     rows emit pad_id. evaluate.py calls it directly to reuse one prefill for two things."""
@@ -212,7 +218,12 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
     tokens, logps = [], []
     for _ in range(max_new_tokens):
+        if allowed is not None:
+            ok = allowed(tokens[-1] if tokens else None)                      # (B*G, vocab) bool
+            logits = logits.masked_fill(~ok, -torch.inf)
         nxt = logits.argmax(-1) if greedy else draw(logits, temperature)      # (B*G,)
+        if allowed is not None:  # draw clamps to the last token if u rounds up (p ~ 1e-7)
+            nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
         tokens.append(nxt)
         if return_logprobs:
@@ -259,7 +270,7 @@ class _Preallocated(DynamicLayer):
 
 
 def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask,
-                        temperature, position="after"):
+                        temperature, position="after", allowed_mask=None):
     """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
 
     prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
@@ -272,7 +283,10 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
          often longer than the completion (system prompt, worked example), so this roughly halves
          the policy and reference passes.
       2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no
-         [P, V] log-softmax over the prompt is ever built."""
+         [P, V] log-softmax over the prompt is ever built.
+
+    allowed_mask [N, T, V] bool (constrained decoding): the tokens `sample`'s `allowed` let through
+    at each step; the log-probs are then the masked, renormalised distribution's."""
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")
@@ -282,10 +296,10 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
                  logits_to_keep=T, **cache_kwargs(policy, cache))
     logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
-    return token_logprobs(logits, completion_ids, temperature)   # (N, T)
+    return token_logprobs(logits, completion_ids, temperature, allowed_mask)   # (N, T)
 
 
-def token_logprobs(logits, tokens, temperature=1.0):
+def token_logprobs(logits, tokens, temperature=1.0, allowed_mask=None):
     """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at
     tokens, float32 [N, T]. Align first: logits[:, t] must be the distribution that produced
     tokens[:, t] (for a prompt of length P, completion tokens ids[:, P:] are scored by logits[:,
@@ -296,15 +310,20 @@ def token_logprobs(logits, tokens, temperature=1.0):
     no [T, V] log_softmax tensor is written. Going one completion at a time bounds the float32
     copy of the logits to one [T, V] row: under torch.no_grad (the logp_ref pass) that is the
     peak extra memory; with gradient, autograd keeps each row's float32 logits for the backward
-    pass, as log_softmax would."""
+    pass, as log_softmax would.
+
+    allowed_mask [N, T, V] bool: only those tokens could be drawn (constrained decoding), so the
+    distribution is softmax over them: x_k - logsumexp_{j allowed} x_j, the others set to -inf."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
         raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
                          f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
     rows = []
-    for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
+    for n, (row_logits, row_tokens) in enumerate(zip(logits, tokens)):  # (T, V), (T,)
         x = row_logits.float() / temperature  # (T, V) float32: bf16 softmax loses ~1e-2
+        if allowed_mask is not None:
+            x = x.masked_fill(~allowed_mask[n], -torch.inf)
         picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
         rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
     # (N, T) fp32
