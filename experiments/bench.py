@@ -103,6 +103,8 @@ def ours_worker(kind, o):
         args.rollout_dtype = cmd.get("rollout_dtype", "float32")
         args.tis_cap = 0.0 if args.rollout_dtype == "float32" else TIS_CAP
         generation["seconds"] = 0.0
+        if run["pool"] is not None:  # ours and ours_int8 share prompts: both pay the experts
+            run["pool"].cache.clear()
         with phase_timers(run, times) if cmd.get("profile") else contextlib.nullcontext():
             rec, _ = train.grpo_step(cmd["step"], run, args, rewards.score_batch)
         seconds = time.perf_counter() - t0
