@@ -4,13 +4,17 @@ Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs
     pip install -r requirements-bench.txt                   # TRL + PEFT: benchmark-only, never needed to train
     HF_HUB_OFFLINE=1 python experiments/bench.py            # ~20 min on 2 CPU cores -> results/bench.{json,md}
     HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
+    HF_HUB_OFFLINE=1 python experiments/bench.py --steps 3 --no-scaling --contenders single,ours,ours_int8,trl_default
     HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % validation score (experiments/speedrun.py)
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
 q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 64 new tokens (T = 1, no top-k/p);
 beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum question and prompt tokens everywhere.
   single, ours   train.grpo_step as it is, timed around the call (ours: experts Gemma-3-270M, SmolLM2-135M, MiniLM;
-                 each step's prompt is new to them, so no expert-cache hits).
+                 their cache is cleared before every step, so they run on every step).
+  ours_int8      ours with --rollout-dtype int8 --tis-cap 2, in the ours worker: the two rollouts alternate in one
+                 process. Reported: its speed-up over ours (paired rounds), its generation's, and the sampler-policy
+                 gap train.py logs (rollout_logp_gap, is_weight_mean, is_weight_clipped_fraction).
   trl_default    TRL GRPOTrainer + PEFT LoRA, GRPOConfig defaults (gradient checkpointing ON in TRL 1.16);
   trl_no_gc      the same with it off. Both bf16=False (fp32), no vLLM, logging/saving/shuffling off, batch =
                  prompts x G; timed by a callback from on_step_begin (before generation) to on_step_end.
@@ -19,6 +23,7 @@ beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum questi
 Equal work: each implementation stops generating at EOS, so all are forced to 64 tokens: TRL and the floor with
 min_new_tokens (EOS masked), ours by an EOS id that never occurs (-1), so the mask covers all 64 tokens too.
 --natural-eos lifts this (then compare tokens/s).
+Generation seconds of every contender: rollout.sample (ours), HF generate (TRL, floor), timed by a wrapper.
 Method: worker subprocesses load once, run --warmup uncounted steps, then --steps rounds of one step per contender
 in turn (alternated: load drifts hit all alike). Reported: median, min/max, IQR, paired per-round ratios, peak RSS
 per worker (ru_maxrss, incl. loading); a phase profile of one ours step (timers wrapped around
