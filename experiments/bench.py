@@ -4,7 +4,8 @@ Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs
     pip install -r requirements-bench.txt                   # TRL + PEFT: benchmark-only, never needed to train
     HF_HUB_OFFLINE=1 python experiments/bench.py            # ~20 min on 2 CPU cores -> results/bench.{json,md}
     HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
-    HF_HUB_OFFLINE=1 python experiments/bench.py --steps 3 --no-scaling --contenders single,ours,ours_int8,trl_default
+    HF_HUB_OFFLINE=1 python experiments/bench.py --steps 3 --no-scaling \
+        --contenders single,ours,ours_int8,trl_default     # results/bench.md as committed
     HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % validation score (experiments/speedrun.py)
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
@@ -12,9 +13,10 @@ q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 6
 beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum question and prompt tokens everywhere.
   single, ours   train.grpo_step as it is, timed around the call (ours: experts Gemma-3-270M, SmolLM2-135M, MiniLM;
                  their cache is cleared before every step, so they run on every step).
-  ours_int8      ours with --rollout-dtype int8 --tis-cap 2, in the ours worker: the two rollouts alternate in one
-                 process. Reported: its speed-up over ours (paired rounds), its generation's, and the sampler-policy
-                 gap train.py logs (rollout_logp_gap, is_weight_mean, is_weight_clipped_fraction).
+  ours_int8      ours with --rollout-dtype int8 --tis-cap 2, in the ours worker: the two
+                 rollouts alternate in one process. Reported: its speed-up over ours (paired
+                 rounds), its generation's, and the sampler-policy gap train.py logs
+                 (rollout_logp_gap, is_weight_mean, is_weight_clipped_fraction).
   trl_default    TRL GRPOTrainer + PEFT LoRA, GRPOConfig defaults (gradient checkpointing ON in TRL 1.16);
   trl_no_gc      the same with it off. Both bf16=False (fp32), no vLLM, logging/saving/shuffling off, batch =
                  prompts x G; timed by a callback from on_step_begin (before generation) to on_step_end.
@@ -23,7 +25,8 @@ beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum questi
 Equal work: each implementation stops generating at EOS, so all are forced to 64 tokens: TRL and the floor with
 min_new_tokens (EOS masked), ours by an EOS id that never occurs (-1), so the mask covers all 64 tokens too.
 --natural-eos lifts this (then compare tokens/s).
-Generation seconds of every contender: rollout.sample (ours), HF generate (TRL, floor), timed by a wrapper.
+Generation seconds of every contender: rollout.sample (ours), HF generate (TRL, floor), timed by a
+wrapper.
 Method: worker subprocesses load once, run --warmup uncounted steps, then --steps rounds of one step per contender
 in turn (alternated: load drifts hit all alike). Reported: median, min/max, IQR, paired per-round ratios, peak RSS
 per worker (ru_maxrss, incl. loading); a phase profile of one ours step (timers wrapped around
@@ -41,7 +44,8 @@ EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-min
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
 TIS_CAP = 2.0  # ours_int8: --rollout-dtype int8 --tis-cap 2, the pocket preset's cap
-GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")  # train.step_metrics'
+# train.step_metrics' sampler-policy gap
+GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")
 CONTENDERS = ["single", "ours", "ours_int8", "trl_default", "trl_no_gc", "floor"]
 DATASET_SIZE, SEED = 256, 0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, rewards.py, ...
@@ -104,7 +108,7 @@ def ours_worker(kind, o):
 
     def step(cmd):
         args.group_size, times, t0 = cmd.get("G", o["G"]), collections.defaultdict(float), time.perf_counter()
-        # --rollout-dtype per command, so both rollouts alternate in one process; int8 with its TIS cap
+        # --rollout-dtype per command: both rollouts alternate in one process; int8 with its TIS cap
         args.rollout_dtype = cmd.get("rollout_dtype", "float32")
         args.tis_cap = 0.0 if args.rollout_dtype == "float32" else TIS_CAP
         generation["seconds"] = 0.0
@@ -323,7 +327,8 @@ def main():
     p.add_argument("--no-scaling", action="store_true", help="skip the G and number-of-experts scaling runs")
     p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of "
-                   f"{', '.join(CONTENDERS)} (ours_int8: ours with --rollout-dtype int8 --tis-cap {TIS_CAP})")
+                   f"{', '.join(CONTENDERS)} (ours_int8: ours with --rollout-dtype int8 "
+                   f"--tis-cap {TIS_CAP})")
     p.add_argument("--profile-only", action="store_true", help="only the phase profile of `ours` (loads one worker): "
                    "where a step's time goes, e.g. what the probes of C cost -> bench_profile.json beside --out")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench.json"),
@@ -368,15 +373,15 @@ def main():
         return log(f"probes of C: {100 * res['probes_share_median']:.3f} % of a step (median of {a.steps}); {path}")
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
-    # ours_int8 is the ours worker with --rollout-dtype int8: the two rollouts alternate in one process
+    # ours_int8 is the ours worker with --rollout-dtype int8: both rollouts alternate in one process
     W = {k: Worker(k, k, o, log_dir) for k in a.contenders if k != "ours_int8"}
     info = {k: w.recv() for k, w in W.items()}
     log("loaded: " + ", ".join(f"{k} {w.rss / 1024:.1f} GB" for k, w in W.items()))
     plan = {k: (W.get(k) or W["ours"], lambda r, k=k: dict(
         step=r, **({"rollout_dtype": "int8"} if k == "ours_int8" else {}))) for k in a.contenders}
     runs = alternate(plan, a.warmup, a.steps, log)
-    res = {k: {**stats(v, (W.get(k) or W["ours"]).rss), "threads": info[k.replace("_int8", "")]["threads"]}
-           for k, v in runs.items()}
+    res = {k: {**stats(v, (W.get(k) or W["ours"]).rss),
+               "threads": info[k.replace("_int8", "")]["threads"]} for k, v in runs.items()}
     if "trl_default" in res:
         res["trl_default"]["gradient_checkpointing"] = info["trl_default"]["gradient_checkpointing"]
     pair = lambda x, y, key="seconds": float(np.median(  # noqa: E731
@@ -390,7 +395,8 @@ def main():
     # ---- 2. profile: one step of ours on a prompt new to it, phase by phase ------------------------------------------
     profile = {}
     for k in [k for k in ("ours", "ours_int8") if k in a.contenders]:
-        v = W["ours"].run(step=DATASET_SIZE - 1, profile=True, rollout_dtype="int8" if "int8" in k else "float32")
+        dtype = "int8" if k == "ours_int8" else "float32"
+        v = W["ours"].run(step=DATASET_SIZE - 1, profile=True, rollout_dtype=dtype)
         profile[k] = dict(seconds=v["seconds"], phases=dict(sorted(v["phases"].items(), key=lambda x: -x[1])))
         log(f"profile {k} {v['seconds']:.1f} s: " + ", ".join(f"{ph} {x:.2f}" for ph, x in v["phases"].items()))
     [w.close() for k, w in W.items() if k != "ours" or a.no_scaling]
@@ -447,19 +453,21 @@ def markdown(r):
            f"Median of {s['steps']} alternated steps after {s['warmup']} warm-up (`python experiments/bench.py`).", "",
            "| contender | s/step (median) | min – max | of which generation | tokens/s | peak RSS |",
            "|---|---|---|---|---|---|"]
-    out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | {v['generation_median']:.1f} | "
-            f"{v['tokens_per_second']:.1f} | {v['peak_rss_mb'] / 1024:.1f} GB |" for k, v in r["contenders"].items()]
+    out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | "
+            f"{v['generation_median']:.1f} | {v['tokens_per_second']:.1f} | "
+            f"{v['peak_rss_mb'] / 1024:.1f} GB |" for k, v in r["contenders"].items()]
     out += ["", "| ratio | ours | target | met |", "|---|---|---|---|"]
     out += [f"| {k} | {r[k]:.2f} | ≤ {t} | {'yes' if r['targets_met'][k] else 'no'} |"
             for k, t in r["targets"].items() if k in r]
     if r["int8"]:
         i = r["int8"]
-        out += ["", f"`ours_int8` (`--rollout-dtype int8 --tis-cap {TIS_CAP}`, alternated with `ours` in one "
-                f"process): step {i['step_speedup_paired']:.2f}x and generation "
-                f"{i['generation_speedup_paired']:.2f}x faster than `ours` (median of the paired rounds); "
-                f"ours_int8 / TRL defaults {i.get('ratio_vs_trl', float('nan')):.2f}. Sampler-policy gap "
-                f"(median over steps): mean |log pi_old - log mu| {i['rollout_logp_gap']:.3f} nats per token, "
-                f"TIS weights at the cap {100 * i['is_weight_clipped_fraction']:.1f} %, mean weight "
+        out += ["", f"`ours_int8` (`--rollout-dtype int8 --tis-cap {TIS_CAP}`, alternated with "
+                f"`ours` in one process): step {i['step_speedup_paired']:.2f}x and generation "
+                f"{i['generation_speedup_paired']:.2f}x faster than `ours` (median of the paired "
+                f"rounds); ours_int8 / TRL defaults {i.get('ratio_vs_trl', float('nan')):.2f}. "
+                f"Sampler-policy gap (median over steps): mean |log pi_old - log mu| "
+                f"{i['rollout_logp_gap']:.3f} nats per token, TIS weights at the cap "
+                f"{100 * i['is_weight_clipped_fraction']:.1f} %, mean weight "
                 f"{i['is_weight_mean']:.3f}."]
     out += ["", *(f"Profile of one `{k}` step ({v['seconds']:.1f} s): " + ", ".join(
         f"{ph} {t:.1f} s" for ph, t in v["phases"].items()) for k, v in r["profile"].items())]
