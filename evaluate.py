@@ -22,6 +22,7 @@ Choices the paper leaves open:
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
+import copy
 import json
 import os
 from types import SimpleNamespace
@@ -37,7 +38,9 @@ from experts import check_models, frozen_dtype, load_model, pick_device, team_mo
 from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
 from support.report import plot_runs, summarize
-from rollout import completion_logprobs, encode_prompts, eos_token_ids, sample
+from lora import lora_merged
+from rollout import (cache_kwargs, completion_logprobs, decode, encode_prompts, eos_token_ids,
+                     prefill, token_logprobs)
 from support.config import ArgumentParser, fail, parse_args
 from support.checkpoint import write_json
 from support.stats import paired_comparison
@@ -88,6 +91,63 @@ def gold_logprobs(policy, tok, prompts, golds, C, args, device):
     logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0,
                                args.context_position)  # (B, T)
     return torch.where(comp_mask, logp, torch.zeros_like(logp)).sum(-1).tolist()
+
+
+def greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos_ids):
+    """Greedy completions [B, T] (padding after EOS) and, when `golds` are given, each item's
+    gold log-prob (gold_logprobs), both from one prefill of [x || C].
+
+    The gold pass reads prompt + answer_bridge + gold, tokenised as gold_logprobs tokenises it;
+    that sequence and the prompt's own share all but the prompt's last k tokens (a tokeniser
+    may merge the prompt's end with the bridge: SmolLM2 writes "<think></think>" with a "></"
+    token). So the prefill's KV cache, copied and cropped by k columns, is that sequence's
+    prefix, and only the rest (k + bridge + answer tokens) is run again: one prefill instead of
+    two, the costlier half of a paired evaluation. The completions are bit for bit those of
+    rollout.sample (the same prefill and loop); the log-probs equal gold_logprobs' up to float
+    rounding (LoRA merged, another order of sums; tests/test_collaboration.py). The crop needs C
+    in front ("before") or no C: with C after the prompt ("after") C sits in the cropped
+    columns, and the gold pass runs on its own."""
+    shared = golds is not None and (C is None or args.context_position == "before")
+    with lora_merged(policy):
+        cache, first, pmask, pos = prefill(policy, ids, mask, C, 1, args.context_position)
+        gold = gold_from_prefill(policy, tok, cache, pmask, pos, prompts, golds, args) \
+            if shared else None
+        comp = decode(policy, cache, first, pmask, pos, args.max_new_tokens, 1.0, eos_ids,
+                      tok.pad_token_id, greedy=True)
+    if golds is not None and not shared:
+        gold = gold_logprobs(policy, tok, prompts, golds, C, args, ids.device)
+    return comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id), gold
+
+
+def gold_from_prefill(policy, tok, cache, mask, pos, prompts, golds, args):
+    """gold_logprobs on a copy of the prefill's cache: see greedy_and_gold."""
+    special = not tok.chat_template
+    own = tok(prompts, add_special_tokens=special)["input_ids"]
+    bridged = tok([p + answer_bridge(args.response_prefix) for p in prompts],
+                  add_special_tokens=special)["input_ids"]
+    answers = tok([f"{g}</answer>" for g in golds], add_special_tokens=False)["input_ids"]
+    same = [next((i for i, (a, b) in enumerate(zip(q, o)) if a != b), min(len(q), len(o)))
+            for q, o in zip(own, bridged)]
+    k = max(len(q) - c for q, c in zip(own, same))     # prompt columns to run again
+    if k >= min(len(q) for q in own):
+        return gold_logprobs(policy, tok, prompts, golds, None, args, mask.device)
+    rest = [o[len(q) - k:] + a for q, o, a in zip(own, bridged, answers)]
+    T = max(map(len, rest))
+    ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rest], device=mask.device)
+    rest_mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rest], dtype=torch.bool,
+                             device=mask.device)
+    cache = copy.deepcopy(cache)                      # the greedy loop goes on from the original
+    if k:
+        cache.crop(-k)                                              # drop the last k columns
+    full_mask = torch.cat([mask[:, :-k] if k else mask, rest_mask], 1)
+    out = policy(input_ids=ids, attention_mask=full_mask,
+                 position_ids=pos - k + rest_mask.long().cumsum(-1), use_cache=True,
+                 **cache_kwargs(policy, cache))
+    logp = token_logprobs(out.logits[:, :-1], ids[:, 1:])            # row t predicts token t + 1
+    is_answer = torch.zeros_like(rest_mask)
+    for row, (r, a) in enumerate(zip(rest, answers)):
+        is_answer[row, len(r) - len(a):len(r)] = True
+    return torch.where(is_answer[:, 1:], logp, torch.zeros_like(logp)).sum(-1).tolist()
 
 
 def derangement(n, seed=0):
@@ -149,18 +209,18 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             prompts = rewards.policy_prompts(tok, questions, hints[s:s + len(batch)], args)
             ids, mask = encode_prompts(tok, prompts, device)
             # neighbours/conductor.py, neighbours/rlae.py write the answer their own way (greedy)
+            golds = [it["answer"] for it in batch] if len(conditions) > 1 else None
             if hasattr(method, "answer"):
                 texts = method.answer(policy, tok, questions, args)
             else:
-                comp = sample(policy, ids, mask, C, 1, args.max_new_tokens, 1.0, eos_ids,
-                              tok.pad_token_id, args.context_position, greedy=True)
-                comp = comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id)
+                comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args,
+                                             eos_ids)
                 texts = tok.batch_decode(comp, skip_special_tokens=True)
+                logps += gold or []
+            if golds and hasattr(method, "answer"):
+                logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)
             r, counts = rewards.score_batch(batch, texts)
             scores += r
-            if len(conditions) > 1:
-                golds = [it["answer"] for it in batch]
-                logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)
             for k, v in counts.items():
                 status[k] = status.get(k, 0) + v
             bar.update(len(batch))

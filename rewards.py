@@ -273,12 +273,32 @@ def extract_answer(text):
     return text[start:text.find("</answer>", start)].strip()
 
 
-def format_bonus(completions, bonus):
+def format_bonus(completions, bonus, golds=None):
     """--format-bonus, a training-only deviation: `bonus` for each completion with a non-empty
     answer block, else 0. It rewards the form, not the answer, so it gives a group reward
     variance before any answer is right; evaluation (evaluate.score_items) scores with the task's
-    scorer alone and never calls this."""
-    return [float(bonus) if (extract_answer(c) or "") else 0.0 for c in completions]
+    scorer alone and never calls this.
+
+    The trap it sets: a policy can earn the bonus with any text in the block. On the pocket task
+    one seed in three learned to open an answer block, write a wrong number and run on to the
+    token limit, and stayed there for 15 steps. With `golds` (--format-bonus-strict) the bonus
+    is paid only for the form of a real answer: the completion ends with its answer block, and
+    where the gold answer is a number, the answer is one too."""
+    if golds is None:
+        return [float(bonus) if (extract_answer(c) or "") else 0.0 for c in completions]
+    return [float(bonus) if answer_shaped(c, g) else 0.0 for c, g in zip(completions, golds)]
+
+
+NUMBER = re.compile(r"-?\d+(?:\.\d+)?")
+
+
+def answer_shaped(completion, gold):
+    """Whether `completion` ends with a non-empty answer block shaped like `gold`'s (a number
+    where the gold answer is one)."""
+    answer = extract_answer(completion)
+    if not answer or not str(completion).rstrip().endswith("</answer>"):
+        return False
+    return not NUMBER.fullmatch(str(gold).strip()) or bool(NUMBER.fullmatch(answer.replace(",", "")))
 
 
 def coin_rewards(seed, step, micro, draw, n):

@@ -12,8 +12,11 @@ tests/test_adapter.py checks it token for token.
 
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
-  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in
-  low_precision_linears   (--rollout-dtype bfloat16) the rollout's matmuls on bfloat16 weights
+  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
+                       under a mask of allowed tokens: constrained decoding)
+  decode               its token-by-token loop, from a prefill
+  low_precision_linears   (--rollout-dtype bfloat16 / int8) the rollout's matmuls on a
+                       low-precision copy of the weights
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
   mlps_recomputed      (with gradient) the MLPs' activations recomputed in the backward pass
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
@@ -161,19 +164,21 @@ def draw(logits, temperature):
 
 @contextlib.contextmanager
 def low_precision_linears(model, dtype=torch.bfloat16):
-    """Inside: every nn.Linear (the LM head included) multiplies with a `dtype` copy of its
-    weight, taken on entry (after lora_merged, so the copy holds W + BA); activations go in as
-    `dtype` and come out in their own dtype, so attention, norms and the softmax stay float32.
-    Decoding is memory-bound, and the 576 x 49,152 LM head alone reads 113 MB per token in
-    float32: half the bytes, measured 1.55x faster decoding of the pocket policy on one
-    AVX512-BF16 core. The sampling distribution then differs slightly from the float32 scoring
-    pass: train.py logs the gap and can correct for it (grpo.truncated_is_weights)."""
+    """Inside: every nn.Linear (the LM head included) multiplies with a low-precision copy of its
+    weight; activations come out in their own dtype, so attention, norms and the softmax stay
+    float32. Decoding is memory-bound, and the 576 x 49,152 LM head alone reads 113 MB per token
+    in float32. Two copies:
+      bfloat16  half the bytes, the copy taken on entry (inside lora_merged, so it holds W + BA).
+                Measured 1.55x faster decoding of the pocket policy on one AVX512-BF16 core, but
+                ~3x slower on a CPU without bf16 instructions (AVX2), which emulates them.
+      int8      a quarter of the bytes and int8 products (int8_linear). The frozen W is
+                quantised once and kept; LoRA's update is not merged but added beside it in
+                float32 by LoRALinear, so the sampler always holds the current LoRA.
+    The sampling distribution then differs slightly from the float32 scoring pass: train.py logs
+    the gap and can correct for it (grpo.truncated_is_weights)."""
     linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    for m in linears:
-        w = m.weight.detach().to(dtype)
-        b = None if m.bias is None else m.bias.detach().to(dtype)
-        # an instance attribute
-        m.forward = lambda x, w=w, b=b: F.linear(x.to(w.dtype), w, b).to(x.dtype)
+    for m in linears:  # an instance attribute
+        m.forward = int8_linear(m) if dtype == torch.int8 else cast_linear(m, dtype)
     try:
         yield model
     finally:
@@ -181,42 +186,115 @@ def low_precision_linears(model, dtype=torch.bfloat16):
             del m.forward  # the class's forward again
 
 
+def cast_linear(linear, dtype):
+    """x -> linear(x) with the weight and input cast to `dtype`, the output in x's dtype."""
+    w = linear.weight.detach().to(dtype)
+    b = None if linear.bias is None else linear.bias.detach().to(dtype)
+    return lambda x: F.linear(x.to(w.dtype), w, b).to(x.dtype)
+
+
+def int8_linear(linear):
+    """x -> linear(x) with int8 x int8 products summed in int32 (PyTorch's fbgemm/oneDNN dynamic
+    int8 kernel, torch.ops.quantized.linear_dynamic), rescaled to float32:
+      weight  7 bits per output row, w_q = round(w / s), s = max|w_row| / 63; quantised once and
+              kept on the module (int8_weight)
+      input   8 bits per row: each row is divided by its own max|x| first, so the kernel's one
+              scale per tensor becomes one per row, and the output multiplied back.
+    Why 7-bit weights: AVX2's int8 multiply-add sums pairs of u8 x s8 products into int16, and
+    255 * 127 * 2 overflows it; 255 * 63 * 2 does not. (The kernel's own remedy, 7-bit inputs,
+    gave a larger error; with 8 bits for both, the overflows made the pocket policy's log-probs
+    wrong by 9 nats per token.) Measured on the pocket policy (16 completions x 48 tokens):
+    mean |log pi_int8 - log pi_float32| 0.18 nats per token, 0.08 of it from the LM head.
+
+    Why not torchao (the maintained home of int8 in PyTorch): on this project's CPU (AVX2, one
+    thread, 8 rows) torchao 0.18's int8 dynamic-activation layer took 223 ms and its int8
+    weight-only layer 155 ms for the LM head product that takes 32 ms in float32 and 3.8 ms
+    here; it has no fast CPU path outside torch.compile. PyTorch warns that its quantised
+    tensors (torch.quantize_per_channel, which this kernel's packing takes) are deprecated: when
+    they go, this function is the one to change. CPU only."""
+    packed, b = int8_weight(linear), linear.bias
+
+    def forward(x):                                                         # (..., in)
+        a = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)        # (..., 1)
+        y = torch.ops.quantized.linear_dynamic(x.float() / a, packed, False) * a   # (..., out)
+        return (y if b is None else y + b.float()).to(x.dtype)
+    return forward
+
+
+def int8_weight(linear):
+    """The prepacked 7-bit copy of linear.weight, made on first use and kept on the module as
+    long as the weight is the same tensor, unmodified (its storage and version counter): frozen
+    weights are quantised once per run, ~1.8 s for the pocket policy."""
+    w = linear.weight
+    if w.device.type != "cpu":
+        raise ValueError(f"--rollout-dtype int8 runs on CPU only, the weights are on {w.device}")
+    key = (w.data_ptr(), w._version)
+    if getattr(linear, "_int8", (None,))[0] != key:
+        w = w.detach().float()                                              # (out, in)
+        s = (w.abs().amax(1) / 63).clamp(min=1e-12).double()               # (out,)
+        zero = torch.zeros(w.shape[0], dtype=torch.long)
+        w_q = torch.quantize_per_channel(w, s, zero, 0, torch.qint8)       # (out, in) in [-63, 63]
+        linear._int8 = (key, torch.ops.quantized.linear_prepack(w_q, None))
+    return linear._int8[1]
+
+
 @torch.no_grad()
 def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
-           position="after", greedy=False, return_logprobs=False, dtype=None):
+           position="after", greedy=False, return_logprobs=False, dtype=None, allowed=None):
     """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad
     after EOS), and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them
-    with the scoring pass; with dtype=bfloat16 they are the low-precision sampler's own, for the
-    importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
+    with the scoring pass; with dtype=bfloat16 or int8 they are the low-precision sampler's own,
+    for the importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
     weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
     gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
-    weights in that dtype (low_precision_linears)."""
+    weights in that dtype (low_precision_linears).
+
+    allowed (constrained decoding, e.g. a grammar): a function called before each draw with the
+    last drawn tokens [B*G] (None before the first) that returns a bool [B*G, vocab] mask of the
+    tokens allowed next; the others get logit -inf, so the draw, the greedy pick and the returned
+    log-probs are those of the masked, renormalised softmax. Without it nothing changes."""
     low = contextlib.nullcontext()
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
-    with lora_merged(policy), low:
-        cache, logits, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, G, position)
-        cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
-                        for l in cache.layers]
-        logits = logits.float()                                           # (B*G, vocab)
-        eos = torch.tensor(eos_ids, device=logits.device)
-        done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-        tokens, logps = [], []
-        for _ in range(max_new_tokens):
-            nxt = logits.argmax(-1) if greedy else draw(logits, temperature)  # (B*G,)
-            nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
-            tokens.append(nxt)
-            if return_logprobs:
-                logp_all = torch.log_softmax(logits / temperature, -1)     # (B*G, vocab)
-                logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
-            done = done | torch.isin(nxt, eos)
-            if done.all():
-                break
-            mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)  # (B*G, P' + t + 1)
-            pos = pos + 1
-            out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                         use_cache=True, **cache_kwargs(policy, cache))
-            cache, logits = cache_of(out), out.logits[:, -1].float()
+    # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32
+    merge = contextlib.nullcontext() if dtype == torch.int8 else lora_merged(policy)
+    with merge, low:
+        start = prefill(policy, prompt_ids, prompt_mask, C, G, position)
+        return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
+                      return_logprobs, allowed)
+
+
+def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
+           greedy=False, return_logprobs=False, allowed=None):
+    """The token-by-token loop of `sample`, from what `prefill` returned: draw (or argmax) a
+    token per row, feed it, until every row has ended or max_new_tokens are written. Finished
+    rows emit pad_id. evaluate.py calls it directly to reuse one prefill for two things."""
+    cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
+                    for l in cache.layers]
+    logits = logits.float()                                               # (B*G, vocab)
+    eos = torch.tensor(eos_ids, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logps = [], []
+    for _ in range(max_new_tokens):
+        if allowed is not None:
+            ok = allowed(tokens[-1] if tokens else None)                      # (B*G, vocab) bool
+            logits = logits.masked_fill(~ok, -torch.inf)
+        nxt = logits.argmax(-1) if greedy else draw(logits, temperature)      # (B*G,)
+        if allowed is not None:  # draw clamps to the last token if u rounds up (p ~ 1e-7)
+            nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
+        tokens.append(nxt)
+        if return_logprobs:
+            logp_all = torch.log_softmax(logits / temperature, -1)         # (B*G, vocab)
+            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
+        done = done | torch.isin(nxt, eos)
+        if done.all():
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)      # (B*G, P' + t + 1)
+        pos = pos + 1
+        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                     use_cache=True, **cache_kwargs(policy, cache))
+        cache, logits = cache_of(out), out.logits[:, -1].float()
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
     return torch.stack(tokens, 1)
@@ -250,7 +328,7 @@ class _Preallocated(DynamicLayer):
 
 
 def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask,
-                        temperature, position="after"):
+                        temperature, position="after", allowed_mask=None):
     """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
 
     prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
@@ -263,7 +341,10 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
          often longer than the completion (system prompt, worked example), so this roughly halves
          the policy and reference passes.
       2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no
-         [P, V] log-softmax over the prompt is ever built."""
+         [P, V] log-softmax over the prompt is ever built.
+
+    allowed_mask [N, T, V] bool (constrained decoding): the tokens `sample`'s `allowed` let through
+    at each step; the log-probs are then the masked, renormalised distribution's."""
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")
@@ -274,7 +355,7 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
         out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos,
                      use_cache=True, logits_to_keep=T, **cache_kwargs(policy, cache))
     logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
-    return token_logprobs(logits, completion_ids, temperature)   # (N, T)
+    return token_logprobs(logits, completion_ids, temperature, allowed_mask)   # (N, T)
 
 
 @contextlib.contextmanager
@@ -285,8 +366,8 @@ def mlps_recomputed(model):
     30 blocks) that is ~24 KB per token and block, ~1.2 GB for a step's ~1,700 tokens: with it
     the README's first run peaked at 4.0 GB in the policy pass and backward, against >= 5.6 GB
     without (results/performance.md). It costs one more forward of the MLPs in the backward
-    pass. Exact: non-reentrant checkpointing keeps the autograd graph as it
-    is and only computes its saved tensors again, with the same kernels on the same inputs."""
+    pass. Exact: non-reentrant checkpointing keeps the autograd graph as it is and only computes
+    its saved tensors again, with the same kernels on the same inputs."""
     from torch.utils.checkpoint import checkpoint
     mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
     if not torch.is_grad_enabled():
@@ -301,7 +382,7 @@ def mlps_recomputed(model):
             del m.forward
 
 
-def token_logprobs(logits, tokens, temperature=1.0):
+def token_logprobs(logits, tokens, temperature=1.0, allowed_mask=None):
     """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at
     tokens, float32 [N, T]. Align first: logits[:, t] must be the distribution that produced
     tokens[:, t] (for a prompt of length P, completion tokens ids[:, P:] are scored by logits[:,
@@ -312,17 +393,22 @@ def token_logprobs(logits, tokens, temperature=1.0):
     no [T, V] log_softmax tensor is written. Going one completion at a time bounds the float32
     copy of the logits to one [T, V] row: under torch.no_grad (the logp_ref pass) that is the
     peak extra memory; with gradient, autograd keeps each row's float32 logits for the backward
-    pass, as log_softmax would."""
+    pass, as log_softmax would.
+
+    allowed_mask [N, T, V] bool: only those tokens could be drawn (constrained decoding), so the
+    distribution is softmax over them: x_k - logsumexp_{j allowed} x_j, the others set to -inf."""
     if temperature <= 0:
         raise ValueError(f"temperature must be > 0, got {temperature}")
     if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
         raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
                          f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
     rows = []
-    for row_logits, row_tokens in zip(logits, tokens):         # (T, V), (T,)
+    for n, (row_logits, row_tokens) in enumerate(zip(logits, tokens)):  # (T, V), (T,)
         x = row_logits.float()  # (T, V) float32: bf16 softmax loses ~1e-2
         if temperature != 1:  # x / 1 is x: no copy for logsumexp to keep for the backward pass
             x = x / temperature
+        if allowed_mask is not None:
+            x = x.masked_fill(~allowed_mask[n], -torch.inf)
         picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
         rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
     # (N, T) fp32

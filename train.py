@@ -27,8 +27,9 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      samples did), --context-position before, and two controls: --reward random, --method identical
      / soft_prompt (baselines.py).
   3. The levers (each one call or one `if` in grpo_step, with a named helper below it):
-     --format-bonus (training reward only), --dynamic-sampling, --rollout-dtype bfloat16 with
-     --tis-cap, --lr-schedule / --warmup-steps, --clip-per-group, torchrun (support/distributed.py);
+     --format-bonus (training reward only), --dynamic-sampling, --rollout-dtype bfloat16 / int8
+     with --tis-cap, --lr-schedule / --warmup-steps, --clip-per-group, torchrun
+     (support/distributed.py);
      --eval-items scores the policy before and after training.
   4. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
 Conductor and RLAE, two other systems, are scripts of their own with their own loop: neighbours/.
@@ -191,7 +192,8 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
-    bonus = rewards.format_bonus(texts, args.format_bonus)
+    golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
+    bonus = rewards.format_bonus(texts, args.format_bonus, golds)
     bonus = torch.tensor(bonus, dtype=torch.float32, device=run["device"])
     return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts,
                 texts=texts)
@@ -286,8 +288,8 @@ def policy_logprobs(run, args, b, C):
 
 
 def tis_weights(b, args):
-    """--tis-cap with --rollout-dtype bfloat16: min(pi_old / pi_sampler, cap) per token, else
-    None."""
+    """--tis-cap with --rollout-dtype bfloat16 or int8: min(pi_old / pi_sampler, cap) per token,
+    else None."""
     if not args.tis_cap or b["logp_mu"] is None:
         return None
     return grpo.truncated_is_weights(b["logp_old"], b["logp_mu"], b["comp_mask"], args.tis_cap)
@@ -361,8 +363,9 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
         gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]
         rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
         if args.tis_cap:
-            weights = [b["is_weight"][b["comp_mask"]] for b in trained]
-            rec["is_weight_mean"] = torch.cat(weights).mean().item()
+            weights = torch.cat([b["is_weight"][b["comp_mask"]] for b in trained])
+            rec["is_weight_mean"] = weights.mean().item()
+            rec["is_weight_clipped_fraction"] = (weights >= args.tis_cap).float().mean().item()
     return rec
 
 

@@ -4,13 +4,19 @@ Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs
     pip install -r requirements-bench.txt                   # TRL + PEFT: benchmark-only, never needed to train
     HF_HUB_OFFLINE=1 python experiments/bench.py            # ~20 min on 2 CPU cores -> results/bench.{json,md}
     HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
+    HF_HUB_OFFLINE=1 python experiments/bench.py --steps 3 --no-scaling \
+        --contenders single,ours,ours_int8,trl_default     # results/bench.md as committed
     HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % validation score (experiments/speedrun.py)
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
 q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 64 new tokens (T = 1, no top-k/p);
 beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum question and prompt tokens everywhere.
   single, ours   train.grpo_step as it is, timed around the call (ours: experts Gemma-3-270M, SmolLM2-135M, MiniLM;
-                 each step's prompt is new to them, so no expert-cache hits).
+                 their cache is cleared before every step, so they run on every step).
+  ours_int8      ours with --rollout-dtype int8 --tis-cap 2, in the ours worker: the two
+                 rollouts alternate in one process. Reported: its speed-up over ours (paired
+                 rounds), its generation's, and the sampler-policy gap train.py logs
+                 (rollout_logp_gap, is_weight_mean, is_weight_clipped_fraction).
   trl_default    TRL GRPOTrainer + PEFT LoRA, GRPOConfig defaults (gradient checkpointing ON in TRL 1.16);
   trl_no_gc      the same with it off. Both bf16=False (fp32), no vLLM, logging/saving/shuffling off, batch =
                  prompts x G; timed by a callback from on_step_begin (before generation) to on_step_end.
@@ -19,6 +25,8 @@ beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum questi
 Equal work: each implementation stops generating at EOS, so all are forced to 64 tokens: TRL and the floor with
 min_new_tokens (EOS masked), ours by an EOS id that never occurs (-1), so the mask covers all 64 tokens too.
 --natural-eos lifts this (then compare tokens/s).
+Generation seconds of every contender: rollout.sample (ours), HF generate (TRL, floor), timed by a
+wrapper.
 Method: worker subprocesses load once, run --warmup uncounted steps, then --steps rounds of one step per contender
 in turn (alternated: load drifts hit all alike). Reported: median, min/max, IQR, paired per-round ratios, peak RSS
 per worker (ru_maxrss, incl. loading); a phase profile of one ours step (timers wrapped around
@@ -35,6 +43,10 @@ POLICY = "pocket:smollm2-135m-instruct"
 EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-minilm-l6-v2"]
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
+TIS_CAP = 2.0  # ours_int8: --rollout-dtype int8 --tis-cap 2, the pocket preset's cap
+# train.step_metrics' sampler-policy gap
+GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")
+CONTENDERS = ["single", "ours", "ours_int8", "trl_default", "trl_no_gc", "floor"]
 DATASET_SIZE, SEED = 256, 0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, rewards.py, ...
 
@@ -82,6 +94,7 @@ def phase_timers(run, times):
 def ours_worker(kind, o):
     import torch
     import rewards
+    import rollout
     import train
     argv = ["--task", "chain_sum", "--team", "pocket", "--method", "single" if kind == "single" else "ours",
             "--batch-size", str(o["prompts"]), "--grad-accum", "1", "--group-size", str(o["G"]), "--max-new-tokens",
@@ -91,17 +104,40 @@ def ours_worker(kind, o):
     run = train.build_run(args, torch.device("cpu"))
     if not o["natural_eos"]:
         run["eos_ids"] = [-1]  # never sampled: every completion runs the full T tokens (equal work, see docstring)
+    generation = timed(rollout, "sample")
 
     def step(cmd):
         args.group_size, times, t0 = cmd.get("G", o["G"]), collections.defaultdict(float), time.perf_counter()
+        # --rollout-dtype per command: both rollouts alternate in one process; int8 with its TIS cap
+        args.rollout_dtype = cmd.get("rollout_dtype", "float32")
+        args.tis_cap = 0.0 if args.rollout_dtype == "float32" else TIS_CAP
+        generation["seconds"] = 0.0
+        if run["pool"] is not None:  # ours and ours_int8 share prompts: both pay the experts
+            run["pool"].cache.clear()
         with phase_timers(run, times) if cmd.get("profile") else contextlib.nullcontext():
             rec, _ = train.grpo_step(cmd["step"], run, args, rewards.score_batch)
         seconds = time.perf_counter() - t0
         if times:
             times["other (decode, advantage, loss, metrics)"] = seconds - sum(times.values())
         return dict(seconds=seconds, tokens=rec["completion_length"] * args.group_size * args.batch_size,
-                    phases=dict(times))
+                    phases=dict(times), generation=generation["seconds"],
+                    **{k: rec[k] for k in GAP_FIELDS if k in rec})
     return step
+
+
+def timed(owner, name):
+    """Replace owner.name by a wrapper that adds its seconds to the returned dict's "seconds"
+    (for the worker's life: generation time of every step, whatever library calls it)."""
+    clock, f = {"seconds": 0.0}, getattr(owner, name)
+
+    def wrapper(*a, **k):
+        t0 = time.perf_counter()
+        try:
+            return f(*a, **k)
+        finally:
+            clock["seconds"] += time.perf_counter() - t0
+    setattr(owner, name, wrapper)
+    return clock
 
 
 def floor_worker(o):
@@ -116,8 +152,11 @@ def floor_worker(o):
     opt = torch.optim.AdamW([p for p in policy.parameters() if p.requires_grad], lr=1e-4)
     items, T = rewards.load_entries("chain_sum", "train", DATASET_SIZE, SEED), o["T"]
 
+    generation = timed(policy, "generate")
+
     def step(cmd):
         G, t0 = cmd.get("G", o["G"]), time.perf_counter()
+        generation["seconds"] = 0.0
         prompts = [rewards.build_prompt(tok, it["question"]) for it in step_items(items, cmd["step"], o["prompts"])]
         ids, mask = rollout.encode_prompts(tok, prompts, "cpu")
         ids, mask = ids.repeat_interleave(G, 0), mask.long().repeat_interleave(G, 0)
@@ -129,7 +168,8 @@ def floor_worker(o):
                         logits_to_keep=T + 1).logits[:, :-1]                              # (N, T, V)
         F.cross_entropy(logits.flatten(0, 1), seq[:, -T:].flatten()).backward()          # -mean log-prob
         opt.step(), opt.zero_grad(set_to_none=True)
-        return dict(seconds=time.perf_counter() - t0, tokens=G * T * len(prompts))
+        return dict(seconds=time.perf_counter() - t0, tokens=G * T * len(prompts),
+                    generation=generation["seconds"])
     return step
 
 
@@ -142,6 +182,7 @@ def trl_worker(kind, o, reply, read):
     import rewards
     from experts import load_model
     policy, tok = load_model(POLICY)
+    generation = timed(policy, "generate")  # PEFT's generate calls the wrapped model's
     items = rewards.load_entries("chain_sum", "train", DATASET_SIZE, SEED)
     rows = [it for k in range(o["n_steps"]) for it in step_items(items, k, o["prompts"])]
     data = Dataset.from_list([{"prompt": rewards.build_prompt(tok, it["question"]), "row": i}
@@ -160,12 +201,13 @@ def trl_worker(kind, o, reply, read):
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             assert read()["step"] == state.global_step, "TRL runs its steps in order"
-            t0["t"] = time.perf_counter()
+            t0["t"], generation["seconds"] = time.perf_counter(), 0.0
 
         def on_step_end(self, args, state, control, **kw):
             seconds = time.perf_counter() - t0["t"]
             lengths = trainer._metrics["train"].get("completions/mean_length") or [float("nan")]
-            reply(seconds=seconds, tokens=lengths[-1] * o["G"] * o["prompts"])
+            reply(seconds=seconds, tokens=lengths[-1] * o["G"] * o["prompts"],
+                  generation=generation["seconds"])
             release_memory()
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
                           peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS),
@@ -255,6 +297,7 @@ def stats(replies, rss):
     return dict(seconds=[round(x, 2) for x in t], median=float(np.median(t)), min=float(t.min()), max=float(t.max()),
                 iqr=[float(np.percentile(t, 25)), float(np.percentile(t, 75))], tokens_per_step=tok,
                 tokens_per_second=tok / float(np.median(t)), peak_rss_mb=round(rss),
+                generation_median=float(np.median([r.get("generation", np.nan) for r in replies])),
                 **({"phases_median": phases} if phases else {}))
 
 
@@ -283,6 +326,9 @@ def main():
     p.add_argument("--natural-eos", action="store_true", help="let generation stop at EOS (unequal work)")
     p.add_argument("--no-scaling", action="store_true", help="skip the G and number-of-experts scaling runs")
     p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
+    p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of "
+                   f"{', '.join(CONTENDERS)} (ours_int8: ours with --rollout-dtype int8 "
+                   f"--tis-cap {TIS_CAP})")
     p.add_argument("--profile-only", action="store_true", help="only the phase profile of `ours` (loads one worker): "
                    "where a step's time goes, e.g. what the probes of C cost -> bench_profile.json beside --out")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench.json"),
@@ -293,6 +339,9 @@ def main():
     if a.worker:
         return worker_main(a.worker, json.loads(a.opts))
     a.steps, a.no_scaling = (1, True) if a.quick else (a.steps, a.no_scaling)
+    a.contenders = a.contenders.split(",")
+    unknown = set(a.contenders) - set(CONTENDERS)
+    assert not unknown and "ours" in a.contenders, f"--contenders: unknown {unknown} or no ours"
     for flag in ("steps", "scaling_steps", "prompts", "threads", "max_new_tokens"):
         assert getattr(a, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1"
     assert a.group_size >= 2 and a.warmup >= 0, "--group-size must be >= 2 and --warmup >= 0"
@@ -324,22 +373,33 @@ def main():
         return log(f"probes of C: {100 * res['probes_share_median']:.3f} % of a step (median of {a.steps}); {path}")
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
-    W = {k: Worker(k, k, o, log_dir) for k in ["single", "ours", "trl_default", "trl_no_gc", "floor"]}
+    # ours_int8 is the ours worker with --rollout-dtype int8: both rollouts alternate in one process
+    W = {k: Worker(k, k, o, log_dir) for k in a.contenders if k != "ours_int8"}
     info = {k: w.recv() for k, w in W.items()}
     log("loaded: " + ", ".join(f"{k} {w.rss / 1024:.1f} GB" for k, w in W.items()))
-    runs = alternate({k: (w, lambda r: dict(step=r)) for k, w in W.items()}, a.warmup, a.steps, log)
-    res = {k: {**stats(v, W[k].rss), "threads": info[k]["threads"]} for k, v in runs.items()}
-    res["trl_default"]["gradient_checkpointing"] = info["trl_default"]["gradient_checkpointing"]
-    paired = {f"ours/{y}": float(np.median([u["seconds"] / v["seconds"] for u, v in zip(runs["ours"], runs[y])]))
-              for y in ("trl_default", "trl_no_gc", "floor", "single")}
+    plan = {k: (W.get(k) or W["ours"], lambda r, k=k: dict(
+        step=r, **({"rollout_dtype": "int8"} if k == "ours_int8" else {}))) for k in a.contenders}
+    runs = alternate(plan, a.warmup, a.steps, log)
+    res = {k: {**stats(v, (W.get(k) or W["ours"]).rss),
+               "threads": info[k.replace("_int8", "")]["threads"]} for k, v in runs.items()}
+    if "trl_default" in res:
+        res["trl_default"]["gradient_checkpointing"] = info["trl_default"]["gradient_checkpointing"]
+    pair = lambda x, y, key="seconds": float(np.median(  # noqa: E731
+        [u[key] / v[key] for u, v in zip(runs[x], runs[y])]))
+    paired = {f"{x}/{y}": pair(x, y) for x in ("ours", "ours_int8") for y in runs if y != x}
+    int8 = {} if "ours_int8" not in runs else dict(
+        step_speedup_paired=pair("ours", "ours_int8"),
+        generation_speedup_paired=pair("ours", "ours_int8", "generation"),
+        **{k: float(np.median([r[k] for r in runs["ours_int8"]])) for k in GAP_FIELDS})
 
     # ---- 2. profile: one step of ours on a prompt new to it, phase by phase ------------------------------------------
     profile = {}
-    for k in ("ours",):
-        v = W[k].run(step=DATASET_SIZE - 1, profile=True)
+    for k in [k for k in ("ours", "ours_int8") if k in a.contenders]:
+        dtype = "int8" if k == "ours_int8" else "float32"
+        v = W["ours"].run(step=DATASET_SIZE - 1, profile=True, rollout_dtype=dtype)
         profile[k] = dict(seconds=v["seconds"], phases=dict(sorted(v["phases"].items(), key=lambda x: -x[1])))
         log(f"profile {k} {v['seconds']:.1f} s: " + ", ".join(f"{ph} {x:.2f}" for ph, x in v["phases"].items()))
-    [w.close() for k, w in W.items() if k != "ours"]
+    [w.close() for k, w in W.items() if k != "ours" or a.no_scaling]
 
     # ---- 3. scaling: ours vs G (same worker, new prompts) and vs number of experts (same prompts as G = 8) -------
     scaling = {}
@@ -357,16 +417,17 @@ def main():
                        vs_num_experts={k: {**stats(runs[f"experts={k}" if k < 3 else "G=8"], E[k].rss),
                                            "experts": EXPERTS[:k]} for k in (1, 2, 3)})
         [w.close() for w in E.values()]
-    W["ours"].close()
+        W["ours"].close()
 
     # ---- 4. results ----------------------------------------------------------------------------------------------
     med = {k: v["median"] for k, v in res.items()}
-    best = min(("trl_default", "trl_no_gc"), key=med.get)
-    ratios = lambda x: dict(ratio_vs_trl=med[x] / med["trl_default"],  # noqa: E731
-                            ratio_vs_trl_best=med[x] / med[best], ratio_vs_floor=med[x] / med["floor"],
-                            overhead_ours_vs_single=med[x] / med["single"])
+    best = min((k for k in ("trl_default", "trl_no_gc") if k in med), key=med.get, default=None)
+    against = dict(ratio_vs_trl="trl_default", ratio_vs_trl_best=best, ratio_vs_floor="floor",
+                   overhead_ours_vs_single="single")
+    ratios = lambda x: {k: med[x] / med[y] for k, y in against.items() if y in med}  # noqa: E731
     report = dict(**ratios("ours"), trl_best_config=best, targets=GOALS, paired_round_ratios=paired,
                   targets_met={k: v <= GOALS[k] for k, v in ratios("ours").items()},
+                  int8=dict(**int8, **ratios("ours_int8")) if int8 else {},
                   contenders=res, profile=profile, scaling=scaling,
                   setup=dict(policy=POLICY, experts=EXPERTS, task="chain_sum", G=a.group_size, prompts=a.prompts,
                              new_tokens=a.max_new_tokens, forced_length=not a.natural_eos, lora_rank=8, beta=0.04,
@@ -390,12 +451,24 @@ def markdown(r):
            f"tokens, beta {s['beta']}; {env['cpu']}, {env['cores']} cores, {env['threads_per_worker']} thread(s) per "
            f"process; torch {env['torch']}, transformers {env['transformers']}, TRL {env['trl']}, PEFT {env['peft']}. "
            f"Median of {s['steps']} alternated steps after {s['warmup']} warm-up (`python experiments/bench.py`).", "",
-           "| contender | s/step (median) | min – max | tokens/s | peak RSS |", "|---|---|---|---|---|"]
-    out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | {v['tokens_per_second']:.1f} | "
+           "| contender | s/step (median) | min – max | of which generation | tokens/s | peak RSS |",
+           "|---|---|---|---|---|---|"]
+    out += [f"| {k} | {v['median']:.1f} | {v['min']:.1f} – {v['max']:.1f} | "
+            f"{v['generation_median']:.1f} | {v['tokens_per_second']:.1f} | "
             f"{v['peak_rss_mb'] / 1024:.1f} GB |" for k, v in r["contenders"].items()]
     out += ["", "| ratio | ours | target | met |", "|---|---|---|---|"]
     out += [f"| {k} | {r[k]:.2f} | ≤ {t} | {'yes' if r['targets_met'][k] else 'no'} |"
-            for k, t in r["targets"].items()]
+            for k, t in r["targets"].items() if k in r]
+    if r["int8"]:
+        i = r["int8"]
+        out += ["", f"`ours_int8` (`--rollout-dtype int8 --tis-cap {TIS_CAP}`, alternated with "
+                f"`ours` in one process): step {i['step_speedup_paired']:.2f}x and generation "
+                f"{i['generation_speedup_paired']:.2f}x faster than `ours` (median of the paired "
+                f"rounds); ours_int8 / TRL defaults {i.get('ratio_vs_trl', float('nan')):.2f}. "
+                f"Sampler-policy gap (median over steps): mean |log pi_old - log mu| "
+                f"{i['rollout_logp_gap']:.3f} nats per token, TIS weights at the cap "
+                f"{100 * i['is_weight_clipped_fraction']:.1f} %, mean weight "
+                f"{i['is_weight_mean']:.3f}."]
     out += ["", *(f"Profile of one `{k}` step ({v['seconds']:.1f} s): " + ", ".join(
         f"{ph} {t:.1f} s" for ph, t in v["phases"].items()) for k, v in r["profile"].items())]
     if r["scaling"]:

@@ -128,7 +128,8 @@ def trl_train(folder, args, o):
 
     def reward(prompts, completions, row, **_):
         task = rewards.score_batch([rows[i] for i in row], completions)[0]
-        return [t + b for t, b in zip(task, rewards.format_bonus(completions, args.format_bonus))]
+        golds = [rows[i]["answer"] for i in row] if args.format_bonus_strict else None
+        return [t + b for t, b in zip(task, rewards.format_bonus(completions, args.format_bonus, golds))]
     config = GRPOConfig(
         output_dir=tempfile.mkdtemp(prefix="speedrun-trl-"), per_device_train_batch_size=args.batch_size * args.group_size,
         num_generations=args.group_size, max_completion_length=args.max_new_tokens, temperature=args.temperature,

@@ -3,6 +3,7 @@ The Conductor: the LoRA policy writes a workflow in text, frozen workers carry i
 
     python neighbours/conductor.py --task chain_sum --team tiny --steps 2 --batch-size 2 --grad-accum 1 \
         --group-size 2 --max-new-tokens 16 --out runs/try-conductor          # seconds, on any CPU
+        # (constrained decoding, the default, needs `pip install -r requirements-conductor.txt`)
     python neighbours/conductor.py evaluate --run runs/try-conductor --n 20   # evaluate.py's flags
 
 Conductor (Nielsen et al., 2025): a language model trained with GRPO coordinates a pool of worker models by
@@ -47,12 +48,28 @@ Deviations from the paper (numbered):
      adds the usual k3 KL to the policy with LoRA off.
   6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
      (the paper's recursive variant lets it pick itself).
+  7. Constrained decoding (--workflow-decoding constrained, the default; `free` is the paper's plain sampling).
+     The paper's conductor is a 7B model; ours, 135M at temperature 1, derailed into code or prose within a few
+     tokens: 0 of 80 sampled workflows parsed in a 5-step pocket run, every reward was 0 and nothing learned. So
+     the completion is sampled under the workflow's grammar (workflow_grammar: one spelling, the worked example's,
+     with integer worker ids, subtasks of 1..--max-subtask-chars printable ASCII characters and access lists of
+     earlier steps), by llguidance, which gives the tokens allowed next for the text so far; every sampled
+     workflow parses. What the grammar forces (the names, brackets, separators) gets log-prob 0 and no gradient,
+     so GRPO works on the free slots: which worker, what subtask, which earlier answers. The log-probs of the
+     ratio and the KL are those of the masked, renormalised distribution the tokens were drawn from
+     (WorkflowMasks derives it). The grammar bounds the text, so the constrained rollout's token budget is the
+     longest workflow's length (longest_workflow: 134 tokens at most for 2 workers, 2 steps, 40 characters, the
+     defaults; a workflow often stops far sooner) and --max-new-tokens is the workers' budget only. Evaluation
+     writes the greedy workflow under the same grammar.
 
-Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse), mean_steps (over parsed
-workflows), and each workflow's share of steps per worker as the routing distribution A [N, 1, K], so
+Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse: 1 under constrained
+decoding), mean_steps (over parsed workflows), and each workflow's share of steps per worker as the routing
+distribution A [N, 1, K], so
 `utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
 for the other methods and support/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
 """
+import importlib.util
+import itertools
 import os
 import sys
 import time
@@ -90,6 +107,9 @@ EXAMPLE_WORKFLOW = ('model_id = [0, 1]\nsubtasks = ["Add the numbers.", "Check t
 WORKER_MESSAGE = "{subtask}\n\nProblem: {question}"
 MAX_TEXT = 4000      # characters of workflow text the parser reads at most
 MAX_STRING = 500     # characters of one subtask
+NO_LIBRARY = ("--workflow-decoding constrained needs llguidance: pip install -r requirements-conductor.txt "
+              "(or pass --workflow-decoding free)")
+SUBTASK_CHAR = r"[ !#-\[\]-~]"  # constrained subtasks: printable ASCII but the quote and the backslash
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -211,6 +231,103 @@ def workflow_reward(plan, score):
 
 
 # ----------------------------------------------------------------------------------------------------------
+# Constrained decoding: the three lists sampled under their grammar (--workflow-decoding constrained)
+
+
+def have_llguidance():
+    return importlib.util.find_spec("llguidance") is not None
+
+
+def workflow_grammar(n_workers, max_steps, max_chars):
+    """The workflows parse_workflow accepts, narrowed to the worked example's spelling, as a Lark grammar (in
+    llguidance's dialect) for the text after CONDUCTOR_PREFIX. A grammar cannot count, so the three lists'
+    common length n is spelled out, one alternative per n = 1..max_steps; for n = 2:
+
+        w2: wid ", " wid "]\nsubtasks = [" SUBTASK ", " SUBTASK "]\naccess_list = [" access0 ", " access1 "]"
+
+    wid: a worker, 0..K-1 as an integer. SUBTASK: a double-quoted string of 1..max_chars printable ASCII
+    characters without quote or backslash (so no escapes, and one byte per character), whose first character
+    is not a space (so it is never blank). access_j: [], "all", or an increasing list of steps < j."""
+    first, rest = SUBTASK_CHAR.replace("[ ", "["), SUBTASK_CHAR
+    lines = [f"start: {' | '.join(f'w{n}' for n in range(1, max_steps + 1))}",
+             f"wid: {' | '.join(f'{chr(34)}{k}{chr(34)}' for k in range(n_workers))}",
+             f'SUBTASK: /"{first}{rest}{{0,{max_chars - 1}}}"/']
+    for n in range(1, max_steps + 1):
+        sep = ' ", " '
+        lines.append(f'w{n}: {sep.join(["wid"] * n)} "]\\nsubtasks = [" {sep.join(["SUBTASK"] * n)} '
+                     f'"]\\naccess_list = [" {sep.join(f"access{j}" for j in range(n))} "]"')
+    for j in range(max_steps):
+        options = ["[]", '"all"'] + [f"[{', '.join(map(str, c))}]" for r in range(1, j + 1)
+                                     for c in itertools.combinations(range(j), r)]
+        lines.append(f"access{j}: " + " | ".join('"' + o.replace('"', '\\"') + '"' for o in options))
+    return "\n".join(lines)
+
+
+def longest_workflow(n_workers, max_steps, max_chars):
+    """The longest text workflow_grammar allows. Every token carries at least one byte, so a completion of
+    len(longest_workflow(...)) + 1 tokens (the + 1: EOS) always has room to finish: the constrained
+    rollout's token budget, which --max-new-tokens (the workers' budget) therefore does not cap."""
+    n = max_steps
+    access = [max(['"all"', f"[{', '.join(map(str, range(j)))}]"], key=len) for j in range(n)]
+    return (", ".join([str(n_workers - 1)] * n) + ']\nsubtasks = [' + ", ".join(['"' + "x" * max_chars + '"'] * n)
+            + ']\naccess_list = [' + ", ".join(access) + "]")
+
+
+def unpack_bits(bits, vocab_size):
+    """Packed masks [..., W] int32 -> bool [..., vocab_size]: bit b of word w says whether token 32 w + b may
+    come next (llguidance's layout: 1/32 of the memory of a bool mask, the form the rollout records). Read as
+    little-endian bytes, that is bit b % 8 of byte 4 w + b // 8, so one byte per token is the largest temporary."""
+    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
+    octets = bits.contiguous().view(torch.uint8)                                            # (..., 4 W)
+    return ((octets.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]     # (..., V)
+
+
+class WorkflowMasks:
+    """rollout.sample's `allowed` for constrained decoding: one llguidance matcher per completion row follows the
+    tokens drawn so far and gives the tokens the grammar allows next; every mask it gives is recorded (packed),
+    so that the scoring pass scores the same masked distributions the tokens were drawn from.
+
+    Why the masks must reach the scoring pass. With logits z, temperature T and allowed set A_t, the sampler
+    draws from the renormalised distribution
+        q(k) = p(k) 1[k in A_t] / sum_{j in A_t} p(j),   p = softmax(z / T)
+             = exp(z_k / T) / sum_{j in A_t} exp(z_j / T)
+    so  log q(k) = z_k / T - logsumexp_{j in A_t}(z_j / T): log_softmax of z / T with the entries outside A_t set
+    to -inf (rollout.token_logprobs with allowed_mask). GRPO's ratio q_theta / q_old and its KL must use q, the
+    policy that sampled, not p. And d log q(k) / d z_j = (1[j = k] - q(j)) / T for j in A_t, 0 outside: a step
+    the grammar forces (|A_t| = 1) has log q = 0 and no gradient, so the gradient is all on the free slots
+    (which worker, what subtask, which earlier answers)."""
+
+    def __init__(self, grammar_tok, grammar, n_rows, vocab_size, eos_ids, device="cpu"):
+        import llguidance
+        import llguidance.torch
+        self.fill, self.words = llguidance.torch.fill_next_token_bitmask, (vocab_size + 31) // 32
+        compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
+        self.matchers = [llguidance.LLMatcher(grammar_tok, compiled) for _ in range(n_rows)]
+        self.vocab_size, self.eos_ids, self.device = vocab_size, set(eos_ids), device
+        self.done, self.bits = [False] * n_rows, []       # bits: per step, int32 [N, W]
+
+    def __call__(self, last):
+        """last: the tokens drawn at the previous step [N] (None before the first) -> bool [N, V] allowed next.
+        A finished row (its EOS drawn) allows everything: its tokens are padding that no loss reads, and an
+        all -inf row would make its log-probs NaN."""
+        for n, t in enumerate([] if last is None else last.tolist()):
+            if self.done[n] or t in self.eos_ids:
+                self.done[n] = True
+            elif not self.matchers[n].consume_token(t):
+                raise RuntimeError(f"token {t} is not in the grammar: {self.matchers[n].get_error()}")
+        bits = torch.full((len(self.matchers), self.words), -1, dtype=torch.int32)   # -1: every bit set
+        for n, m in enumerate(self.matchers):
+            if not self.done[n]:
+                self.fill(m, bits, n)
+        self.bits.append(bits)
+        return unpack_bits(bits, self.vocab_size).to(self.device)
+
+    def allowed_mask(self, T, device):
+        """bool [N, T, V]: the mask of each of the first T steps (the rollout's completion length)."""
+        return unpack_bits(torch.stack(self.bits[:T], 1), self.vocab_size).to(device)
+
+
+# ----------------------------------------------------------------------------------------------------------
 # The conductor's prompt and the workers
 
 
@@ -241,11 +358,14 @@ def worker_message(question, subtask, earlier):
 class Conductor(nn.Module):
     """No trainable parameters of its own (the conductor is the LoRA policy); holds the frozen workers."""
 
-    def __init__(self, workers, names, max_steps, max_new_tokens, prompt_args):
+    def __init__(self, workers, names, max_steps, max_new_tokens, prompt_args, decoding="free",
+                 max_subtask_chars=40):
         super().__init__()
         self.workers, self.names = workers, names   # [(model, tokenizer)], not submodules: never trained or saved
         self.max_steps, self.max_new_tokens, self.prompt_args = max_steps, max_new_tokens, prompt_args
+        self.decoding, self.max_subtask_chars = decoding, max_subtask_chars    # --workflow-decoding
         self.cache = {}                                 # (worker, prompt) -> answer: greedy workers repeat themselves
+        self.grammar_tok = (None, None)                 # (policy tokenizer, llguidance's view of it: ~1 s)
 
     def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
         return {"C": None, "A": None, "hints": [None] * len(questions)}
@@ -289,7 +409,27 @@ class Conductor(nn.Module):
         return torch.stack(rows).unsqueeze(1) if rows else None
 
     # ------------------------------------------------------------------------------------------------------
-    # Evaluation and one GRPO step
+    # Writing the workflows, evaluation and one GRPO step
+
+    def write_workflows(self, policy, tok, ids, mask, G, temperature, eos_ids, max_new_tokens, greedy=False):
+        """G workflow completions per prompt from the policy (after CONDUCTOR_PREFIX). Returns (completion ids
+        [B*G, T], allowed_mask): None with --workflow-decoding free (rollout.sample as it is, max_new_tokens
+        tokens), else the grammar's masks [B*G, T, V] (WorkflowMasks; its own token budget, longest_workflow)."""
+        if self.decoding == "free":
+            comp = rollout.sample(policy, ids, mask, None, G, max_new_tokens, temperature, eos_ids, tok.pad_token_id,
+                                  greedy=greedy)
+            return comp, None
+        V = policy.get_output_embeddings().weight.shape[0]
+        if self.grammar_tok[0] is not tok:
+            import llguidance.hf
+            self.grammar_tok = (tok, llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=list(eos_ids)))
+        K, S, L = len(self.workers), self.max_steps, self.max_subtask_chars
+        masks = WorkflowMasks(self.grammar_tok[1], workflow_grammar(K, S, L), ids.shape[0] * G, V, eos_ids,
+                              ids.device)
+        budget = len(longest_workflow(K, S, L)) + 1
+        comp = rollout.sample(policy, ids, mask, None, G, budget, temperature, eos_ids, tok.pad_token_id,
+                              greedy=greedy, allowed=masks)
+        return comp, masks.allowed_mask(comp.shape[1], comp.device)
 
     @torch.no_grad()
     def answer(self, policy, tok, questions, args):
@@ -297,8 +437,7 @@ class Conductor(nn.Module):
         ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, len(self.workers), self.max_steps)
                                                  for q in questions], policy.device)
         eos_ids = rollout.eos_token_ids(policy, tok)
-        comp = rollout.sample(policy, ids, mask, None, 1, args.max_new_tokens, 1.0, eos_ids, tok.pad_token_id,
-                              greedy=True)
+        comp, _ = self.write_workflows(policy, tok, ids, mask, 1, 1.0, eos_ids, args.max_new_tokens, greedy=True)
         texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, eos_ids), tok.pad_token_id),
                                  skip_special_tokens=True)
         plans = [parse_workflow(CONDUCTOR_PREFIX + t, len(self.workers), self.max_steps) for t in texts]
@@ -314,8 +453,12 @@ def conductor(team, out_dim, args, device, dtype):
             workers.append((model, tok)), names.append(name)
     if not workers:
         raise ValueError(f"--method conductor: team {team['experts']} has no generative expert to be a worker")
+    decoding = getattr(args, "workflow_decoding", "free")    # a run saved before the flag existed: free
+    if decoding == "constrained" and not have_llguidance():
+        raise ImportError(NO_LIBRARY)
     return Conductor(workers, names, args.max_workflow_steps, args.max_new_tokens,
-                     (args.system_prompt, args.worked_example, args.response_prefix))
+                     (args.system_prompt, args.worked_example, args.response_prefix), decoding,
+                     getattr(args, "max_subtask_chars", 40))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -335,8 +478,8 @@ def grpo_step(step, run, args, score_batch):
         # ---- rollout: G workflows per question, written by the policy --------------------------------------
         ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, cond.max_steps) for q in questions],
                                            device)
-        comp = rollout.sample(policy, ids, mask, None, G, args.max_new_tokens, args.temperature, eos_ids,
-                              tok.pad_token_id)
+        comp, allowed_mask = cond.write_workflows(policy, tok, ids, mask, G, args.temperature, eos_ids,
+                                                  args.max_new_tokens)      # allowed_mask None: free decoding
         comp_mask = grpo.completion_mask(comp, eos_ids)
         texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
         plans = [parse_workflow(CONDUCTOR_PREFIX + t, K, cond.max_steps) for t in texts]
@@ -353,8 +496,10 @@ def grpo_step(step, run, args, score_batch):
         logp_ref = None
         if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
             with torch.no_grad(), lora_disabled(policy):
-                logp_ref = rollout.completion_logprobs(policy, ids, mask, None, comp, comp_mask, args.temperature)
+                logp_ref = rollout.completion_logprobs(policy, ids, mask, None, comp, comp_mask, args.temperature,
+                                                       allowed_mask=allowed_mask)
         batches.append(dict(questions=questions, items=items, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
+                            allowed_mask=allowed_mask,
                             r=r, adv=adv, logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
                             texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
     # ---- loss and step (mu = 1: logp_old = logp, detached) ----------------------------------------------------
@@ -362,7 +507,7 @@ def grpo_step(step, run, args, score_batch):
     losses, stats = [], []
     for b in batches:
         logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None, b["comp"], b["comp_mask"],
-                                           args.temperature)
+                                           args.temperature, allowed_mask=b["allowed_mask"])
         logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
         loss, m = grpo.grpo_loss(logp, logp.detach(), logp_ref, b["adv"], b["comp_mask"], args.clip_eps,
                                  args.beta, args.loss_aggregation)
@@ -404,7 +549,16 @@ def parse_args(argv=None):
     p.set_defaults(beta=0.0)  # the paper trains without KL (deviation 5)
     p.add_argument("--max-workflow-steps", type=COUNT, default=2, help="most steps a workflow may have "
                    "(paper: 5; 2 keeps a CPU step affordable)")
+    p.add_argument("--workflow-decoding", default="constrained", choices=["constrained", "free"],
+                   help="constrained: the workflow is sampled under its grammar (llguidance, "
+                   "requirements-conductor.txt), so every workflow parses; free: plain sampling (the paper's)")
+    p.add_argument("--max-subtask-chars", type=COUNT, default=40, help="longest subtask string, in characters, "
+                   f"under constrained decoding (at most {MAX_STRING}, the parser's limit)")
     args = parse(p, argv)
+    if args.max_subtask_chars > MAX_STRING:
+        p.error(f"--max-subtask-chars {args.max_subtask_chars} is above the parser's limit of {MAX_STRING}")
+    if args.workflow_decoding == "constrained" and not have_llguidance():
+        p.error(NO_LIBRARY)
     return refuse_train_levers(p, args)
 
 

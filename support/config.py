@@ -152,12 +152,16 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
     a("--format-bonus", type=NONNEG, default=0.0, help="a deviation, for training only: add this to the reward "
       "of a completion with a non-empty <answer>...</answer> block; evaluation never sees it (0: off, the paper)")
+    a("--format-bonus-strict", action="store_true", help="pay --format-bonus only when the completion ends with "
+      "its answer block and, where the gold answer is a number, the answer is one (rewards.answer_shaped)")
     a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
       "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
-    a("--rollout-dtype", default="float32", choices=["float32", "bfloat16"], help="the rollout's matmuls on a "
-      "copy of the weights in this dtype (rollout.low_precision_linears); the scoring pass stays as it is")
+    a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
+      help="the rollout's matmuls on a copy of the weights in this dtype "
+      "(rollout.low_precision_linears; int8: CPU only); the scoring pass stays as it is")
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
-      "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 (grpo.truncated_is_weights; 0: off)")
+      "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
+      "(grpo.truncated_is_weights; 0: off)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
       "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
     a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
@@ -214,8 +218,14 @@ def check_args(p, args):
               (args.reward == "task" or not args.format_bonus,
                "--format-bonus with --reward random: the random-reward control pays a coin and nothing else; "
                "use --format-bonus 0"),
+              (args.format_bonus or not args.format_bonus_strict,
+               "--format-bonus-strict shapes the format bonus: give --format-bonus > 0 too"),
               (not args.tis_cap or args.rollout_dtype != "float32",
-               "--tis-cap corrects a --rollout-dtype bfloat16 sampler; with float32 there is nothing to correct"),
+               "--tis-cap corrects a --rollout-dtype bfloat16 or int8 sampler; "
+               "with float32 there is nothing to correct"),
+              (args.rollout_dtype != "int8" or args.device in ("auto", "cpu"),
+               f"--rollout-dtype int8 runs on CPU only (PyTorch's int8 kernels), "
+               f"got --device {args.device}"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
                f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
               (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),

@@ -169,6 +169,64 @@ def test_paired_evaluation_scores_the_same_items_three_ways(tmp_path):
     assert r["paired"]["with_C - shuffled_C"] == {"n/a": SHUFFLE_NA} and "n/a" in paired_table(r)
 
 
+def merging_tokenizer():
+    """The tiny byte-level tokenizer with two merges, "<" "/" -> "</" and ">" "</" -> "></", so that
+    prompt + "</think>..." tokenises differently from prompt and bridge apart, as SmolLM2's does."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+    from experts import tiny_tokenizer
+    base = tiny_tokenizer()
+    vocab = dict(base.get_vocab())
+    vocab.update({"</": len(vocab), "></": len(vocab) + 1})
+    tk = Tokenizer(models.BPE(vocab=vocab, merges=[("<", "/"), (">", "</")]))
+    tk.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tk.decoder = decoders.ByteLevel()
+    tok = PreTrainedTokenizerFast(tokenizer_object=tk, eos_token="<|im_end|>", pad_token="<pad>",
+                                  bos_token="<|endoftext|>", unk_token="<|endoftext|>")
+    tok.chat_template = base.chat_template
+    return tok
+
+
+@pytest.mark.parametrize("position, with_C", [("before", True), ("before", False), ("after", True)])
+def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, with_C):
+    """evaluate.greedy_and_gold shares the prefill between the greedy answer and the gold pass:
+    its completions are bit for bit rollout.sample's, its log-probs gold_logprobs' to float
+    rounding, also when the tokeniser merges the prompt's end with the bridge (k = 1 column run
+    again) and when C sits after the prompt (the gold pass then runs on its own)."""
+    from types import SimpleNamespace
+    from evaluate import answer_bridge, gold_logprobs, greedy_and_gold
+    from experts import tiny_model
+    from grpo import completion_mask
+    from lora import apply_lora
+    from rollout import encode_prompts, sample
+    tok = merging_tokenizer()
+    policy, _ = tiny_model("llama")
+    policy.resize_token_embeddings(len(tok))
+    apply_lora(policy, 4, 8)
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    policy.eval()
+    args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=6)
+    prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
+                                       add_generation_prompt=True) + "<think>" for q in QUESTIONS]
+    bridged = prompts[0] + answer_bridge("<think>")
+    assert tok(bridged)["input_ids"] != tok(prompts[0])["input_ids"] + tok(
+        answer_bridge("<think>"))["input_ids"], "the tokeniser must merge across the boundary"
+    golds, eos = ["42", "7", "101"], [tok.eos_token_id]
+    ids, mask = encode_prompts(tok, prompts, "cpu")
+    C = torch.randn(3, 4, 64) if with_C else None
+    with torch.no_grad():
+        comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos)
+        want = sample(policy, ids, mask, C, 1, 6, 1.0, eos, tok.pad_token_id, position, greedy=True)
+        want = want.masked_fill(~completion_mask(want, eos), tok.pad_token_id)
+        want_gold = gold_logprobs(policy, tok, prompts, golds, C, args, "cpu")
+    assert torch.equal(comp, want)
+    assert gold == pytest.approx(want_gold, abs=1e-4) and min(want_gold) < -1  # not all ~0
+
+
 def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
     """Regression: soft_prompt's "with C - shuffled C = 0.0" was reported as if it were a measurement; it is
     0 by construction, because its C is the same for every prompt."""

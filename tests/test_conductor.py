@@ -189,3 +189,181 @@ def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypa
     m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
     assert m["parse_rate"] == 0.5 and m["mean_steps"] == 1 and len(m["utilization"]) == 2
     assert m["grad_norm_lora"] > 0 and m["solve_rate"] > 0 and m["reward"] == pytest.approx((0.5 + 1) / 2 / 2)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Constrained decoding (--workflow-decoding constrained): every workflow parses, the log-probs are the masked ones
+
+QUESTIONS = ["What is 12 + 7?", "What is 3 + 40 + 5?"]
+
+
+def constrained_draws(model, tok, K, S, max_chars, G, temperature, seed):
+    """G constrained workflows for each of QUESTIONS: (prompt ids, mask, completions, comp_mask, allowed_mask,
+    texts)."""
+    import grpo
+    import rollout
+    cond = C.Conductor([None] * K, [f"w{k}" for k in range(K)], S, 8, ("simple", False, ""), "constrained",
+                       max_chars)
+    eos = rollout.eos_token_ids(model, tok)
+    ids, mask = rollout.encode_prompts(tok, [C.conductor_prompt(tok, q, K, S) for q in QUESTIONS], "cpu")
+    torch.manual_seed(seed)
+    comp, allowed = cond.write_workflows(model, tok, ids, mask, G, temperature, eos, 8)
+    comp_mask = grpo.completion_mask(comp, eos)
+    texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
+    return ids, mask, comp, comp_mask, allowed, texts
+
+
+@pytest.mark.parametrize("K, S, max_chars", [(2, 2, 10), (3, 3, 6)])
+def test_every_constrained_workflow_parses(tiny_policy, K, S, max_chars):
+    """96 draws per setting (3 seeds x temperatures 1 and 3 x 2 questions x G = 8) from the random tiny policy,
+    which unconstrained never writes a workflow: every one parses, obeys the rules (the parser checks lengths,
+    worker ids and access lists), keeps its subtasks within --max-subtask-chars and ends with EOS in budget."""
+    pytest.importorskip("llguidance", reason="constrained decoding needs requirements-conductor.txt")
+    model, tok = tiny_policy
+    lengths = set()
+    for seed in range(3):
+        for temperature in (1.0, 3.0):
+            _, _, comp, comp_mask, allowed, texts = constrained_draws(model, tok, K, S, max_chars, 8, temperature,
+                                                                      seed)
+            assert allowed.shape == (*comp.shape, len(tok))
+            assert (comp == tok.eos_token_id).any(-1).all()                    # every row reached its EOS
+            for t in texts:
+                plan = parse_workflow(C.CONDUCTOR_PREFIX + t, K, S)
+                assert plan is not None, t
+                assert all(1 <= len(s) <= max_chars for s in plan[1]), t
+                lengths.add(len(plan[0]))
+    assert lengths == set(range(1, S + 1))                       # the policy's draws reach every length
+
+
+def test_constrained_logprobs_are_the_masked_distributions(tiny_policy):
+    """The log-probs GRPO uses (rollout.completion_logprobs with the recorded masks), the sampler's own (rollout.sample
+    with `allowed`) and an independent computation (one plain forward over [x || y], the logits outside the mask set
+    to -inf by hand, log_softmax at T) agree; steps the grammar forces have log-prob 0; and renormalising over the
+    allowed tokens can only raise a token's probability."""
+    pytest.importorskip("llguidance", reason="constrained decoding needs requirements-conductor.txt")
+    import copy
+
+    import grpo
+    import rollout
+    from lora import apply_lora
+    model, tok = copy.deepcopy(tiny_policy[0]), tiny_policy[1]
+    apply_lora(model)
+    torch.manual_seed(5)
+    for p in model.parameters():
+        if p.requires_grad:                                           # a LoRA that is not a no-op
+            torch.nn.init.normal_(p, std=0.05)
+    T, G = 1.3, 4
+    ids, mask, comp, comp_mask, allowed, _ = constrained_draws(model, tok, 2, 2, 6, G, T, seed=1)
+    logp = rollout.completion_logprobs(model, ids, mask, None, comp, comp_mask, T, allowed_mask=allowed)
+
+    full_ids = torch.cat([ids.repeat_interleave(G, 0), comp], 1)                           # (N, P + T)
+    full_mask = torch.cat([mask.repeat_interleave(G, 0), comp_mask], 1)
+    with torch.no_grad():
+        logits = model(input_ids=full_ids, attention_mask=full_mask,
+                       position_ids=rollout.position_ids(full_mask)).logits[:, ids.shape[1] - 1:-1]   # (N, T, V)
+    masked = (logits / T).masked_fill(~allowed, float("-inf"))
+    ref = torch.log_softmax(masked, -1).gather(-1, comp.unsqueeze(-1)).squeeze(-1)         # (N, T)
+    torch.testing.assert_close(logp[comp_mask], ref[comp_mask], rtol=1e-5, atol=1e-5)
+
+    forced = allowed.sum(-1) == 1                                                           # (N, T)
+    assert (forced & comp_mask).any() and (logp[forced & comp_mask] == 0).all()
+    free = rollout.completion_logprobs(model, ids, mask, None, comp, comp_mask, T)
+    assert (logp[comp_mask] >= free[comp_mask] - 1e-6).all() and (logp[comp_mask] > free[comp_mask] + 1e-3).any()
+
+    # the sampler's log-probs (same seed, same draws) are the masked ones too
+    cond = C.Conductor([None, None], ["w0", "w1"], 2, 8, ("simple", False, ""), "constrained", 6)
+    eos = rollout.eos_token_ids(model, tok)
+    cond.write_workflows(model, tok, ids, mask, 1, T, eos, 8)                              # builds the grammar tok
+    masks = C.WorkflowMasks(cond.grammar_tok[1], C.workflow_grammar(2, 2, 6), comp.shape[0], len(tok), eos)
+    torch.manual_seed(1)
+    comp2, logp_old = rollout.sample(model, ids, mask, None, G, len(C.longest_workflow(2, 2, 6)) + 1, T, eos,
+                                     tok.pad_token_id, return_logprobs=True, allowed=masks)
+    assert torch.equal(comp2, comp)
+    torch.testing.assert_close(logp_old[comp_mask], logp[comp_mask], rtol=1e-5, atol=1e-5)
+    assert torch.equal(masks.allowed_mask(comp.shape[1], "cpu"), allowed)
+
+
+def test_free_decoding_is_rollout_sample_as_it_was(tiny_policy):
+    """--workflow-decoding free draws exactly what rollout.sample draws without a mask (the paper's mode; the
+    conductor run of tests/test_same_metrics.py holds it bit for bit over 3 training steps)."""
+    import rollout
+    model, tok = tiny_policy
+    cond = C.Conductor([None, None], ["w0", "w1"], 2, 8, ("simple", False, ""), "free")
+    eos = rollout.eos_token_ids(model, tok)
+    ids, mask = rollout.encode_prompts(tok, [C.conductor_prompt(tok, q, 2, 2) for q in QUESTIONS], "cpu")
+    torch.manual_seed(0)
+    comp, allowed = cond.write_workflows(model, tok, ids, mask, 3, 1.0, eos, 8)
+    torch.manual_seed(0)
+    assert allowed is None and torch.equal(comp, rollout.sample(model, ids, mask, None, 3, 8, 1.0, eos,
+                                                                tok.pad_token_id))
+
+
+def test_workflow_grammar_text():
+    """The grammar spells out one alternative per length, the workers as integers and each step's access lists."""
+    g = C.workflow_grammar(3, 2, 40)
+    assert 'start: w1 | w2' in g and 'wid: "0" | "1" | "2"' in g and "{0,39}" in g
+    assert 'access0: "[]" | "\\"all\\""' in g and 'access1: "[]" | "\\"all\\"" | "[0]"' in g
+    assert parse_workflow(C.CONDUCTOR_PREFIX + C.longest_workflow(3, 2, 40), 3, 2) is not None
+    bits = torch.tensor([[-1, 5]], dtype=torch.int32)                  # all of 0..31, then tokens 32 and 34
+    assert C.unpack_bits(bits, 40).nonzero()[:, 1].tolist() == list(range(32)) + [32, 34]
+
+
+@pytest.mark.parametrize("flags, message", [
+    (["--max-subtask-chars", "501"], "--max-subtask-chars 501 is above the parser's limit of 500"),
+    (["--workflow-decoding", "greedy"], "--workflow-decoding: invalid choice"),
+    (["--max-subtask-chars", "0"], "--max-subtask-chars"),
+])
+def test_bad_decoding_flags_fail_in_one_line(flags, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        C.parse_args(flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and message in err and err.count("\n") == 1
+
+
+def test_constrained_without_llguidance_says_how_to_get_it(monkeypatch, capsys):
+    monkeypatch.setattr(C, "have_llguidance", lambda: False)
+    with pytest.raises(SystemExit) as e:
+        C.parse_args([])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and "pip install -r requirements-conductor.txt" in err and err.count("\n") == 1
+    assert C.parse_args(["--workflow-decoding", "free"]).workflow_decoding == "free"
+
+
+def test_constrained_conductor_trains_on_the_tiny_team(tmp_path):
+    """The default mode: every workflow of the step parses, the workers run them, the worker-choice distribution
+    is logged, and with rewards that differ GRPO's gradient reaches LoRA."""
+    pytest.importorskip("llguidance", reason="constrained decoding needs requirements-conductor.txt")
+    right = lambda items, texts: ([float(i % 2) for i in range(len(texts))], {})  # noqa: E731  half right
+    out = str(tmp_path / "c")
+    C.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16",
+            "--system-prompt", "simple", "--steps", "1", "--batch-size", "2", "--grad-accum", "1", "--group-size",
+            "4", "--max-new-tokens", "4", "--max-subtask-chars", "8", "--out", out], score_batch=right)
+    m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    assert m["parse_rate"] == 1 and m["truncated_fraction"] == 0 and len(m["utilization"]) == 2
+    assert m["grad_norm_lora"] > 0 and m["reward"] == pytest.approx(0.75)
+
+
+@pytest.mark.pocket
+def test_constrained_masks_with_the_pocket_policys_tokenizer():
+    """The pocket policy's real tokenizer (SmolLM2, 49,152 tokens, multi-character tokens that can straddle the
+    grammar's pieces, e.g. '"]'): 32 rows drawn from peaked random logits (fixed per row) through WorkflowMasks,
+    with the forward pass left out, all parse and end with EOS within longest_workflow's budget."""
+    pytest.importorskip("llguidance", reason="constrained decoding needs requirements-conductor.txt")
+    import llguidance.hf
+
+    from experts import load_model
+    _, tok = load_model("pocket:smollm2-135m-instruct")
+    import rollout
+    K, S, L, N, V = 2, 2, 30, 32, len(tok)
+    masks = C.WorkflowMasks(llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=[tok.eos_token_id]),
+                            C.workflow_grammar(K, S, L), N, V, [tok.eos_token_id])
+    torch.manual_seed(0)
+    base, last, rows = torch.randn(N, V) * 4, None, []
+    for _ in range(len(C.longest_workflow(K, S, L)) + 1):
+        last = rollout.draw(base.masked_fill(~masks(last), float("-inf")), 1.0)          # (N,)
+        rows.append(last)
+    comp = torch.stack(rows, 1)
+    for row in comp.tolist():
+        assert tok.eos_token_id in row
+        text = tok.decode(row[:row.index(tok.eos_token_id)])
+        assert parse_workflow(C.CONDUCTOR_PREFIX + text, K, S) is not None, text

@@ -198,6 +198,7 @@ BAD_INPUT = [
     ("train", "fresh", ["--dynamic-sampling", "-1"], "--dynamic-sampling", False),
     ("train", "fresh", ["--lr-schedule", "step"], "--lr-schedule", False),
     ("train", "fresh", ["--rollout-dtype", "float16"], "--rollout-dtype", False),
+    ("train", "fresh", ["--rollout-dtype", "int8", "--device", "mps"], "--rollout-dtype", False),
     ("train", "fresh", ["--device", "tpu"], "--device", False),
     ("train", "fresh", ["--device", "cuda"], "--device", False),  # no CUDA on the test machine
     # models and data that are not there

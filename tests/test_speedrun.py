@@ -124,6 +124,36 @@ def test_format_bonus_by_hand():
     assert rewards.format_bonus(texts, 0.2) == [0.2, 0.0, 0.0, 0.0, 0.2]
 
 
+def test_strict_format_bonus_pays_only_for_the_form_of_a_real_answer():
+    """The trap of the plain bonus: an answer block followed by more text, or holding words where
+    the gold answer is a number, still earns it. The strict bonus pays neither."""
+    texts = ["<think>4+3</think>\n<answer>7</answer>", "<answer>-1,200.5</answer> \n",
+             "<answer>seven</answer>", "<answer>7</answer> and then more text", "<answer> </answer>",
+             "<answer>7", "<answer>blue</answer>"]
+    golds = ["7", "7", "7", "7", "7", "7", "blue"]
+    assert rewards.format_bonus(texts, 0.1, golds) == [0.1, 0.1, 0.0, 0.0, 0.0, 0.0, 0.1]
+    assert rewards.format_bonus(texts, 0.1) == [0.1, 0.1, 0.1, 0.1, 0.0, 0.0, 0.1]   # the plain one
+
+
+def test_strict_format_bonus_reaches_the_training_reward(tmp_path, monkeypatch):
+    args, run = build_run(tmp_path, "--format-bonus", "0.5", "--format-bonus-strict")
+    G = args.group_size
+    comp = torch.randint(0, 50, (4 * G, 3))
+    shapes = ["<answer>12</answer>", "<answer>twelve</answer>"] * (2 * G)
+    monkeypatch.setattr(run["tok"], "batch_decode", lambda ids, **k: shapes[:len(ids)])
+    items = [{**run["train_items"][i], "answer": "12"} for i in range(4)]
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: comp)
+    ids, mask = rollout.encode_prompts(run["tok"], ["x"] * 4, "cpu")
+    drawn = train.draw_and_score(run, args, items, ids, mask, None, (0, 0, 0), lambda it, c: ([0.0] * len(c), {}))
+    assert drawn["r"].tolist() == [0.5, 0.0] * (2 * G)
+
+
+def test_strict_format_bonus_needs_a_bonus(capsys):
+    with pytest.raises(SystemExit) as exc:
+        train.parse_args(["--team", "tiny", "--format-bonus-strict"])
+    assert exc.value.code == 2 and "--format-bonus-strict" in capsys.readouterr().err
+
+
 def test_format_bonus_reaches_the_training_reward_but_not_the_log_or_the_evaluation(tmp_path, monkeypatch):
     args, run = build_run(tmp_path, "--format-bonus", "0.5")
     comp = torch.randint(0, 50, (4 * args.group_size, 3))
