@@ -55,9 +55,8 @@ from baselines import METHODS
 from experts import frozen_dtype, load_model, team_models
 from lora import apply_lora, lora_disabled
 from support import distributed
-from support.checkpoint import sigkill_hook
 from support.config import fail, parse_args
-from support.run import after_step, finish_run, progress_bar, start_run
+from support.run import run_steps, start_run
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -454,14 +453,7 @@ def main(argv=None, score_batch=None):
         from support import plan
         return plan.main(args, world)
     run, start = start_run(args, world, build_run)
-    score_batch = score_batch or rewards.score_batch
-    bar, bad_steps = progress_bar(start, args, run["writer"]), 0
-    for step in bar:
-        rec, batches = grpo_step(step, run, args, score_batch)
-        # tests: a kill after the update, before its log and checkpoint
-        sigkill_hook("step", step + 1)
-        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
-    return finish_run(run, args)
+    return run_steps(run, start, args, grpo_step, score_batch or rewards.score_batch)
 
 
 if __name__ == "__main__":

@@ -24,7 +24,7 @@ generative experts (an encoder has no words to give, so it cannot be a worker). 
 workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
 grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own loop, as cleanrl
 keeps one file per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main
-is train.py's loop around it (the plumbing, checkpoints, --resume and --eval-items, is support/run.py's). No
+runs it in support/run.py's loop (run_steps: the plumbing, checkpoints, --resume and --eval-items). No
 torchrun: one process. evaluate.py calls Conductor.answer.
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
@@ -90,7 +90,7 @@ from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support import distributed  # noqa: E402
 from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.run import after_step, finish_run, progress_bar, start_run  # noqa: E402
+from support.run import run_steps, start_run  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -569,13 +569,7 @@ def main(argv=None, score_batch=None):
         return evaluate.main(argv[1:], build=conductor)
     args = parse_args(argv)
     run, start = start_run(args, distributed.ONE, partial(train.build_run, build=conductor))
-    score_batch = score_batch or rewards.score_batch
-    bar, bad_steps = progress_bar(start, args), 0
-    for step in bar:
-        rec, batches = grpo_step(step, run, args, score_batch)
-        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
-    return finish_run(run, args)
-
+    return run_steps(run, start, args, grpo_step, score_batch or rewards.score_batch)
 
 if __name__ == "__main__":
     main()

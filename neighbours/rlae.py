@@ -48,8 +48,8 @@ L tokens the encoder reads the text so far; no member runs a backward pass. On t
 with a 262k-token head, SmolLM2-135M) a token costs about as much as the two models' decoding steps together.
 
 This file is a script with its own loop, as cleanrl keeps one file per algorithm: grpo_step below is GRPO on
-the agent's span decisions, and main is train.py's loop around it (the plumbing, checkpoints, --resume and
---eval-items, is support/run.py's). No torchrun: one process. evaluate.py calls RLAE.answer.
+the agent's span decisions, and main runs it in support/run.py's loop (run_steps: the plumbing, checkpoints,
+--resume and --eval-items). No torchrun: one process. evaluate.py calls RLAE.answer.
 """
 import math
 import os
@@ -71,7 +71,7 @@ from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import cache_kwargs, cache_of, draw  # noqa: E402
 from support import distributed  # noqa: E402
 from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.run import after_step, finish_run, progress_bar, start_run  # noqa: E402
+from support.run import run_steps, start_run  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -408,13 +408,7 @@ def main(argv=None, score_batch=None):
         return evaluate.main(argv[1:], build=rlae)
     args = parse_args(argv)
     run, start = start_run(args, distributed.ONE, partial(train.build_run, build=rlae))
-    score_batch = score_batch or rewards.score_batch
-    bar, bad_steps = progress_bar(start, args), 0
-    for step in bar:
-        rec, batches = grpo_step(step, run, args, score_batch)
-        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
-    return finish_run(run, args)
-
+    return run_steps(run, start, args, grpo_step, score_batch or rewards.score_batch)
 
 if __name__ == "__main__":
     main()

@@ -4,9 +4,13 @@ A run's life around its steps: check and build, write config.json, resume, log e
 train.py's main, and the two neighbours' (neighbours/conductor.py, neighbours/rlae.py), are the same loop:
 
     run, start = start_run(args, world, make)      # make(args, device) -> the run dict (train.build_run)
+    run_steps(run, start, args, grpo_step, score_batch)  # grpo_step: the algorithm, each script's own
+
+where run_steps is
+
     bar = progress_bar(start, args, run["writer"])
     for step in bar:
-        rec, batches = grpo_step(step, run, args, score_batch)   # the algorithm: each script's own
+        rec, batches = grpo_step(step, run, args, score_batch)
         bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
     finish_run(run, args)
 
@@ -29,7 +33,8 @@ import rewards
 from experts import pick_device
 from lora import save_peft
 from support import distributed
-from support.checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, write_json
+from support.checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
+from support.checkpoint import write_json
 from support.config import check_run, fail
 
 
@@ -86,6 +91,19 @@ def start_run(args, world, make):
         before = validation_scores(run, args)
         write_json(paths["validation"], {"items": args.eval_items, "before": before})
     return run, start
+
+
+def run_steps(run, start, args, grpo_step, score_batch):
+    """The loop from step `start` to --steps: each step (`grpo_step(step, run, args, score_batch)
+    -> (metrics, batches)`, the script's own algorithm), then its log line and checkpoint
+    (after_step); then the end of the run (finish_run). Returns the run folder."""
+    bar, bad_steps = progress_bar(start, args, run["writer"]), 0
+    for step in bar:
+        rec, batches = grpo_step(step, run, args, score_batch)
+        # tests: a kill after the update, before its log and checkpoint
+        sigkill_hook("step", step + 1)
+        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
+    return finish_run(run, args)
 
 
 def run_paths(out):
