@@ -71,9 +71,10 @@ def load_checkpoint(path, policy, method, optimizer, pool):
     return step
 
 
-def check_resume(args, config_path):
+def check_resume(args, config_path, default=lambda flag: None):
     """--resume continues the run saved in --out. Returns an error message (naming the flag) or None: a flag
-    outside RESUME_MAY_CHANGE that differs from the saved run would make it another run."""
+    outside RESUME_MAY_CHANGE that differs from the saved run would make it another run. A flag the saved
+    config lacks is newer than the run, which ran as that flag's `default` (the parser's) behaves."""
     if not os.path.exists(config_path):
         return f"--resume: no run to resume in --out {args.out} (no config.json)"
     try:
@@ -82,8 +83,9 @@ def check_resume(args, config_path):
     except (ValueError, OSError) as e:
         return f"--resume: cannot read {config_path} ({type(e).__name__})"
     for k, v in vars(args).items():
-        if k not in RESUME_MAY_CHANGE and saved.get(k) != v:
-            return (f"--resume: --{k.replace('_', '-')} {v!r} differs from the run's {saved.get(k)!r} "
+        was = saved[k] if k in saved else default(k)
+        if k not in RESUME_MAY_CHANGE and was != v:
+            return (f"--resume: --{k.replace('_', '-')} {v!r} differs from the run's {was!r} "
                     f"({config_path}); resume with the run's flags or choose another --out")
     return None
 

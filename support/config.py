@@ -271,7 +271,7 @@ def check_run(args, world, config_path):
     or raises ValueError / FileNotFoundError with a one-line message; writes nothing."""
     if os.path.exists(args.out) and not os.path.isdir(args.out):
         fail(f"--out {args.out} is a file, not a folder")
-    if args.resume and (msg := check_resume(args, config_path)):
+    if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
         fail(msg)
     elif not args.resume and any(os.path.exists(os.path.join(args.out, n))
                                  for n in ("config.json", "metrics.jsonl", "checkpoint.pt")):

@@ -83,3 +83,19 @@ def test_a_neighbour_asked_of_train_py_says_where_it_lives(method, capsys):
     with pytest.raises(SystemExit) as e:
         parse_args(["--method", method])
     assert e.value.code == 2 and f"python neighbours/{method}.py" in capsys.readouterr().err
+
+
+def test_resume_reads_a_flag_newer_than_the_run_as_its_default(tmp_path):
+    """A run saved before a flag existed ran as that flag's default does: resuming it with the default is
+    the same run; with another value it is not, and the message names the flag."""
+    from support.checkpoint import check_resume
+    from support.config import build_parser
+    args = parse_args(["--out", str(tmp_path)])
+    saved = {k: v for k, v in vars(args).items() if k != "format_bonus_strict"}  # as if saved before the flag
+    with open(tmp_path / "config.json", "w") as f:
+        json.dump(saved, f)
+    assert check_resume(args, str(tmp_path / "config.json"), build_parser().get_default) is None
+    args.format_bonus_strict = True
+    msg = check_resume(args, str(tmp_path / "config.json"), build_parser().get_default)
+    assert msg.startswith("--resume: --format-bonus-strict True differs from the run's False")
+    assert check_resume(args, str(tmp_path / "config.json")).startswith("--resume: --format-bonus-strict")
