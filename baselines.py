@@ -61,7 +61,8 @@ def expert_pool(names, args, device, dtype):
     from experts import ExpertPool
     where = getattr(args, "expert_device", None) or device
     return ExpertPool(names, where, dtype, args.pooling, args.seed,
-                      depth=getattr(args, "expert_depth", 1.0), out_device=device)
+                      depth=getattr(args, "expert_depth", 1.0), out_device=device,
+                      store=getattr(args, "expert_cache", None))
 
 
 def pooled_states(pool, questions, answers, reuse):

@@ -22,6 +22,7 @@ What is here:
                  (ORACLE_TEXT), so its state holds the gold answer; it tests whether the channel
                  experts -> C -> policy can carry item information at all. No real system has one.
   ExpertPool     the frozen experts: batching, chat templates, pooling, a cache of pooled states
+                 (in memory; with `store`, also on disk, shared by every run that names the folder)
 
 Deviations / choices the paper leaves open:
   1. Each expert sees the question through its own chat template (user turn + generation prompt)
@@ -30,13 +31,16 @@ Deviations / choices the paper leaves open:
   2. `last` pooling uses the final hidden state after the model's final norm (what its LM head
      reads).
   3. Pooled states of deterministic modes are cached per prompt text: experts are frozen, so a
-     prompt seen again (every epoch, every evaluation) costs nothing.
+     prompt seen again (every epoch, every evaluation) costs nothing. train.py --expert-cache DIR
+     keeps them on disk too, so that runs and evaluations that read the same prompts with the same
+     expert (several arms and seeds of one experiment) compute each state once.
   4. `depth` (train.py --expert-depth, not in the paper) pools the output of block round(depth * L)
      instead of the final layer: a middle layer's residual stream, without the final norm. Default
      1: the paper's.
 
 Try it on CPU:  python experts.py --team tiny   (--team pocket after the README set-up)
 """
+import hashlib
 import os
 import weakref
 import zlib
@@ -300,7 +304,7 @@ class ExpertPool:
     """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
 
     def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0,
-                 max_length=1024, cache_size=100_000, depth=1.0, out_device=None):
+                 max_length=1024, cache_size=100_000, depth=1.0, out_device=None, store=None):
         # "mean": sentence-embedding pooling of the hard router
         if pooling not in POOLINGS + ("mean",):
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
@@ -318,6 +322,9 @@ class ExpertPool:
         self.dims = [m.config.hidden_size for m, _ in self.models]
         self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
         self.cache, self.cache_size = {}, cache_size  # (expert index, text) -> pooled vector
+        # on disk: one file per (expert, how it is read, text), named by a hash of all three
+        self.store = store and [StateStore(store, f"{n}|{device}|{dtype}|{pooling}|{depth}|{max_length}")
+                                for n in self.names]
         self.calls = [0] * len(self.models)  # forwards run per expert (tests count them)
 
     def __len__(self):
@@ -340,10 +347,16 @@ class ExpertPool:
         cacheable = not self.pooling.startswith("random")
         keys = [(i, q) for q in questions]
         todo = [q for k, q in zip(keys, questions) if not (cacheable and k in self.cache)]
+        if todo and cacheable and self.store:
+            stored = self.store[i].read(dict.fromkeys(todo))
+            self.cache.update({(i, q): v for q, v in stored.items()})
+            todo = [q for q in todo if q not in stored]
         if todo:
             fresh = self._forward(i, list(dict.fromkeys(todo)))  # each unique prompt once
             if not cacheable:
                 return torch.stack([fresh[q] for q in questions])
+            if self.store:
+                self.store[i].write(fresh)
             if len(self.cache) + len(fresh) > self.cache_size:
                 self.cache.clear()
             self.cache.update({(i, q): v for q, v in fresh.items()})
@@ -387,6 +400,32 @@ class ExpertPool:
             layer = torch.randint(1, L + 1, (B,), generator=self.generator)
             h = torch.stack([out.hidden_states[l][b, -1] for b, l in enumerate(layer.tolist())])
         return dict(zip(questions, h.float()))
+
+
+class StateStore:
+    """Pooled states on disk, one small file per text, for one expert read one way (`identity`: its
+    name, device, dtype, pooling, depth, length limit). A file is written whole, then renamed into
+    place, so two runs sharing the folder never read half a state. A state read back is the very
+    tensor that was computed; a state computed again may differ in its last bits (another batch,
+    other padding)."""
+
+    def __init__(self, folder, identity):
+        self.folder, self.identity = folder, identity
+        os.makedirs(folder, exist_ok=True)
+
+    def path(self, text):
+        key = hashlib.sha256(f"{self.identity}\0{text}".encode()).hexdigest()[:32]
+        return os.path.join(self.folder, key + ".pt")
+
+    def read(self, texts):
+        """{text: state} for the texts already on disk."""
+        return {t: torch.load(self.path(t), weights_only=True) for t in texts if os.path.exists(self.path(t))}
+
+    def write(self, states):
+        for text, h in states.items():
+            path = self.path(text)
+            torch.save(h.cpu().clone(), path + f".{os.getpid()}.tmp")  # clone: not the batch's storage
+            os.replace(path + f".{os.getpid()}.tmp", path)
 
 
 if __name__ == "__main__":

@@ -21,6 +21,11 @@ the speedrun's levers, C in front of the prompt, --context-anchor newline wherev
   ours_strong_only  ours with --strong-expert as the only expert
   ours_cf           ours + the channel-forcing term, weight 1 (grpo.channel_forcing_loss)
   random            ours trained on a fair coin per completion (no format bonus): the control for routing
+
+Every run and evaluation of the queue keeps the experts' pooled states in OUT/expert-states (train.py
+--expert-cache): the four arms of a seed that read Qwen2.5-Coder-1.5B share its states of the seed's 256
+calibration prompts and 100 validation items (and of the training prompts they have in common), computed once. A state read back is the tensor computed first; computed again
+in another batch it could differ in its last bits, as the in-memory cache already allows within a run.
 """
 import argparse
 import json
@@ -198,7 +203,7 @@ def main():
                 if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
                     resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
                     run(["train.py", *task, *PROMPT, *HYPER, *table[arm], "--seed", str(seed), "--out", out,
-                         *resume], log)
+                         "--expert-cache", os.path.join(a.out, "expert-states"), *resume], log)
                 run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
                 archive(out, os.path.join(RESULTS, "runs"))
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout

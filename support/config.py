@@ -193,6 +193,8 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "process takes cuda:LOCAL_RANK)")
     a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
       "their pooled states move to the policy's device")
+    a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
+      "prompt: runs and evaluations that name the same folder compute each state once (experts.StateStore)")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
       "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")

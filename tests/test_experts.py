@@ -55,6 +55,23 @@ def test_cache_equals_fresh_computation_and_skips_forwards():
         torch.testing.assert_close(a, h.flip(0))
 
 
+def test_a_store_on_disk_serves_another_pool_the_very_states_it_computed(tmp_path):
+    """--expert-cache: a second pool (another run) naming the folder reads each state back bit for bit and
+    runs no forward; only the prompts it has not seen are computed, and a pool reading the experts another
+    way (another depth) shares nothing."""
+    first = ExpertPool(TEAMS["tiny"]["experts"], store=str(tmp_path)).encode(QS[:2])
+    second = ExpertPool(TEAMS["tiny"]["experts"], store=str(tmp_path))
+    again = second.encode(QS[:2][::-1])
+    assert second.calls == [0, 0, 0]
+    for a, h in zip(again, first):
+        assert torch.equal(a, h.flip(0))
+    second.encode(QS)  # one new prompt: one forward per expert, and on disk now
+    assert second.calls == [1, 1, 1] and len(list(tmp_path.iterdir())) == 3 * len(QS)
+    deeper = ExpertPool(TEAMS["tiny"]["experts"], store=str(tmp_path), depth=0.5)
+    deeper.encode(QS[:1])
+    assert deeper.calls == [1, 1, 1] and not list(tmp_path.glob("*.tmp"))
+
+
 def test_random_modes_are_drawn_not_cached():
     pool = ExpertPool(TEAMS["tiny"]["experts"][:1], pooling="random_token", seed=0)
     draws = torch.stack([pool.encode(QS[1:2])[0][0] for _ in range(6)])
