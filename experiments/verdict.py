@@ -160,9 +160,12 @@ def markdown(rows, verdict, runs):
     for r in rows:
         scale = 100 if r["endpoint"] in ("score", "shuffle") else 1
         fmt = "{:+.1f} ± {:.1f}" if scale == 100 else "{:+.3f} ± {:.3f}"
-        L.append(f"| {r['name']} | {r['kind']} | {len(r['seeds'])} | {fmt.format(scale * r['mean'], scale * r['sd'])} | "
-                 f"{r['better']} / {r['worse']} | {r['p']:.3g} | "
-                 + (f"{r['p_holm']:.3g}" if "p_holm" in r else "exploratory") + " |")
+        n = len(r["seeds"])  # no seed yet: dashes; one seed: its difference, no test
+        diff = fmt.format(scale * r["mean"], scale * r["sd"]) if n > 1 else fmt.split(" ±")[0].format(
+            scale * r["mean"]) if n else "–"
+        p = f"{r['p']:.3g}" if n > 1 else "– (needs 2 seeds)" if n else "–"
+        holm_p = "exploratory" if "p_holm" not in r else f"{r['p_holm']:.3g}" if n > 1 else "–"
+        L.append(f"| {r['name']} | {r['kind']} | {n} | {diff} | {r['better']} / {r['worse']} | {p} | {holm_p} |")
     L += ["", "| arm | " + " | ".join(f"s{s}" for s in sorted({s for v in runs.values() for s in v})) + " |"]
     seeds = sorted({s for v in runs.values() for s in v})
     L.append("|---|" + "---|" * len(seeds))

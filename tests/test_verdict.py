@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
-from verdict import FAMILY, analyse  # noqa: E402
+from verdict import FAMILY, analyse, markdown  # noqa: E402
 
 from support.stats import holm, sign_flip_p  # noqa: E402
 
@@ -59,3 +59,12 @@ def test_six_seeds_could_never_pass_an_eight_test_holm_family():
     """The smallest one-sided exact p with n seeds is 2^-n; Holm's first step multiplies it by the family's 8."""
     assert min(holm([sign_flip_p([1.0] * 6, "greater")] * 8)) > 0.05      # 8 / 64 = 0.125
     assert max(holm([sign_flip_p([1.0] * 8, "greater")] * 8)) < 0.05      # 8 / 256 = 0.031
+
+
+def test_a_partial_table_prints_dashes_not_nan():
+    """Seeds still running: a row with no seed reads "–", one seed gives its difference and no p."""
+    runs = runs_with(0.15, seeds=1)
+    rows, verdict = analyse(runs)
+    md = markdown(rows, verdict, runs)
+    assert "nan" not in md and verdict.startswith("incomplete")
+    assert "| H1a | family | 1 | +15.0 | 1 / 0 | – (needs 2 seeds) | – |" in md
