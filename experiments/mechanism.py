@@ -137,7 +137,7 @@ def sample(pol, questions, C, G, max_new, generator):
     """G completions per question at temperature 1 through the fast path: token ids [B*G, T] (pad after EOS)."""
     qs = [q for q in questions for _ in range(G)]
     out, mask, pos = pol._fast_prefill(qs, C.repeat_interleave(G, dim=0))
-    cache, logits, pos = out.past_key_values, out.logits[:, -1], pos[:, -1:]
+    cache, logits, pos = rollout.cache_of(out), out.logits[:, -1], pos[:, -1:]
     done, toks = torch.zeros(len(qs), dtype=torch.bool), []
     eos = torch.tensor(pol.eos)
     for _ in range(max_new):
@@ -149,9 +149,9 @@ def sample(pol, questions, C, G, max_new, generator):
         if done.all():
             break
         mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
-        o = pol.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos, past_key_values=cache,
-                      use_cache=True)
-        cache, logits = o.past_key_values, o.logits[:, -1]
+        o = pol.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                      **rollout.cache_kwargs(pol.model, cache), use_cache=True)
+        cache, logits = rollout.cache_of(o), o.logits[:, -1]
     return torch.stack(toks, 1)
 
 

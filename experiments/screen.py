@@ -78,6 +78,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
+import rollout  # noqa: E402
 import rewards  # noqa: E402
 from experts import ENCODER_TYPES, expert_text, load_model  # noqa: E402
 from channel import ridge_probe  # noqa: E402
@@ -212,7 +213,7 @@ def prefix_cache(model, prefix):
     """KV cache of the shared prefix (batch 1), or None when there is none."""
     if not prefix:
         return None
-    return model(input_ids=torch.tensor([prefix]), use_cache=True, logits_to_keep=1).past_key_values
+    return rollout.cache_of(model(input_ids=torch.tensor([prefix]), use_cache=True, logits_to_keep=1))
 
 
 @torch.no_grad()
@@ -231,9 +232,9 @@ def suffix_forward(model, cache, P, suffixes, pad_id, hidden=False):
     if cache is not None:
         kv = copy.deepcopy(cache)
         kv.batch_repeat_interleave(B)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos[:, P:], past_key_values=kv, use_cache=True,
-                output_hidden_states=hidden, logits_to_keep=1)
-    return out, out.past_key_values, mask, pos[:, -1] + 1
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos[:, P:], **rollout.cache_kwargs(model, kv),
+                use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
+    return out, rollout.cache_of(out), mask, pos[:, -1] + 1
 
 
 @torch.no_grad()
@@ -264,9 +265,9 @@ def greedy_answers(model, tok, prompts, max_new, batch=16):
             if bool(done.all()) or t == max_new - 1:
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
-            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None], past_key_values=kv,
-                        use_cache=True, logits_to_keep=1)
-            kv, pos = out.past_key_values, pos + 1
+            out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
+                        **rollout.cache_kwargs(model, kv), use_cache=True, logits_to_keep=1)
+            kv, pos = rollout.cache_of(out), pos + 1
             nxt = out.logits[:, -1].argmax(-1)
         texts += [tok.decode(g, skip_special_tokens=True) for g in gen]
     return texts
