@@ -40,6 +40,7 @@ import torch
 
 import experts
 from lora import apply_lora, lora_layers
+from support import tiny_models
 
 GB = 2 ** 30
 # Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
@@ -93,7 +94,7 @@ def model_config(spec):
     from transformers import AutoConfig
     spec = spec.removeprefix(experts.ORACLE)
     if spec.startswith("tiny:"):
-        return experts.tiny_model(spec[5:])[0].config  # a few thousand weights: built for real
+        return tiny_models.load(spec[5:])[0].config  # a few thousand weights: built for real
     if spec.startswith("pocket:"):
         from support import pocket_models
         folder = pocket_models.converted_dir(spec[7:])
@@ -144,7 +145,7 @@ def prompt_tokens(args, team):
         from rewards import batch_indices, policy_prompts
         spec = team["policy"]
         if spec.startswith("tiny:"):
-            tok = experts.tiny_tokenizer()
+            tok = tiny_models.tiny_tokenizer()
         elif spec.startswith("pocket:"):
             from support import pocket_models
             from transformers import AutoTokenizer

@@ -174,7 +174,7 @@ def merging_tokenizer():
     prompt + "</think>..." tokenises differently from prompt and bridge apart, as SmolLM2's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from experts import tiny_tokenizer
+    from support.tiny_models import tiny_tokenizer
     base = tiny_tokenizer()
     vocab = dict(base.get_vocab())
     vocab.update({"</": len(vocab), "></": len(vocab) + 1})
@@ -195,7 +195,7 @@ def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, wi
     again) and when C sits after the prompt (the gold pass then runs on its own)."""
     from types import SimpleNamespace
     from evaluate import answer_bridge, gold_logprobs, greedy_and_gold
-    from experts import tiny_model
+    from support.tiny_models import load as tiny_model
     from grpo import completion_mask
     from lora import apply_lora
     from rollout import encode_prompts, sample
