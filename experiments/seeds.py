@@ -8,6 +8,7 @@ stats.MIN_SEEDS_FOR_BOOTSTRAP seeds, where its coverage is poor).
     python experiments/seeds.py results/pocket/runs --extra results/pocket/seeds_0-2.json --out results/pocket/seeds.md
     python experiments/seeds.py results/pocket/runs --versus "soft_prompt"     # e.g. the anchored soft prompt vs it
     python experiments/seeds.py RUNS --family "ours" "ours [state-norm]"        # the pre-registered family
+    python experiments/seeds.py RUNS --split-by rollout_dtype --versus "single [rollout_dtype float32]"
 
 Reads the eval.json of every run under the folders (as evaluate.py --summarize does; rows named by
 report.method_key), plus, with --extra, per-seed scores recorded elsewhere ({"score": {row: {seed: percent}}}):
@@ -27,14 +28,20 @@ from support.report import load_runs, method_key, same_items_cell  # noqa: E402
 from support.stats import MIN_SEEDS_FOR_BOOTSTRAP, holm, mean_std, sign_flip_p  # noqa: E402
 
 
-def scores_by_row(folders, extra, items=None, typed=None):
+def scores_by_row(folders, extra, items=None, typed=None, split_by=()):
     """{row: {seed: score in percent}} from the runs' eval.json and the --extra file; `items`, if a dict, gets
     {row: {seed: [per-item score with C]}} for the runs that kept them; `typed`, if a set, gets the (row, seed)
-    pairs that came from --extra (scores without a run record)."""
+    pairs that came from --extra (scores without a run record). `split_by`: config keys whose value joins the
+    row's name (e.g. rollout_dtype: the same method with two samplers makes two rows)."""
     rows = {}
     for run in load_runs(folders):
         if "eval" in run:
-            row, seed = method_key(run["cfg"]), int(run["cfg"]["seed"])
+            cfg = run["cfg"]
+            row = method_key(cfg) + "".join(f" [{k} {cfg.get(k)}]" for k in split_by)
+            seed = int(cfg["seed"])
+            if seed in rows.get(row, {}):
+                raise SystemExit(f"error: two runs of {row!r} with seed {seed} (one is {run['dir']}); "
+                                 "--split-by a config key that tells them apart")
             rows.setdefault(row, {})[seed] = 100 * run["eval"]["score"]
             if items is not None and "per_item" in run["eval"]:
                 items.setdefault(row, {})[seed] = run["eval"]["per_item"]["with_C"]["score"]
@@ -101,13 +108,15 @@ def main():
     p.add_argument("--versus", default="single", help="the row every other row is compared with, seed by seed")
     p.add_argument("--family", nargs="*", default=[], help="rows whose difference to --versus is a test declared "
                    "in advance: their sign-flip p are Holm-adjusted together; the other rows are exploratory")
+    p.add_argument("--split-by", nargs="*", default=[], help="config keys whose value names a row too, e.g. "
+                   "rollout_dtype: row 'single [rollout_dtype int8]' beside 'single [rollout_dtype float32]'")
     p.add_argument("--out", default=None, help="write the Markdown table here too")
     a = p.parse_args()
     missing = [d for d in a.folders + a.extra if not os.path.exists(d)]
     if missing:
         p.error(f"no such file or folder: {missing[0]}")
     items, typed = {}, set()
-    rows = scores_by_row(a.folders, a.extra, items, typed)
+    rows = scores_by_row(a.folders, a.extra, items, typed, a.split_by)
     for row in [a.versus] + a.family:
         if row not in rows:
             p.error(f"{'--versus' if row == a.versus else '--family'} {row!r}: no such row; rows: {', '.join(sorted(rows))}")

@@ -87,6 +87,25 @@ def test_seed_table_pairs_each_method_with_single_on_the_same_seed(tmp_path):
     assert "| +50.0 [" in line and "] (descriptive) (1) |" in line  # one seed: the interval is not a test
 
 
+def test_seed_table_splits_rows_by_a_config_key_and_refuses_two_runs_of_one_row_and_seed(tmp_path):
+    """The same method with two samplers (rollout_dtype) is two rows with --split-by, and without it the second
+    run of (row, seed) is an error, not a silent overwrite."""
+    import json
+    import os
+    import sys
+    sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+    from seeds import scores_by_row
+    for dtype, score in [("float32", 0.2), ("int8", 0.25)]:
+        d = tmp_path / f"single-{dtype}"
+        d.mkdir()
+        (d / "config.json").write_text(json.dumps({"method": "single", "team": "pocket", "seed": 0, "task": "t",
+                                                   "rollout_dtype": dtype}))
+        (d / "eval.json").write_text(json.dumps({"score": score}))
+    rows = scores_by_row([str(tmp_path)], [], split_by=["rollout_dtype"])
+    assert rows == {"single [rollout_dtype float32]": {0: 20.0}, "single [rollout_dtype int8]": {0: 25.0}}
+    with pytest.raises(SystemExit, match="two runs of 'single' with seed 0"):
+        scores_by_row([str(tmp_path)], [])
+
 def test_holm_by_hand_and_as_the_sequential_rule():
     """Holm (1979) worked by hand: p = (0.01, 0.04, 0.03, 0.005), m = 4. Sorted 0.005, 0.01, 0.03, 0.04 times
     4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; the running maximum makes the last 0.06."""
