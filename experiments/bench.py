@@ -6,7 +6,7 @@ Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs
     HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
     HF_HUB_OFFLINE=1 python experiments/bench.py --steps 3 --no-scaling \
         --contenders single,ours,ours_int8,trl_default     # results/bench.md as committed
-    HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % validation score (experiments/speedrun.py)
+    HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % and 45 % (experiments/speedrun.py)
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
 q/k/v/o/gate/up/down_proj; --prompts (1) prompt x G = 8 completions of exactly 64 new tokens (T = 1, no top-k/p);

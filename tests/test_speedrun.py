@@ -1,10 +1,13 @@
 """The speedrun's levers, each against a hand-computed case: truncated importance weights and the loss they
 weight, the bfloat16 rollout copy (close to the float32 scoring pass, and gone on exit), dynamic sampling
 (never trains on a group whose rewards are all equal), the format bonus (training only: evaluation never sees
-it), the learning-rate schedule, and --eval-items' before/after line."""
+it), the learning-rate schedule, and --eval-items' before/after line. Then the race itself (experiments/speedrun.py):
+the time to each target from a trace, medians with runs that never reached, the paired comparison, the strict
+bonus paid alike by our reward path and TRL's, the rollout precision as a flag, resumption, and bad flags."""
 import json
 import math
 import os
+import sys
 
 import numpy as np
 import pytest
@@ -194,3 +197,162 @@ def test_eval_items_prints_before_and_after_on_the_same_items(tmp_path, capsys):
     with open(os.path.join(out, "metrics.jsonl")) as f:
         lrs = [json.loads(ln)["lr"] for ln in f]
     assert lrs == [1e-4, 1e-4]   # warm-up step 0 at (0 + 1) / 1, then cosine at its start
+
+
+# ---- the race itself (experiments/speedrun.py, experiments/speedrun_report.py) -----------------------------------
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+import speedrun  # noqa: E402
+import speedrun_report  # noqa: E402
+
+
+def trace(*points):
+    return [{"step": s, "seconds": t, "score": x} for s, t, x in points]
+
+
+def test_time_to_each_target_is_the_clock_at_the_first_score_at_or_above_it_and_null_when_never():
+    evals = trace((1, 10.0, 0.1), (2, 21.0, 0.31), (3, 30.0, 0.2), (4, 42.0, 0.45), (6, 60.0, 0.5))
+    assert speedrun_report.times_to_targets(evals, [0.3, 0.45, 0.6]) == {
+        "0.3": {"seconds": 21.0, "step": 2},      # the first, though the score fell again at step 3
+        "0.45": {"seconds": 42.0, "step": 4},     # "at or above": 0.45 reaches 0.45
+        "0.6": None}
+    assert speedrun_report.times_to_targets([], [0.3]) == {"0.3": None}
+
+
+def test_median_counts_not_reached_as_slower_than_any_time_and_is_null_when_half_did_not_reach():
+    median = speedrun_report.median_or_null
+    assert median([30.0, None, 10.0, 20.0, None]) == 30.0     # 3 of 5 reached: the middle one is the slowest
+    assert median([10.0, None, None, None, 20.0]) is None     # most did not reach
+    assert median([10.0, 20.0, 30.0, None]) == 25.0
+    assert median([10.0, 20.0, None, None]) is None           # half: one of the middle two did not reach
+    assert median([]) is None
+
+
+def race(times):
+    """{seed: a run whose only target 0.3 was reached at `t` seconds (None: never)}."""
+    return {str(s): {"targets": {"0.3": t and {"seconds": t, "step": 1}}, "seconds_per_step": 5.0, "evals": []}
+            for s, t in enumerate(times)}
+
+
+def test_per_contender_summary_and_the_paired_comparison_by_hand():
+    ours, trl = race([10.0, 40.0, None, 20.0, None, 30.0]), race([20.0, 20.0, 50.0, 60.0, None, None])
+    out = speedrun_report.analyse({"ours": ours, "trl": trl}, [0.3])
+    o = out["contenders"]["ours"]["targets"]["0.3"]
+    assert (o["median_seconds"], o["reached"], o["seeds"]) == ((30.0 + 40.0) / 2, 4, 6)
+    assert o["seconds"] == {"0": 10.0, "1": 40.0, "2": None, "3": 20.0, "4": None, "5": 30.0}
+    p = out["paired"]["ours vs trl"]["0.3"]
+    assert p["ratio_of_medians"] == 35.0 / 55.0 and p["both_reached"] == 3
+    assert p["ratios"] == {"0": 0.5, "1": 2.0, "3": 20.0 / 60.0}
+    # differences -10, 20, -40 (mean -10): of the 8 sign flips, |sum| >= 30 for 70, 30, 50, 50, 30, 70
+    assert p["mean_difference_seconds"] == -10.0 and p["p_sign_flip"] == 6 / 8
+    # first to reach: ours on seeds 0, 3 and 5 (TRL never did), TRL on 1 and 2 (ours never did); seed 4 (neither)
+    # is dropped: p = 2 P[Binomial(5, 1/2) <= 2] = 1
+    assert (p["faster"], p["slower"], p["p_sign"]) == (3, 2, 1.0)
+    assert "ours vs single" not in out["paired"]
+
+
+def test_a_null_median_is_said_in_words_in_the_table():
+    runs = {"ours": race([10.0, None, None]), "single": race([5.0, 6.0, None])}
+    report = {"setup": {"measure": {"targets": [0.3], "items": 100, "max_steps": 60, "max_seconds": 1200,
+                                    "rollout_dtype": "float32", "team": "tiny"}, "machine": {}, "versions": {}},
+              **speedrun_report.analyse(runs, [0.3]), "runs": {k: {s: {**r, "commit": "abc"} for s, r in v.items()}
+                                                               for k, v in runs.items()}}
+    text = speedrun_report.markdown(report)
+    assert "ours: the median is null because 2 of 3 seeds did not reach 30 %." in text
+    assert "| single | 5 s (1) | 6 s (1) | not reached | 6 (2/3) |" in text
+
+
+def test_every_contender_is_paid_the_strict_bonus_and_trls_reward_equals_ours(tmp_path, monkeypatch):
+    """The same completions get the same reward from train.draw_and_score (single and ours) and from the TRL
+    contender's reward function, each built from its own speedrun flags: an answer block with more text after it,
+    or words where the gold is a number, earn no bonus in either."""
+    a = speedrun.parse(["--team", "tiny"])
+    args = {kind: train.parse_args(speedrun.run_config(kind, 0, a)["argv"] + ["--out", str(tmp_path / kind)])
+            for kind in speedrun.CONTENDERS}
+    assert all(x.format_bonus == 0.1 and x.format_bonus_strict for x in args.values())
+    run = train.build_run(args["single"], torch.device("cpu"))
+    items, G = [run["train_items"][i] for i in range(4)], args["single"].group_size
+    texts = [t for it in items for t in (f"<think>1</think>\n<answer>{it['answer']}</answer>",
+                                         f"<answer>{it['answer']}</answer> and more", "<answer>1000</answer>",
+                                         "<answer>eighty</answer>")]
+    monkeypatch.setattr(run["tok"], "batch_decode", lambda ids, **k: texts[:len(ids)])
+    monkeypatch.setattr(rollout, "sample", lambda *a, **k: torch.randint(5, 50, (len(items) * G, 3)))
+    ids, mask = rollout.encode_prompts(run["tok"], ["x"] * len(items), "cpu")
+    ours = train.draw_and_score(run, args["single"], items, ids, mask, None, (0, 0, 0), rewards.score_batch)["r"]
+    trl = speedrun.trl_reward(items, args["trl"])([""] * len(texts), texts, [i for i in range(4) for _ in range(G)])
+    assert torch.equal(ours, torch.tensor(trl, dtype=torch.float32))
+    assert torch.allclose(ours, torch.tensor([1.1, 1.0, 0.1, 0.0] * 4))
+
+
+def test_the_rollout_precision_is_a_flag_and_trl_records_what_it_ran():
+    a = speedrun.parse(["--team", "tiny", "--rollout-dtype", "int8"])
+    ours, trl = speedrun.run_config("ours", 3, a), speedrun.run_config("trl", 3, a)
+    assert ours["rollout_dtype"] == "int8" and "--tis-cap" in ours["argv"] and "--dynamic-sampling" in ours["argv"]
+    assert trl["rollout_dtype"] == "float32"
+    assert not {"--rollout-dtype", "--tis-cap", "--dynamic-sampling"} & set(trl["argv"])
+    assert "--rollout-dtype" not in speedrun.run_config("ours", 3, speedrun.parse(["--team", "tiny"]))["argv"]
+
+
+def test_a_recorded_run_is_skipped_and_a_changed_one_runs_again(tmp_path, monkeypatch):
+    """A tiny race, trained in this process: the report keeps each run's config, trace and commit; run again, it
+    trains nothing; a run recorded with another config is trained again. Seeds alternate the contenders' order."""
+    launched = []
+
+    def in_process(folder, config, core):
+        launched.append((config["kind"], config["seed"]))
+        if config["kind"] == "single" and config["seed"] == 0:   # one real run of the tiny team
+            speedrun.train_worker(folder, config)
+        else:
+            with open(os.path.join(folder, "evals.jsonl"), "w") as f:
+                f.write("".join(json.dumps(e) + "\n" for e in trace((1, 3.0, 0.2), (2, 6.0, 0.35))))
+        return True
+    monkeypatch.setattr(speedrun, "launch", in_process)
+    out = str(tmp_path / "speedrun.json")
+    argv = ["--team", "tiny", "--contenders", "single", "ours", "--seeds", "0", "1", "--items", "4",
+            "--max-steps", "2", "--out", out, "--runs", str(tmp_path / "runs")]
+    speedrun.main(argv)
+    assert launched == [("single", 0), ("ours", 0), ("ours", 1), ("single", 1)]
+    with open(out) as f:
+        report = json.load(f)
+    real = report["runs"]["single"]["0"]
+    assert [e["step"] for e in real["evals"]] == [1, 2] and real["targets"] == {"0.3": None, "0.45": None}
+    assert real["config"]["argv"][-4:] == ["--seed", "0", "--steps", "2"] and real["commit"]
+    assert report["runs"]["ours"]["1"]["targets"]["0.3"] == {"seconds": 6.0, "step": 2}
+    assert report["contenders"]["ours"]["targets"]["0.3"]["median_seconds"] == 6.0
+    assert os.path.exists(out.replace(".json", ".md")) and os.path.exists(out.replace(".json", ".png"))
+    launched.clear()
+    speedrun.main(argv)
+    assert launched == []
+    report["runs"]["ours"]["1"]["config"]["argv"][-1] = "99"   # recorded with another config
+    with open(out, "w") as f:
+        json.dump(report, f)
+    speedrun.main(argv)
+    assert launched == [("ours", 1)]
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--targets", "0.45", "0.3"], "--targets"), (["--targets", "1.5"], "--targets"), (["--targets", "0"], "--targets"),
+    (["--seeds", "1", "1"], "--seeds"), (["--seeds", "-1"], "--seeds"),
+    (["--rollout-dtype", "fp16"], "--rollout-dtype"), (["--levers", "dynamic sampling"], "--levers"),
+    (["--ablations", "--levers", "low-precision rollout + TIS"], "--levers"),
+    (["--max-steps", "0"], "--max-steps"), (["--trl-seeds", "1", "--contenders", "ours"], "--trl-seeds")])
+def test_a_bad_flag_exits_2_with_one_line_naming_it(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exc:
+        speedrun.parse(["--team", "tiny"] + argv)
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and flag in err, err
+
+
+def test_a_report_of_another_measure_is_refused(tmp_path, capsys):
+    out = tmp_path / "speedrun.json"
+    out.write_text(json.dumps({"setup": {"target": 0.3}, "runs": {}}))   # the first speedrun's report: one target
+    with pytest.raises(SystemExit) as exc:
+        speedrun.main(["--team", "tiny", "--dry-run", "--out", str(out)])
+    err = capsys.readouterr().err.strip()
+    assert exc.value.code == 2 and len(err.splitlines()) == 1 and "--out" in err
+
+
+def test_worst_case_cost_by_hand():
+    # 30 s a step, a 100 s budget: the clock passes it after step 4; evaluated after 1, 2, 3, 4; loaded once
+    assert speedrun.worst_case_seconds(30, 60, 100) == 4 * 30 + 4 * speedrun.EVAL_SECONDS + speedrun.LOAD_SECONDS
+    assert speedrun.worst_case_seconds(30, 6, 1e9) == 6 * 30 + 5 * speedrun.EVAL_SECONDS + speedrun.LOAD_SECONDS
