@@ -49,9 +49,11 @@ Cost: every generated token runs all K members once (K forwards of one token eac
 L tokens the encoder reads the text so far; no member runs a backward pass. On the pocket team (K = 2: Gemma-3-270M
 with a 262k-token head, SmolLM2-135M) a token costs about as much as the two models' decoding steps together.
 
-Logged per step beside train.py's fields: utilization (each member's drawn weight, averaged over every span
-decision of the step), utilization_by_source (the same per item type: the reasoning-gym source dataset),
-entropy (mean entropy of the drawn weights) and concentration (mean sum of alpha at the first span).
+Logged per step beside train.py's fields: utilization (each member's drawn weight w, averaged over every span
+decision of the step), agent_weights (the agent's mean weights alpha / sum(alpha), averaged over the same spans:
+the policy itself, without the Dirichlet's sampling noise; exactly 1/K before the first update),
+agent_weights_by_source (the same per item type: the reasoning-gym source dataset), entropy (mean entropy of the
+drawn weights) and concentration (mean sum of alpha at the first span).
 
 This file is a script with its own loop, as cleanrl keeps one file per algorithm: grpo_step below is GRPO on
 the agent's span decisions, and main runs it in support/run.py's loop (run_steps: the plumbing, checkpoints,
@@ -368,7 +370,7 @@ def grpo_step(step, run, args, score_batch):
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
         batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
     optimizer.zero_grad(set_to_none=True)                                               # ---- loss and step
-    losses, stats, W, sources = [], [], [], []
+    losses, stats, W, M, sources = [], [], [], [], []
     for b in batches:
         logp, alpha = ens.span_logprobs(b["traj"])                                     # (N, J)
         mask = b["traj"]["span_mask"]
@@ -376,7 +378,8 @@ def grpo_step(step, run, args, score_batch):
                                  args.loss_aggregation)
         (loss / args.grad_accum).backward()
         losses.append(loss.item()), stats.append(m)
-        W.append(b["traj"]["w"][mask])                                                  # (spans, K)
+        W.append(b["traj"]["w"][mask])                                                  # (spans, K) drawn
+        M.append((alpha / alpha.sum(-1, keepdim=True)).detach()[mask])                  # (spans, K) their means
         rows = [item_source(it, args.task) for it in b["items"] for _ in range(G)]      # (N,) one per row
         sources += [rows[n] for n in mask.nonzero()[:, 0].tolist()]                     # one per span of W
     grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
@@ -385,7 +388,7 @@ def grpo_step(step, run, args, score_batch):
         optimizer.step()
     r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
     same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-    W = torch.cat(W)
+    W, M = torch.cat(W), torch.cat(M)
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
            **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
@@ -397,8 +400,9 @@ def grpo_step(step, run, args, score_batch):
            "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
            # the weights as the routing distribution of Eq. 15: one row per span decision
            "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": ens.names,
-           "utilization_by_source": {s: W[torch.tensor([x == s for x in sources])].mean(0).tolist()
-                                     for s in sorted(set(sources))},
+           "agent_weights": M.mean(0).tolist(),
+           "agent_weights_by_source": {s: M[torch.tensor([x == s for x in sources])].mean(0).tolist()
+                                       for s in sorted(set(sources))},
            "concentration": torch.cat([ens.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
                                        for b in batches]).mean().item(),
            "skipped_update": not finite}

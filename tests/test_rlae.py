@@ -200,8 +200,9 @@ def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
 
 def test_random_reward_pays_the_seeded_coins_and_never_scores(tmp_path):
     """--reward random (the control experiments/neighbours.py compares the weights with): each trajectory's reward
-    is train.py's coin for (seed, step, micro-batch), the task's scorer is never called; the per-type weights are
-    logged and, with one item type, equal the step's weights."""
+    is train.py's coin for (seed, step, micro-batch), the task's scorer is never called. The agent's mean weights
+    are logged: exactly uniform at step 1 (no update yet; the drawn ones are not), and per item type equal to the
+    step's with one type."""
     def no_scorer(items, texts):
         raise AssertionError("the random-reward control read the text")
     out = str(tmp_path / "coins")
@@ -213,6 +214,7 @@ def test_random_reward_pays_the_seeded_coins_and_never_scores(tmp_path):
     for step, m in enumerate(ms):
         coins = rewards.coin_rewards(3, step, 0, 0, 8)
         assert m["reward"] == pytest.approx(sum(coins) / 8) and m["solve_rate"] == pytest.approx(sum(coins) / 8)
-        assert list(m["utilization_by_source"]) == ["chain_sum"]
-        assert m["utilization_by_source"]["chain_sum"] == pytest.approx(m["utilization"])
+        assert list(m["agent_weights_by_source"]) == ["chain_sum"]
+        assert m["agent_weights_by_source"]["chain_sum"] == pytest.approx(m["agent_weights"])
+    assert ms[0]["agent_weights"] == pytest.approx([1 / 3] * 3, abs=1e-7) and ms[0]["utilization"] != ms[0]["agent_weights"]
     assert json.load(open(os.path.join(out, "config.json")))["reward"] == "random"
