@@ -348,7 +348,10 @@ def conductor_prompt(tok, question, n_workers, max_steps):
 
 
 def worker_message(question, subtask, earlier):
-    """What worker j reads: its subtask, the problem, and the earlier answers it was given access to."""
+    """What worker j reads: its subtask, the problem, and the earlier answers it was given access to. A subtask
+    of None (a control's plan: a worker alone) gives the problem as it is, as the task's prompt would."""
+    if subtask is None and not earlier:
+        return question
     msg = WORKER_MESSAGE.format(subtask=subtask, question=question)
     if earlier:
         msg += "\n\nEarlier answers:\n" + "\n".join(f"Step {k}: {a.strip()}" for k, a in earlier)
@@ -366,6 +369,7 @@ class Conductor(nn.Module):
         self.decoding, self.max_subtask_chars = decoding, max_subtask_chars    # --workflow-decoding
         self.cache = {}                                 # (worker, prompt) -> answer: greedy workers repeat themselves
         self.grammar_tok = (None, None)                 # (policy tokenizer, llguidance's view of it: ~1 s)
+        self.fixed_plan = None  # a parsed workflow run for every question in evaluation, the policy unread (a control)
 
     def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
         return {"C": None, "A": None, "hints": [None] * len(questions)}
@@ -433,7 +437,10 @@ class Conductor(nn.Module):
 
     @torch.no_grad()
     def answer(self, policy, tok, questions, args):
-        """Greedy workflow, greedy workers: the output text per question (evaluate.py)."""
+        """Greedy workflow, greedy workers: the output text per question (evaluate.py). With fixed_plan set
+        (experiments/neighbour_controls.py), that workflow for every question: the policy writes nothing."""
+        if self.fixed_plan is not None:
+            return self.run_workflows(questions, [self.fixed_plan] * len(questions))
         ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, len(self.workers), self.max_steps)
                                                  for q in questions], policy.device)
         eos_ids = rollout.eos_token_ids(policy, tok)

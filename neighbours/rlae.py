@@ -41,11 +41,19 @@ Deviations from the paper (numbered):
      task's prompt flags (system prompt, worked example, response prefix).
   4. A chosen token is re-tokenised piece by piece (the union token alone, not the whole text again), so a
      member may see "1", "2" where its own tokenizer would have written "12".
-  5. Reward: the task's scorer (rewards.score_batch), which is exact match for chain_sum.
+  5. Reward: the task's scorer (rewards.score_batch), which is exact match for chain_sum; or, with --reward
+     random, a fair coin per trajectory that never reads the text (rewards.coin_rewards, as train.py's control):
+     what the agent's weights do when the reward carries no information (experiments/neighbours.py compares).
 
 Cost: every generated token runs all K members once (K forwards of one token each, on their KV caches), and every
 L tokens the encoder reads the text so far; no member runs a backward pass. On the pocket team (K = 2: Gemma-3-270M
 with a 262k-token head, SmolLM2-135M) a token costs about as much as the two models' decoding steps together.
+
+Logged per step beside train.py's fields: utilization (each member's drawn weight w, averaged over every span
+decision of the step), agent_weights (the agent's mean weights alpha / sum(alpha), averaged over the same spans:
+the policy itself, without the Dirichlet's sampling noise; exactly 1/K before the first update),
+agent_weights_by_source (the same per item type: the reasoning-gym source dataset), entropy (mean entropy of the
+drawn weights) and concentration (mean sum of alpha at the first span).
 
 This file is a script with its own loop, as cleanrl keeps one file per algorithm: grpo_step below is GRPO on
 the agent's span decisions, and main runs it in support/run.py's loop (run_steps: the plumbing, checkpoints,
@@ -353,12 +361,16 @@ def grpo_step(step, run, args, score_batch):
                                                               len(run["train_items"]), args.seed)]
         questions = [it["question"] for it in items]
         texts, traj = ens.decode(questions, G, args.temperature)                       # ---- rollout
-        r, counts = score_batch([it for it in items for _ in range(G)], texts)          # ---- reward
+        if args.reward == "random":                                                     # ---- reward
+            r = rewards.coin_rewards(args.seed, step, micro, 0, len(texts))     # the control: text never read
+            counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}
+        else:
+            r, counts = score_batch([it for it in items for _ in range(G)], texts)
         r = torch.tensor(r, dtype=torch.float32, device=device)
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
         batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
     optimizer.zero_grad(set_to_none=True)                                               # ---- loss and step
-    losses, stats, W = [], [], []
+    losses, stats, W, M, sources = [], [], [], [], []
     for b in batches:
         logp, alpha = ens.span_logprobs(b["traj"])                                     # (N, J)
         mask = b["traj"]["span_mask"]
@@ -366,14 +378,17 @@ def grpo_step(step, run, args, score_batch):
                                  args.loss_aggregation)
         (loss / args.grad_accum).backward()
         losses.append(loss.item()), stats.append(m)
-        W.append(b["traj"]["w"][mask])                                                  # (spans, K)
+        W.append(b["traj"]["w"][mask])                                                  # (spans, K) drawn
+        M.append((alpha / alpha.sum(-1, keepdim=True)).detach()[mask])                  # (spans, K) their means
+        rows = [item_source(it, args.task) for it in b["items"] for _ in range(G)]      # (N,) one per row
+        sources += [rows[n] for n in mask.nonzero()[:, 0].tolist()]                     # one per span of W
     grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
     finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
     if finite:
         optimizer.step()
     r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
     same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-    W = torch.cat(W)
+    W, M = torch.cat(W), torch.cat(M)
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
            **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
@@ -385,6 +400,9 @@ def grpo_step(step, run, args, score_batch):
            "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
            # the weights as the routing distribution of Eq. 15: one row per span decision
            "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": ens.names,
+           "agent_weights": M.mean(0).tolist(),
+           "agent_weights_by_source": {s: M[torch.tensor([x == s for x in sources])].mean(0).tolist()
+                                       for s in sorted(set(sources))},
            "concentration": torch.cat([ens.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
                                        for b in batches]).mean().item(),
            "skipped_update": not finite}
@@ -392,13 +410,18 @@ def grpo_step(step, run, args, score_batch):
     return rec, batches
 
 
+def item_source(item, task):
+    """The item's type: its reasoning-gym source dataset (a composite task mixes several), else the task."""
+    return item.get("metadata", {}).get("source_dataset", task)
+
+
 def parse_args(argv=None):
-    """train.py's flags (support/config.py), --method rlae, and RLAE's own."""
+    """train.py's flags (support/config.py), --method rlae, and RLAE's own; --reward random is the control."""
     p = build_parser(methods=["rlae"], description=__doc__.strip().splitlines()[0])
     p.add_argument("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions "
                    "(paper: L = 8)")
     args = parse(p, argv)
-    return refuse_train_levers(p, args)
+    return refuse_train_levers(p, args, rewards=("task", "random"))
 
 
 def main(argv=None, score_batch=None):

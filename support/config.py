@@ -247,14 +247,15 @@ def check_args(p, args):
     return args
 
 
-def refuse_train_levers(p, args):
-    """A neighbour script's own step has mu = 1, the task's reward and a float32 rollout: a lever of
-    train.py's step given to it fails loudly instead of doing nothing."""
-    own_step = (args.inner_epochs == 1 and args.reward == "task" and not (
+def refuse_train_levers(p, args, rewards=("task",)):
+    """A neighbour script's own step has mu = 1, a float32 rollout and one of `rewards` (the --reward
+    values its step implements): a lever of train.py's step given to it fails loudly instead of doing
+    nothing."""
+    own_step = (args.inner_epochs == 1 and args.reward in rewards and not (
         args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
     if not own_step:
-        p.error(f"--method {args.method} runs its own step (mu = 1, the task's reward, a float32 "
-                "rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
+        p.error(f"--method {args.method} runs its own step (mu = 1, --reward {' or '.join(rewards)}, a "
+                "float32 rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
                 "--rollout-dtype / --tis-cap")
     return args
 

@@ -200,8 +200,8 @@ def summarize(folders, out):
 def plot_runs(folders, out):
     """Every figure for a folder of runs, read once: fig4_<task>_<team>.png (routing of `ours`), fig5.png (with
     vs without C), reward_<task>.png (training reward of every method), probes_<task>_<team>.png (what C
-    does over training), conductor_<task>_<team>.png (parse rate), fig6.png (score vs m). Returns the paths
-    written."""
+    does over training), conductor_<task>_<team>.png (parse rate), rlae_weights_<task>_<team>.png (the agent's
+    weights, task reward against coins), fig6.png (score vs m). Returns the paths written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -212,7 +212,7 @@ def plot_runs(folders, out):
     os.makedirs(out, exist_ok=True)
     runs = load_runs(folders)
     written = []
-    for draw in (fig4, fig5, reward_curves, probe_curves, conductor_curves, fig6):
+    for draw in (fig4, fig5, reward_curves, probe_curves, conductor_curves, rlae_weight_curves, fig6):
         for name, fig in draw(runs, plt):
             path = os.path.join(out, name)
             fig.tight_layout(), fig.savefig(path, dpi=110), plt.close(fig)
@@ -228,11 +228,11 @@ def by_key(runs, key, keep=lambda run: True):
     return sorted(groups.items())
 
 
-def band(ax, x, Y, label=None, color=None, spread="std"):
+def band(ax, x, Y, label=None, color=None, spread="std", style="-"):
     """Mean over seeds (rows of Y) and a band: +- std, or min-max."""
     mu = Y.mean(0)
     lo, hi = (mu - Y.std(0), mu + Y.std(0)) if spread == "std" else (Y.min(0), Y.max(0))
-    ax.plot(x, mu, label=label, color=color)
+    ax.plot(x, mu, style, label=label, color=color)
     ax.fill_between(x, lo, hi, alpha=0.15, color=color)
 
 
@@ -362,6 +362,29 @@ def conductor_curves(runs, plt):
             ax.set_title(title, fontsize=9), ax.set_xlabel("step"), ax.legend(fontsize=7)
         axes[0].set_ylim(-0.05, 1.05)
         yield f"conductor_{task}_{team}.png", fig
+
+
+def rlae_weight_curves(runs, plt):
+    """RLAE's agent over steps: each member's mean weight alpha / sum(alpha) (logged as agent_weights; mean and
+    band over seeds), trained on the task's reward (solid) and on coins (--reward random, dashed). An agent that
+    learns moves its weights away from uniform (dotted), and not the way coins move them."""
+    for (task, team), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"]),
+                                      lambda r: r["cfg"]["method"] == "rlae" and r["finished"]
+                                      and any("agent_weights" in m for m in r["metrics"])):
+        names = next(m["utilization_names"] for r in group for m in r["metrics"] if "utilization_names" in m)
+        fig, ax = plt.subplots(figsize=(7, 4))
+        for reward, style, what in (("task", "-", "task reward"), ("random", "--", "coins")):
+            seeds = [r for r in group if r["cfg"].get("reward", "task") == reward]
+            if seeds:
+                T = min(len(r["metrics"]) for r in seeds)
+                W = series(seeds, "agent_weights", T)                              # (seeds, T, K)
+                for k, (name, color) in enumerate(zip(names, plt.cm.tab10.colors)):
+                    band(ax, np.arange(1, T + 1), W[:, :, k], f"{name}, {what} ({len(seeds)})", color, style=style)
+        ax.axhline(1 / len(names), color="grey", ls=":", lw=1)
+        ax.set_xlabel("step"), ax.set_ylabel("agent's mean weight")
+        ax.set_title(f"RLAE on {task} ({team} team): the agent's weights, task reward against coins", fontsize=9)
+        ax.legend(fontsize=7)
+        yield f"rlae_weights_{task}_{team}.png", fig
 
 
 def fig6(runs, plt):

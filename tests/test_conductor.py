@@ -7,6 +7,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import rewards
 from neighbours import conductor as C
 from neighbours.conductor import parse_workflow
 
@@ -114,15 +115,38 @@ def test_workers_see_only_what_access_list_gives(tiny_policy):
     assert "Step 0: answer of 0" in q1 and "Earlier answers" not in q2
 
 
-@pytest.mark.parametrize("method", ["conductor", "rlae"])
-@pytest.mark.parametrize("flags", [["--inner-epochs", "2"], ["--reward", "random"], ["--format-bonus", "0.1"],
-                                   ["--dynamic-sampling", "2"], ["--rollout-dtype", "bfloat16"]])
+LEVERS = [["--inner-epochs", "2"], ["--reward", "random"], ["--format-bonus", "0.1"], ["--dynamic-sampling", "2"],
+          ["--rollout-dtype", "bfloat16"]]
+
+
+@pytest.mark.parametrize("method,flags", [(m, f) for m in ("conductor", "rlae") for f in LEVERS
+                                          if (m, f[0]) != ("rlae", "--reward")])  # rlae's step has the coin
 def test_options_their_own_step_does_not_have_fail_loudly(method, flags, capsys):
     from neighbours import rlae
     parse_args = {"conductor": C.parse_args, "rlae": rlae.parse_args}[method]
     with pytest.raises(SystemExit) as e:
         parse_args(flags)
     assert e.value.code == 2 and capsys.readouterr().err.startswith(f"error: --method {method} runs its own step")
+
+
+def test_a_fixed_plan_runs_for_every_question_without_the_policy(tiny_policy):
+    """experiments/neighbour_controls.py's controls: with fixed_plan set, answer() runs that workflow for every
+    question and never reads the policy (None here); a worker alone (subtask None) reads the question exactly as
+    its own prompt would give it, so its answer is its plain greedy answer."""
+    model, tok = tiny_policy
+    cond = C.Conductor([(model, tok), (model, tok)], ["w0", "w1"], 2, 4, ("simple", False, ""))
+    questions = ["What is 2 + 3?", "What is 10 + 1?"]
+    example = parse_workflow(C.EXAMPLE_WORKFLOW, 2, 2)
+    cond.fixed_plan = example
+    assert cond.answer(None, None, questions, None) == cond.run_workflows(questions, [example] * 2)
+    cond.fixed_plan = ([1], [None], [[]])
+    alone = cond.answer(None, None, questions, None)
+    tok.padding_side = "left"
+    prompts = [rewards.build_prompt(tok, q, "simple", False, "") for q in questions]
+    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
+    out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
+    assert alone == tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert C.worker_message("Q?", None, []) == "Q?" and "Q?" in C.worker_message("Q?", "Solve.", [])
 
 
 def test_beta_defaults_to_zero_for_the_conductor_only():

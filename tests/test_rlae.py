@@ -197,3 +197,25 @@ def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
     assert set(state["method"]) == {k for k, _ in state["method"].items() if k.startswith("agent.")}
     res = evaluate(cfg, 2, 2, state["lora"], state["method"], build=rlae.rlae)
     assert res["n"] == 2 and res["method"] == "rlae"
+
+
+def test_random_reward_pays_the_seeded_coins_and_never_scores(tmp_path):
+    """--reward random (the control experiments/neighbours.py compares the weights with): each trajectory's reward
+    is train.py's coin for (seed, step, micro-batch), the task's scorer is never called. The agent's mean weights
+    are logged: exactly uniform at step 1 (no update yet; the drawn ones are not), and per item type equal to the
+    step's with one type."""
+    def no_scorer(items, texts):
+        raise AssertionError("the random-reward control read the text")
+    out = str(tmp_path / "coins")
+    rlae.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16", "--system-prompt",
+               "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "4",
+               "--max-new-tokens", "4", "--ensemble-span", "2", "--seed", "3", "--reward", "random", "--out", out],
+              score_batch=no_scorer)
+    ms = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    for step, m in enumerate(ms):
+        coins = rewards.coin_rewards(3, step, 0, 0, 8)
+        assert m["reward"] == pytest.approx(sum(coins) / 8) and m["solve_rate"] == pytest.approx(sum(coins) / 8)
+        assert list(m["agent_weights_by_source"]) == ["chain_sum"]
+        assert m["agent_weights_by_source"]["chain_sum"] == pytest.approx(m["agent_weights"])
+    assert ms[0]["agent_weights"] == pytest.approx([1 / 3] * 3, abs=1e-7) and ms[0]["utilization"] != ms[0]["agent_weights"]
+    assert json.load(open(os.path.join(out, "config.json")))["reward"] == "random"
