@@ -61,7 +61,9 @@ def run(cmd, log):
     t0 = time.time()
     with open(log, "a") as f:
         subprocess.run([sys.executable, *cmd], cwd=ROOT, stdout=f, stderr=subprocess.STDOUT, check=True)
-    print(f"  done in {time.time() - t0:.0f} s", flush=True)
+    seconds = time.time() - t0
+    print(f"  done in {seconds:.0f} s", flush=True)
+    return seconds
 
 
 def archive(run_dir, into):
@@ -70,7 +72,7 @@ def archive(run_dir, into):
     dest = os.path.join(into, os.path.basename(run_dir))
     os.makedirs(dest, exist_ok=True)
     for name in sorted(os.listdir(run_dir)):
-        if name in ("config.json", "metrics.jsonl") or name.startswith("eval"):
+        if name in ("config.json", "metrics.jsonl", "timing.json") or name.startswith("eval"):
             shutil.copy2(os.path.join(run_dir, name), dest)
 
 

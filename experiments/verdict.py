@@ -99,6 +99,31 @@ def load(runs_dir):
     return out
 
 
+def read_timing(run_dir):
+    """A run's wall times so far ({"train_seconds", "eval_seconds", ...}), {} before its first process."""
+    path = os.path.join(run_dir, "timing.json")
+    return json.load(open(path)) if os.path.exists(path) else {}
+
+
+def costs(runs_dir):
+    """Markdown: every archived run's training and evaluation wall time, and the total in core-hours (one
+    thread per run)."""
+    L = ["| run | train s | eval s | load average after (1, 5, 15 min) | note |", "|---|---|---|---|---|"]
+    total, untimed = 0.0, []
+    for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
+        t = read_timing(os.path.join(runs_dir, name))
+        if not t:
+            untimed.append(name)
+            continue
+        total += t.get("train_seconds", 0) + t.get("eval_seconds", 0)
+        load = ", ".join(f"{x:.1f}" for x in t["load_average_after"]) if "load_average_after" in t else "–"
+        L.append(f"| {name} | {t.get('train_seconds', 0):.0f} | {t.get('eval_seconds', 0):.0f} | {load} | "
+                 f"{t.get('note', '')} |")
+    L += ["", f"Total: {total / 3600:.2f} core-hours over {len(L) - 2} timed runs"
+          + (f"; without timing: {', '.join(untimed)}" if untimed else "") + "."]
+    return "\n".join(L) + "\n"
+
+
 def strong_utilisation(rec):
     """Mean utilisation of the strong expert (the last expert of the run's team) over the last 3 steps."""
     steps = [m["utilization"] for m in rec["metrics"] if m.get("utilization")][-3:]
@@ -203,11 +228,17 @@ def main():
                 has_context = arm != "single"
                 if os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
                     continue
+                timing = read_timing(out)
                 if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
                     resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
-                    run(["train.py", *task, *PROMPT, *HYPER, *table[arm], "--seed", str(seed), "--out", out,
+                    timing["train_seconds"] = timing.get("train_seconds", 0) + run(
+                        ["train.py", *task, *PROMPT, *HYPER, *table[arm], "--seed", str(seed), "--out", out,
                          "--expert-cache", os.path.join(a.out, "expert-states"), *resume], log)
-                run(["evaluate.py", "--run", out, "--n", str(a.n_eval), *(["--paired"] if has_context else [])], log)
+                timing["eval_seconds"] = run(["evaluate.py", "--run", out, "--n", str(a.n_eval),
+                                              *(["--paired"] if has_context else [])], log)
+                timing["load_average_after"] = os.getloadavg()  # how busy the machine was (1, 5, 15 min)
+                with open(os.path.join(out, "timing.json"), "w") as f:
+                    json.dump(timing, f)
                 archive(out, os.path.join(RESULTS, "runs"))
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
         with open(os.path.join(RESULTS, "provenance.txt"), "a") as f:
@@ -218,6 +249,10 @@ def main():
     md = markdown(rows, verdict, runs)
     with open(os.path.join(RESULTS, "table.md"), "w") as f:
         f.write(md)
+    with open(os.path.join(RESULTS, "costs.md"), "w") as f:
+        f.write("# The verdict's runs: wall time (experiments/verdict.py --analyse)\n\n"
+                "One thread per run, pinned to one core; what else ran on the machine is in README.md's log.\n\n"
+                + costs(os.path.join(RESULTS, "runs")))
     print(md)
 
 

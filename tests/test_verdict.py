@@ -7,7 +7,7 @@ import sys
 import numpy as np
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
-from verdict import FAMILY, analyse, markdown  # noqa: E402
+from verdict import FAMILY, analyse, costs, markdown  # noqa: E402
 
 from support.stats import holm, sign_flip_p  # noqa: E402
 
@@ -68,3 +68,15 @@ def test_a_partial_table_prints_dashes_not_nan():
     md = markdown(rows, verdict, runs)
     assert "nan" not in md and verdict.startswith("incomplete")
     assert "| H1a | family | 1 | +15.0 | 1 / 0 | – (needs 2 seeds) | – |" in md
+
+
+def test_costs_sum_every_timed_run_and_name_the_untimed(tmp_path):
+    import json
+    for name, t in [("single-s0", {"train_seconds": 1800, "eval_seconds": 600, "load_average_after": [1, 2, 3]}),
+                    ("ours-s0", {"train_seconds": 3600, "eval_seconds": 1200, "note": "resumed"}), ("random-s0", None)]:
+        (tmp_path / name).mkdir()
+        if t:
+            (tmp_path / name / "timing.json").write_text(json.dumps(t))
+    md = costs(str(tmp_path))
+    assert "| single-s0 | 1800 | 600 | 1.0, 2.0, 3.0 |  |" in md and "| ours-s0 | 3600 | 1200 | – | resumed |" in md
+    assert "Total: 2.00 core-hours over 2 timed runs; without timing: random-s0." in md
