@@ -10,8 +10,8 @@ Every flag but --n, --runs and --eval-batch-size is the neighbour's own (neighbo
 train.py's flags and theirs), so a control reads the same prompt, workers or members and token budget as the
 trained run it is paired with. The controls of a method (CONTROLS), all greedy:
 
-  conductor_example        the worked example's workflow (conductor.EXAMPLE_WORKFLOW: worker 0 "Add the
-                           numbers.", then worker 1 "Check the sum and answer." reading step 0) run by the same
+  conductor_example        the worked example's workflow (conductor.EXAMPLE_WORKFLOW: worker 0 "Solve the
+                           problem.", then worker 1 "Check the answer and give it." reading step 0) run by the same
                            workers for every item: the structure an untrained conductor copies (at pocket scale the
                            greedy untrained conductor wrote exactly this workflow for 83 of 100 items)
   conductor_alone_NAME     each worker alone: a one-step workflow whose worker reads the question itself (no

@@ -10,7 +10,7 @@ Conductor (Nielsen et al., 2025): a language model trained with GRPO coordinates
 writing, for each question, a workflow of three equal-length lists:
 
     model_id    = [0, 1]                                   which worker runs step j ("Model 0" .. "Model k-1")
-    subtasks    = ["Add the numbers.", "Check and answer."] the instruction worker model_id[j] receives
+    subtasks    = ["Solve the problem.", "Check and answer."] the instruction worker model_id[j] receives
     access_list = [[], [0]]                                which earlier answers step j may read: step
                                                            indices < j, "all" (every earlier answer) or []
 
@@ -102,7 +102,9 @@ CONDUCTOR_SYSTEM = (
     "access_list: the earlier answers each step may read: a list of earlier step numbers, \"all\" or [].\n"
     "The answer of the last step is the final answer.")
 EXAMPLE_PROBLEM = "What is 3 + 4?"  # the worked example: one earlier turn of the conversation, then the question
-EXAMPLE_WORKFLOW = ('model_id = [0, 1]\nsubtasks = ["Add the numbers.", "Check the sum and answer."]\n'
+# its subtasks name no operation: a conductor that copies them, and the untrained control that runs them, ask the
+# workers to solve and check whatever the task is (an earlier "Add the numbers." asked them to add on lcm)
+EXAMPLE_WORKFLOW = ('model_id = [0, 1]\nsubtasks = ["Solve the problem.", "Check the answer and give it."]\n'
                     'access_list = [[], [0]]')
 WORKER_MESSAGE = "{subtask}\n\nProblem: {question}"
 MAX_TEXT = 4000      # characters of workflow text the parser reads at most
