@@ -12,6 +12,7 @@ tests/test_adapter.py checks it token for token.
 
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
+  prefill_shared       (evaluation) the rows' common beginning run once, their own tails at batch B
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
                        under a mask of allowed tokens: constrained decoding)
   decode               its token-by-token loop, from a prefill
@@ -146,6 +147,45 @@ def prefill(policy, prompt_ids, prompt_mask, C, G, position):
     cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
     return (cache, out.logits[:, -1].repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
             pos[:, -1:].repeat_interleave(G, 0))
+
+
+def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_shared=16):
+    """`prefill` with G = 1 for a batch whose rows begin alike: the leading input vectors that
+    every row shares (the system prompt and worked example, and C where it is the same for every
+    row) run once, at batch 1, and only each row's own tail runs at batch B. Automatic prefix
+    caching, as inference servers do it. Returns what `prefill` returns.
+
+    Each row's real inputs (padding dropped) are [s_1..s_P, t_1..t_L]: s the shared part, P at
+    most the shortest row's length - `keep`, so that every row keeps its last `keep` inputs in its
+    tail (evaluate.greedy_and_gold crops that many columns). The new layout per row is
+    [s_1..s_P, pad.., t_1..t_L]: the padding moves from the front of the row to the middle. The
+    mask hides it and positions count only real inputs, so every real input sees the same
+    inputs at the same positions as in `prefill`'s layout: the same function, another order of
+    sums (the prefix's matmuls run with 1 row instead of B). Where fewer than `min_shared`
+    inputs are shared (C differs per row and sits in front), it is `prefill` itself."""
+    embed = policy.get_input_embeddings()
+    x, mask, _ = policy_inputs(embed, prompt_ids, prompt_mask, C, position)  # (B, P', D)
+    rows = [x[b][mask[b]] for b in range(x.shape[0])]               # each row's real inputs
+    P = min(len(r) for r in rows) - keep
+    for r in rows[1:]:
+        P = min(P, int((r[:P] == rows[0][:P]).all(-1).long().cumprod(0).sum()))  # first mismatch
+    if len(rows) < 2 or P < min_shared:
+        return prefill(policy, prompt_ids, prompt_mask, C, 1, position)
+    out = policy(inputs_embeds=rows[0][None, :P], position_ids=torch.arange(P, device=x.device)[None],
+                 use_cache=True, logits_to_keep=1)
+    cache = cache_of(out)
+    cache.batch_repeat_interleave(len(rows))                              # (1, ...) -> (B, ...)
+    T = max(len(r) for r in rows) - P                                     # the longest tail
+    tails = x.new_zeros(len(rows), T, x.shape[-1])                        # (B, T, D), left-padded
+    tail_mask = torch.zeros(len(rows), T, dtype=torch.bool, device=mask.device)
+    for b, r in enumerate(rows):
+        tails[b, T - (len(r) - P):] = r[P:]
+        tail_mask[b, T - (len(r) - P):] = True
+    full = torch.cat([torch.ones_like(tail_mask[:, :1]).expand(-1, P), tail_mask], 1)  # (B, P+T)
+    pos = position_ids(full)
+    out = policy(inputs_embeds=tails, attention_mask=full, position_ids=pos[:, P:],
+                 use_cache=True, logits_to_keep=1, **cache_kwargs(policy, cache))
+    return cache_of(out), out.logits[:, -1], full, pos[:, -1:]
 
 
 # --------------------------------------------------------------------------------------------------

@@ -69,6 +69,7 @@ def arms(strong, depth):
     }
 
 
+SEEDS = tuple(range(8))  # pre-registered: every arm runs seeds 0-7; fewer and the verdict is incomplete
 # The pre-registered family: (name, arm, comparator, endpoint). Endpoints, per seed (the same 100 items):
 #   score    mean score of `arm` minus that of `comparator` (greedy, the task's scorer, with C as trained)
 #   shuffle  mean over items of `arm`'s with-C score minus its shuffled-C score (comparator unused)
@@ -165,12 +166,14 @@ def analyse(runs):
                          "sd": mean_std(vals)[1] if vals else float("nan"),
                          "better": sum(v > 0 for v in vals), "worse": sum(v < 0 for v in vals), "p": p})
     family = [r for r in rows if r["kind"] == "family"]
-    complete = all(np.isfinite(r["p"]) for r in family)
+    # the pre-registration: a verdict needs every seed of every arm the family reads; short of that it is
+    # "incomplete", never negative (with 7 seeds a real effect could still miss Holm's bar by its 8th)
+    complete = all(set(SEEDS) <= set(r["seeds"]) for r in family)
     for r, p_adj in zip(family, holm([r["p"] if np.isfinite(r["p"]) else 1.0 for r in family])):
         r["p_holm"] = p_adj
     significant = {r["name"]: r["p_holm"] < 0.05 for r in family}
     shapes = any(all(significant[h + suffix] for h in ("H1a", "H1b", "H2", "H3")) for suffix in ("", "-cf"))
-    verdict = ("incomplete: not every family test has two or more seeds" if not complete else
+    verdict = (f"incomplete: not every family test has its {len(SEEDS)} pre-registered seeds" if not complete else
                "RL shapes collaboration here (every endpoint of one variant Holm p < 0.05)" if shapes else
                "not shown: no variant of ours passes all four endpoints at Holm p < 0.05")
     return rows, verdict
@@ -200,13 +203,37 @@ def markdown(rows, verdict, runs):
     return "\n".join(L) + "\n"
 
 
+def plot(runs, path):
+    """Each arm's validation score (with C as trained) per seed, one line per seed across the arms, so that
+    a pairing shows: the family's comparisons are within a seed. Returns the path, or None (no matplotlib)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    order = [a for a in arms("", 1.0) if a in runs]
+    fig, ax = plt.subplots(figsize=(8, 3.6))
+    for seed in sorted({s for v in runs.values() for s in v}):
+        x = [i for i, a in enumerate(order) if seed in runs[a]]
+        ax.plot(x, [100 * runs[order[i]][seed]["eval"]["score"] for i in x], "o-", alpha=0.6, label=f"seed {seed}")
+    ax.set_xticks(range(len(order)), order, rotation=20)
+    ax.set_ylabel("validation score (%)")
+    ax.set_title("The verdict's runs: 100 items per seed, the same items for every arm of a seed")
+    ax.legend(fontsize=7, ncol=2)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--task", help="the testbed the screen chose (results/screen/table.md)")
     p.add_argument("--task-config", default=None, help="its reasoning-gym config, JSON")
     p.add_argument("--expert-depth", type=float, default=1.0, help="the experts' depth (amendment 1: 1.0)")
     p.add_argument("--strong-expert", default="pocket:qwen2.5-coder-1.5b-instruct", help="the screen's best expert")
-    p.add_argument("--seeds", nargs="+", type=int, default=list(range(8)), help="pre-registered: 0-7")
+    p.add_argument("--seeds", nargs="+", type=int, default=list(SEEDS), help="pre-registered: 0-7")
     p.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all)")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run (pre-registered: 100)")
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "verdict"), help="folder for the runs")
@@ -253,6 +280,7 @@ def main():
         f.write("# The verdict's runs: wall time (experiments/verdict.py --analyse)\n\n"
                 "One thread per run, pinned to one core; what else ran on the machine is in README.md's log.\n\n"
                 + costs(os.path.join(RESULTS, "runs")))
+    plot(runs, os.path.join(RESULTS, "scores.png"))
     print(md)
 
 

@@ -227,6 +227,52 @@ def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, wi
     assert gold == pytest.approx(want_gold, abs=1e-4) and min(want_gold) < -1  # not all ~0
 
 
+@pytest.mark.parametrize("position, C_kind", [("before", None), ("before", "same"), ("after", "same"),
+                                              ("after", "own"), ("before", "own")])
+def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt(position, C_kind):
+    """rollout.prefill_shared runs the items' common beginning (here a long system prompt) once: the
+    greedy answers equal the whole-prompt prefill's token for token and the gold log-probs to float
+    rounding, with no C, a C the same for every item (in front or behind), a C of each item's own behind
+    the prompt (the prompt's beginning is still shared), and two identical items. With each item's own C
+    in front nothing is shared and it is the whole-prompt prefill, bit for bit."""
+    from types import SimpleNamespace
+    from evaluate import greedy_and_gold
+    from support.tiny_models import load as tiny_model
+    from lora import apply_lora
+    from rollout import encode_prompts, prefill, prefill_shared
+    tok = merging_tokenizer()
+    policy, _ = tiny_model("llama")
+    policy.resize_token_embeddings(len(tok))
+    apply_lora(policy, 4, 8)
+    torch.manual_seed(2)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    policy.eval()
+    args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=8)
+    system = "Answer with a number. Example: What is 3 + 4? <answer>7</answer> Now the question."
+    questions = QUESTIONS + [QUESTIONS[0]]
+    prompts = [tok.apply_chat_template([{"role": "system", "content": system}, {"role": "user", "content": q}],
+                                       tokenize=False, add_generation_prompt=True) + "<think>" for q in questions]
+    golds, eos = ["42", "7", "101", "42"], [tok.eos_token_id]
+    ids, mask = encode_prompts(tok, prompts, "cpu")
+    torch.manual_seed(3)
+    C = {None: None, "same": torch.randn(1, 4, 64).expand(4, 4, 64), "own": torch.randn(4, 4, 64)}[C_kind]
+    with torch.no_grad():
+        shared = prefill_shared(policy, ids, mask, C, position)
+        comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos, share_prefix=True)
+        want, want_gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos)
+    in_common = int(shared[2].all(0).long().cumprod(0).sum())  # leading columns real in every row
+    if C_kind == "own" and position == "before":  # nothing in common behind x_0: the whole-prompt prefill
+        assert torch.equal(shared[2], prefill(policy, ids, mask, C, 1, position)[2]) and in_common == 5
+        assert torch.equal(comp, want) and gold == want_gold
+        return
+    assert in_common > 16 and not mask[:, 0].all()  # the prompts differ in length: shared, padding moved
+    assert torch.equal(comp, want) and (comp != tok.pad_token_id).sum() > 8
+    assert gold == pytest.approx(want_gold, abs=1e-4) and min(want_gold) < -1
+
+
 def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
     """Regression: soft_prompt's "with C - shuffled C = 0.0" was reported as if it were a measurement; it is
     0 by construction, because its C is the same for every prompt."""

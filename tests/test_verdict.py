@@ -55,6 +55,17 @@ def test_a_missing_arm_makes_the_verdict_incomplete_not_negative():
     assert verdict.startswith("incomplete")
 
 
+def test_seven_of_eight_seeds_are_incomplete_not_negative():
+    """Regression: the verdict read "not shown" as soon as every family test had two seeds, where the
+    pre-registration says a missing seed of any arm leaves it incomplete, never negative."""
+    runs = runs_with(0.0)
+    del runs["ours_cf"][7]
+    _, verdict = analyse(runs)
+    assert verdict.startswith("incomplete")
+    _, verdict = analyse(runs_with(0.0, seeds=7))
+    assert verdict.startswith("incomplete")
+
+
 def test_six_seeds_could_never_pass_an_eight_test_holm_family():
     """The smallest one-sided exact p with n seeds is 2^-n; Holm's first step multiplies it by the family's 8."""
     assert min(holm([sign_flip_p([1.0] * 6, "greater")] * 8)) > 0.05      # 8 / 64 = 0.125
