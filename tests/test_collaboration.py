@@ -187,6 +187,23 @@ def merging_tokenizer():
     return tok
 
 
+def merging_policy(seed):
+    """The tiny llama policy on merging_tokenizer(), with LoRA whose B is random (not the zeros of init), in
+    eval mode: (tokenizer, policy)."""
+    from support.tiny_models import load as tiny_model
+    from lora import apply_lora
+    tok = merging_tokenizer()
+    policy, _ = tiny_model("llama")
+    policy.resize_token_embeddings(len(tok))
+    apply_lora(policy, 4, 8)
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for name, p in policy.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return tok, policy.eval()
+
+
 @pytest.mark.parametrize("position, with_C", [("before", True), ("before", False), ("after", True)])
 def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, with_C):
     """evaluate.greedy_and_gold shares the prefill between the greedy answer and the gold pass:
@@ -195,20 +212,9 @@ def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, wi
     again) and when C sits after the prompt (the gold pass then runs on its own)."""
     from types import SimpleNamespace
     from evaluate import answer_bridge, gold_logprobs, greedy_and_gold
-    from support.tiny_models import load as tiny_model
     from grpo import completion_mask
-    from lora import apply_lora
     from rollout import encode_prompts, sample
-    tok = merging_tokenizer()
-    policy, _ = tiny_model("llama")
-    policy.resize_token_embeddings(len(tok))
-    apply_lora(policy, 4, 8)
-    torch.manual_seed(1)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    policy.eval()
+    tok, policy = merging_policy(seed=1)
     args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=6)
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False,
                                        add_generation_prompt=True) + "<think>" for q in QUESTIONS]
@@ -237,19 +243,8 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
     in front nothing is shared and it is the whole-prompt prefill, bit for bit."""
     from types import SimpleNamespace
     from evaluate import greedy_and_gold
-    from support.tiny_models import load as tiny_model
-    from lora import apply_lora
     from rollout import encode_prompts, prefill, prefill_shared
-    tok = merging_tokenizer()
-    policy, _ = tiny_model("llama")
-    policy.resize_token_embeddings(len(tok))
-    apply_lora(policy, 4, 8)
-    torch.manual_seed(2)
-    with torch.no_grad():
-        for name, p in policy.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    policy.eval()
+    tok, policy = merging_policy(seed=2)
     args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=8)
     system = "Answer with a number. Example: What is 3 + 4? <answer>7</answer> Now the question."
     questions = QUESTIONS + [QUESTIONS[0]]
