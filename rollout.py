@@ -407,11 +407,13 @@ def mlps_recomputed(model):
     the README's first run peaked at 4.0 GB in the policy pass and backward, against >= 5.6 GB
     without (results/performance.md). It costs one more forward of the MLPs in the backward
     pass. Exact: non-reentrant checkpointing keeps the autograd graph as it is and only computes
-    its saved tensors again, with the same kernels on the same inputs."""
+    its saved tensors again, with the same kernels on the same inputs. train.py --keep-activations
+    (model.recompute_mlps = False) turns it off where memory is plentiful: ~10 % faster steps on
+    the pocket policy, the same metrics bit for bit (results/performance.md)."""
     from torch.utils.checkpoint import checkpoint
     mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
-    if not torch.is_grad_enabled():
-        mlps = []  # nothing is kept for a backward pass: nothing to save
+    if not torch.is_grad_enabled() or not getattr(model, "recompute_mlps", True):
+        mlps = []  # nothing is kept for a backward pass, or the caller keeps the activations
     for m in mlps:
         # an instance attribute, as in low_precision_linears
         m.forward = lambda x, f=m.forward: checkpoint(f, x, use_reentrant=False)

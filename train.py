@@ -402,6 +402,7 @@ def build_run(args, device, build=None):
         for p in policy.parameters():
             p.requires_grad_(False)
     policy.train()  # no dropout in these models; train() only marks intent
+    policy.recompute_mlps = not args.keep_activations  # read by rollout.mlps_recomputed
     optimizer = make_optimizer(policy, method, args)
     embed_rms = policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
     return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer,

@@ -50,6 +50,9 @@ ANCHOR, NORM = ["--context-anchor", "newline"], ["--state-norm", "standardize"]
 # pocket.py's levers without the bfloat16 rollout (amendment 1 of the pre-registration: on a CPU without bf16
 # instructions it is three times slower, and the screen's `single` ran with a float32 rollout)
 LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1"]
+# exact speed-ups (the same numbers bit for bit, results/performance.md), from 2026-11-25 10:40 UTC on: the MLPs'
+# activations kept for the backward pass (~10 % less training time, ~1.1 GB more memory a run)
+EXACT = ["--keep-activations"]
 
 
 def arms(strong, depth):
@@ -95,9 +98,17 @@ def load(runs_dir):
         if not os.path.exists(path):
             continue
         rec = {"eval": json.load(open(path)), "cfg": json.load(open(os.path.join(d, "config.json"))),
-               "metrics": [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))]}
+               "metrics": [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl"))],
+               "cpu": read_timing(d).get("cpu", "?")}
         out.setdefault(arm, {})[int(seed)] = rec
     return out
+
+
+def cpu_capability():
+    """The instruction set torch's CPU kernels use on this machine (AVX2, AVX512, ...). Float sums run in
+    another order on another one, so a seed's run is not the same run there: recorded with every run."""
+    import torch
+    return torch.backends.cpu.get_cpu_capability()
 
 
 def read_timing(run_dir):
@@ -109,7 +120,7 @@ def read_timing(run_dir):
 def costs(runs_dir):
     """Markdown: every archived run's training and evaluation wall time, and the total in core-hours (one
     thread per run)."""
-    L = ["| run | train s | eval s | load average after (1, 5, 15 min) | note |", "|---|---|---|---|---|"]
+    L = ["| run | train s | eval s | load average after (1, 5, 15 min) | CPU | note |", "|---|---|---|---|---|---|"]
     total, untimed = 0.0, []
     for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
         t = read_timing(os.path.join(runs_dir, name))
@@ -119,7 +130,7 @@ def costs(runs_dir):
         total += t.get("train_seconds", 0) + t.get("eval_seconds", 0)
         load = ", ".join(f"{x:.1f}" for x in t["load_average_after"]) if "load_average_after" in t else "–"
         L.append(f"| {name} | {t.get('train_seconds', 0):.0f} | {t.get('eval_seconds', 0):.0f} | {load} | "
-                 f"{t.get('note', '')} |")
+                 f"{t.get('cpu', '–')} | {t.get('note', '')} |")
     L += ["", f"Total: {total / 3600:.2f} core-hours over {len(L) - 2} timed runs"
           + (f"; without timing: {', '.join(untimed)}" if untimed else "") + "."]
     return "\n".join(L) + "\n"
@@ -197,9 +208,15 @@ def markdown(rows, verdict, runs):
     L += ["", "| arm | " + " | ".join(f"s{s}" for s in sorted({s for v in runs.values() for s in v})) + " |"]
     seeds = sorted({s for v in runs.values() for s in v})
     L.append("|---|" + "---|" * len(seeds))
+    cpus = sorted({r.get("cpu", "?") for v in runs.values() for r in v.values()})
+
+    def cell(rec):  # the score, and where runs ran on more than one instruction set, which one
+        score = f"{100 * rec['eval']['score']:.1f}"
+        return score if len(cpus) < 2 else f"{score} ({rec.get('cpu', '?')})"
     for arm in sorted(runs):
-        L.append(f"| {arm} | " + " | ".join(f"{100 * runs[arm][s]['eval']['score']:.1f}" if s in runs[arm] else "–"
-                                          for s in seeds) + " |")
+        L.append(f"| {arm} | " + " | ".join(cell(runs[arm][s]) if s in runs[arm] else "–" for s in seeds) + " |")
+    if len(cpus) > 1:  # a seed's run is another run on another instruction set (cpu_capability)
+        L += ["", f"In brackets: the CPU instruction set each run ran on ({', '.join(cpus)}; from timing.json)."]
     return "\n".join(L) + "\n"
 
 
@@ -259,11 +276,12 @@ def main():
                 if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
                     resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
                     timing["train_seconds"] = timing.get("train_seconds", 0) + run(
-                        ["train.py", *task, *PROMPT, *HYPER, *table[arm], "--seed", str(seed), "--out", out,
+                        ["train.py", *task, *PROMPT, *HYPER, *table[arm], *EXACT, "--seed", str(seed), "--out", out,
                          "--expert-cache", os.path.join(a.out, "expert-states"), *resume], log)
                 timing["eval_seconds"] = run(["evaluate.py", "--run", out, "--n", str(a.n_eval),
                                               *(["--paired"] if has_context else [])], log)
                 timing["load_average_after"] = os.getloadavg()  # how busy the machine was (1, 5, 15 min)
+                timing["cpu"] = cpu_capability()
                 with open(os.path.join(out, "timing.json"), "w") as f:
                     json.dump(timing, f)
                 archive(out, os.path.join(RESULTS, "runs"))

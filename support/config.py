@@ -162,6 +162,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
       "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
       "(grpo.truncated_is_weights; 0: off)")
+    a("--keep-activations", action="store_true", help="keep the MLPs' activations for the backward pass "
+      "instead of computing them again there (rollout.mlps_recomputed): the same numbers, ~10 %% faster steps "
+      "and ~1.1 GB more peak memory on the pocket policy")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
       "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
     a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")

@@ -246,12 +246,11 @@ def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
         assert len(ids[1][mask[1]]) == len(tok.encode("What is 14 + 9?", add_special_tokens=False)) + (not chat)
 
 
-def test_recomputed_mlps_give_the_same_logprobs_and_gradients_bit_for_bit(lora_policy, monkeypatch):
+def test_recomputed_mlps_give_the_same_logprobs_and_gradients_bit_for_bit(lora_policy):
     """With gradient on, completion_logprobs keeps no MLP activations for the backward pass and runs the
     MLPs again there (rollout.mlps_recomputed, memory). The log-probs and every gradient are the very same
-    bits as with the activations kept; the MLPs really do run twice."""
-    import contextlib
-    import rollout
+    bits as with the activations kept (train.py --keep-activations sets model.recompute_mlps = False); the
+    MLPs really do run twice, and once with the activations kept."""
     model, tok = copy.deepcopy(lora_policy[0]), lora_policy[1]
     torch.manual_seed(4)
     for p in model.parameters():
@@ -271,7 +270,8 @@ def test_recomputed_mlps_give_the_same_logprobs_and_gradients_bit_for_bit(lora_p
 
     logp, grads = logp_and_grads()
     assert len(calls) == 4  # prefill and completions, then both again in the backward pass
-    monkeypatch.setattr(rollout, "mlps_recomputed", lambda model: contextlib.nullcontext())
+    model.recompute_mlps = False
     logp_kept, grads_kept = logp_and_grads()
+    assert len(calls) == 6  # prefill and completions only
     assert torch.equal(logp, logp_kept)
     assert all(torch.equal(a, b) for a, b in zip(grads, grads_kept))

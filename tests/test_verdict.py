@@ -83,11 +83,29 @@ def test_a_partial_table_prints_dashes_not_nan():
 
 def test_costs_sum_every_timed_run_and_name_the_untimed(tmp_path):
     import json
-    for name, t in [("single-s0", {"train_seconds": 1800, "eval_seconds": 600, "load_average_after": [1, 2, 3]}),
+    for name, t in [("single-s0", {"train_seconds": 1800, "eval_seconds": 600, "load_average_after": [1, 2, 3],
+                                   "cpu": "AVX512"}),
                     ("ours-s0", {"train_seconds": 3600, "eval_seconds": 1200, "note": "resumed"}), ("random-s0", None)]:
         (tmp_path / name).mkdir()
         if t:
             (tmp_path / name / "timing.json").write_text(json.dumps(t))
     md = costs(str(tmp_path))
-    assert "| single-s0 | 1800 | 600 | 1.0, 2.0, 3.0 |  |" in md and "| ours-s0 | 3600 | 1200 | – | resumed |" in md
+    assert "| single-s0 | 1800 | 600 | 1.0, 2.0, 3.0 | AVX512 |  |" in md
+    assert "| ours-s0 | 3600 | 1200 | – | – | resumed |" in md
     assert "Total: 2.00 core-hours over 2 timed runs; without timing: random-s0." in md
+
+
+def test_runs_on_two_instruction_sets_are_marked_in_the_table():
+    """A seed's run is another run on another CPU instruction set (float sums in another order): when the
+    archive mixes them, every score says where it ran; when it does not, the table stays plain."""
+    runs = runs_with(0.15, seeds=2)
+    for arm in runs:
+        for seed, rec in runs[arm].items():
+            rec["cpu"] = "AVX2" if seed == 0 else "AVX512"
+    md = markdown(*analyse(runs), runs)
+    assert "(AVX2)" in md and "(AVX512)" in md and "ran on (AVX2, AVX512" in md
+    for arm in runs:
+        for rec in runs[arm].values():
+            rec["cpu"] = "AVX2"
+    md = markdown(*analyse(runs), runs)
+    assert "(AVX2)" not in md
