@@ -190,6 +190,12 @@ def analyse(runs):
     return rows, verdict
 
 
+def one_cpu_seeds(runs):
+    """The seeds whose archived arms all ran on one CPU instruction set (amendment 2 of the pre-registration)."""
+    seeds = sorted({s for v in runs.values() for s in v})
+    return [s for s in seeds if len({runs[a][s].get("cpu", "?") for a in runs if s in runs[a]}) == 1]
+
+
 def markdown(rows, verdict, runs):
     L = ["# The collaboration verdict (experiments/verdict.py)", "", f"**Verdict: {verdict}.**", "",
          "Pre-registered in results/preregistration.md. Differences are in points (score, shuffle) or in "
@@ -205,6 +211,17 @@ def markdown(rows, verdict, runs):
         p = f"{r['p']:.3g}" if n > 1 else "– (needs 2 seeds)" if n else "–"
         holm_p = "exploratory" if "p_holm" not in r else f"{r['p_holm']:.3g}" if n > 1 else "–"
         L.append(f"| {r['name']} | {r['kind']} | {n} | {diff} | {r['better']} / {r['worse']} | {p} | {holm_p} |")
+    same = one_cpu_seeds(runs)
+    if len(same) < len({s for v in runs.values() for s in v}):  # amendment 2: exploratory, family on those seeds
+        cells = []
+        for r in (r for r in rows if r["kind"] == "family"):
+            d = [v for s, v in zip(r["seeds"], r["diffs"]) if s in same]
+            scale = 100 if r["endpoint"] in ("score", "shuffle") else 1
+            cells.append(f"{r['name']} {scale * np.mean(d):+.{1 if scale == 100 else 3}f} ({len(d)})" if d else
+                         f"{r['name']} – (0)")
+        L += ["", f"Exploratory (amendment 2): seeds whose arms all ran on one instruction set: "
+              f"{', '.join(map(str, same)) or 'none'}; the family's mean differences on them (seeds): "
+              + "; ".join(cells) + "."]
     L += ["", "| arm | " + " | ".join(f"s{s}" for s in sorted({s for v in runs.values() for s in v})) + " |"]
     seeds = sorted({s for v in runs.values() for s in v})
     L.append("|---|" + "---|" * len(seeds))

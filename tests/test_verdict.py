@@ -109,3 +109,17 @@ def test_runs_on_two_instruction_sets_are_marked_in_the_table():
             rec["cpu"] = "AVX2"
     md = markdown(*analyse(runs), runs)
     assert "(AVX2)" not in md
+
+
+def test_the_family_on_seeds_of_one_instruction_set_is_printed_when_runs_mix_them():
+    """Amendment 2: with runs on two instruction sets, the family's mean differences on the seeds whose arms all
+    ran on one of them are printed as exploratory."""
+    from verdict import one_cpu_seeds
+    runs = runs_with(0.15, seeds=3)
+    for arm in runs:
+        for seed, rec in runs[arm].items():
+            rec["cpu"] = "AVX2" if seed < 2 else "AVX512"
+    runs["single"][1]["cpu"] = "AVX512"  # seed 1 mixes them
+    assert one_cpu_seeds(runs) == [0, 2]
+    md = markdown(*analyse(runs), runs)
+    assert "seeds whose arms all ran on one instruction set: 0, 2;" in md and "H1a +15.0 (2)" in md
