@@ -5,9 +5,9 @@ bit-identical to those recorded before it (wall time aside), by tests/fixtures/r
 Bit for bit holds on one kind of CPU only: torch's kernels sum in another order on another instruction set
 (AVX2 and AVX-512 differ from the first step's gradient norm on). So there is one fixture per instruction set
 (torch.backends.cpu.get_cpu_capability()): metrics_tiny.json, recorded on AVX2 at commit a358f1f, and
-metrics_tiny_avx512.json, recorded on AVX-512 at commit d7377e0 (2026-11-25; that machine's own run of the AVX2
-fixture differed in 32 of 39 steps (12 of 13 runs), and main's run of the new one matched it bit for bit). On a CPU with no
-fixture the test is skipped and says how to record one from a trusted commit. The pocket team's twin is run by
+metrics_tiny_avx512.json, recorded on AVX-512 at commit d7377e0 (2026-11-25: there the AVX2 fixture differed in
+32 of 39 steps, 12 of 13 runs, and main's run matched the new one bit for bit). On a CPU with no fixture the test
+is skipped and says how to record one from a trusted commit. The pocket team's twin (recorded on AVX2) is run by
 hand:
     python tests/fixtures/record_metrics.py --pocket --check tests/fixtures/metrics_pocket.json"""
 import os
