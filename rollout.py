@@ -171,8 +171,9 @@ def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_sha
         P = min(P, int((r[:P] == rows[0][:P]).all(-1).long().cumprod(0).sum()))  # first mismatch
     if len(rows) < 2 or P < min_shared:
         return prefill(policy, prompt_ids, prompt_mask, C, 1, position)
-    out = policy(inputs_embeds=rows[0][None, :P], position_ids=torch.arange(P, device=x.device)[None],
-                 use_cache=True, logits_to_keep=1)
+    prefix_pos = torch.arange(P, device=x.device)[None]                  # (1, P)
+    out = policy(inputs_embeds=rows[0][None, :P], position_ids=prefix_pos, use_cache=True,
+                 logits_to_keep=1)
     cache = cache_of(out)
     cache.batch_repeat_interleave(len(rows))                              # (1, ...) -> (B, ...)
     T = max(len(r) for r in rows) - P                                     # the longest tail
