@@ -50,8 +50,8 @@ ANCHOR, NORM = ["--context-anchor", "newline"], ["--state-norm", "standardize"]
 # pocket.py's levers without the bfloat16 rollout (amendment 1 of the pre-registration: on a CPU without bf16
 # instructions it is three times slower, and the screen's `single` ran with a float32 rollout)
 LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1"]
-# exact speed-ups (the same numbers bit for bit, results/performance.md), from 2026-11-25 10:40 UTC on: the MLPs'
-# activations kept for the backward pass (~10 % less training time, ~1.1 GB more memory a run)
+# exact speed-ups (the same numbers bit for bit, results/performance.md), from the batch of 2026-11-25 10:53 UTC
+# on: the MLPs' activations kept for the backward pass (~10 % less training time, ~1.1 GB more memory a run)
 EXACT = ["--keep-activations"]
 
 
@@ -211,8 +211,9 @@ def markdown(rows, verdict, runs):
         p = f"{r['p']:.3g}" if n > 1 else "– (needs 2 seeds)" if n else "–"
         holm_p = "exploratory" if "p_holm" not in r else f"{r['p_holm']:.3g}" if n > 1 else "–"
         L.append(f"| {r['name']} | {r['kind']} | {n} | {diff} | {r['better']} / {r['worse']} | {p} | {holm_p} |")
+    seeds = sorted({s for v in runs.values() for s in v})
     same = one_cpu_seeds(runs)
-    if len(same) < len({s for v in runs.values() for s in v}):  # amendment 2: exploratory, family on those seeds
+    if len(same) < len(seeds):  # amendment 2: exploratory, the family on the seeds of one instruction set
         cells = []
         for r in (r for r in rows if r["kind"] == "family"):
             d = [v for s, v in zip(r["seeds"], r["diffs"]) if s in same]
@@ -222,8 +223,7 @@ def markdown(rows, verdict, runs):
         L += ["", f"Exploratory (amendment 2): seeds whose arms all ran on one instruction set: "
               f"{', '.join(map(str, same)) or 'none'}; the family's mean differences on them (seeds): "
               + "; ".join(cells) + "."]
-    L += ["", "| arm | " + " | ".join(f"s{s}" for s in sorted({s for v in runs.values() for s in v})) + " |"]
-    seeds = sorted({s for v in runs.values() for s in v})
+    L += ["", "| arm | " + " | ".join(f"s{s}" for s in seeds) + " |"]
     L.append("|---|" + "---|" * len(seeds))
     cpus = sorted({r.get("cpu", "?") for v in runs.values() for r in v.values()})
 
