@@ -103,6 +103,21 @@ def barrier(world):
         _collective(world, dist.barrier)
 
 
+def stop_together(world, msg, code):
+    """Every rank leaves with `code` once all of them get here; rank 0 says why in one line. torchrun ends the job
+    as soon as one rank exits with an error, by SIGTERM to the others; a rank caught by it while Python shuts
+    down dies of the signal (exit code -15), because Python puts back the default handler during shut-down. So
+    the signal is made to exit with `code` silently, and every rank leaves by os._exit, with no shut-down to be
+    caught in (rank 0's files are closed by then: the checkpoint is renamed into place, the metrics file shut)."""
+    signal.signal(signal.SIGTERM, lambda *_: os._exit(code))
+    barrier(world)
+    if world.rank == 0:
+        print(f"error: {msg}", file=sys.stderr)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
+
+
 def _died(world, why):
     """A rank died or the job was stopped: one line, exit code 3. os._exit, because the process group's
     destructors may wait for a peer that is gone; rank 0's files are whole (checkpoints are written to a

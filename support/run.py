@@ -125,10 +125,8 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
     bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
     stop = bad_steps >= args.max_bad_steps
     if not run["writer"]:  # the other ranks took their share of the step; rank 0 logs and saves it
-        if stop:
-            # rank 0 has saved the checkpoint: stop too (it says why)
-            distributed.barrier(run["world"])
-            fail("", code=3)
+        if stop:  # rank 0 saves the checkpoint, says why, and every rank stops together
+            distributed.stop_together(run["world"], "", code=3)
         return bad_steps
     with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
         f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
@@ -141,11 +139,11 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
         save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
-        distributed.barrier(run["world"])  # the others stop with rank 0, not while it saves
-        ckpt = run["paths"]["checkpoint"]
-        fail(f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; "
-             f"stopped. The last good weights are in {ckpt}; try a lower --lr / --router-lr",
-             code=3)
+        msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. The "
+               f"last good weights are in {run['paths']['checkpoint']}; try a lower --lr / --router-lr")
+        if run["world"].size > 1:  # the others stop with rank 0, not while it saves
+            distributed.stop_together(run["world"], msg, code=3)
+        fail(msg, code=3)
     return bad_steps
 
 

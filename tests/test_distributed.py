@@ -165,3 +165,20 @@ def test_max_bad_steps_stops_every_rank_after_rank_0_saved(runs):
     assert err.count("exitcode  : 3") >= 1 and "exitcode  : -" not in err and code != 0
     assert [r["skipped_update"] for r in metrics(out)] == [True, True]
     assert checkpoint(out)["step"] == 2 and not [n for n in os.listdir(out) if ".tmp" in n]
+
+
+# torchrun's SIGTERM arrives at a rank in the middle of stop_together (here: inside the barrier); it must
+# leave with the stop's code and say nothing, where Python's default handler would end it with -15.
+STOPPER = """import os, signal, sys, time
+sys.path[:0] = [{root!r}]
+from support import distributed
+distributed.barrier = lambda world: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))
+distributed.stop_together(distributed.World(rank=1, size=2), "", code=3)
+"""
+
+
+def test_a_sigterm_while_stopping_together_exits_with_the_stops_code_silently(tmp_path):
+    script = tmp_path / "stopper.py"
+    script.write_text(STOPPER.format(root=ROOT))
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60)
+    assert (done.returncode, done.stderr) == (3, "")
