@@ -22,7 +22,6 @@ Choices the paper leaves open:
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
-import copy
 import json
 import os
 from types import SimpleNamespace
@@ -35,14 +34,12 @@ import rewards
 from adapter import anchor_context, empty_context
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import check_models, frozen_dtype, load_model, pick_device, team_models
-from grpo import completion_mask
 from lora import apply_lora, load_lora_state_dict
-from support.report import plot_runs, summarize
-from lora import lora_merged
-from rollout import (cache_kwargs, completion_logprobs, decode, encode_prompts, eos_token_ids,
-                     prefill, prefill_shared, token_logprobs)
-from support.config import ArgumentParser, fail, parse_args
+from rollout import encode_prompts, eos_token_ids
 from support.checkpoint import write_json
+from support.config import ArgumentParser, fail, parse_args
+from support.gold import gold_logprobs, greedy_and_gold
+from support.report import plot_runs, summarize
 from support.stats import paired_comparison
 
 # --------------------------------------------------------------------------------------------------
@@ -69,101 +66,6 @@ def load_policy(args, lora_state=None, method_state=None, untrained=False, devic
         method.load_state_dict(method_state)
     policy.eval(), method.eval()
     return policy, tok, method, eos_token_ids(policy, tok)  # the same stop tokens as in training
-
-
-def answer_bridge(response_prefix):
-    """Text between the prompt and the gold answer when its log-prob is measured: the answer tag,
-    after closing the reasoning block when the response was pre-filled with one."""
-    return "</think>\n<answer>" if "<think>" in response_prefix else "<answer>"
-
-
-def gold_logprobs(policy, tok, prompts, golds, C, args, device):
-    """log pi(gold answer + "</answer>" | prompt + answer_bridge, C), summed over the answer's
-    tokens, per item: sees a change in how likely the right answer is even where greedy accuracy
-    does not move. Uses the training's own scoring pass (rollout.completion_logprobs), so
-    positions are those of the rollout."""
-    bridged = [p + answer_bridge(args.response_prefix) for p in prompts]
-    ids, mask = encode_prompts(tok, bridged, device)
-    tok.padding_side = "right"  # completions start right after the prompt's last column
-    ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True,
-              add_special_tokens=False)
-    comp, comp_mask = ans["input_ids"].to(device), ans["attention_mask"].bool().to(device)
-    logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0,
-                               args.context_position)  # (B, T)
-    return torch.where(comp_mask, logp, torch.zeros_like(logp)).sum(-1).tolist()
-
-
-def greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos_ids, share_prefix=False):
-    """Greedy completions [B, T] (padding after EOS) and, when `golds` are given, each item's
-    gold log-prob (gold_logprobs), both from one prefill of [x || C].
-
-    The gold pass reads prompt + answer_bridge + gold, tokenised as gold_logprobs tokenises it;
-    that sequence and the prompt's own share all but the prompt's last k tokens (a tokeniser
-    may merge the prompt's end with the bridge: SmolLM2 writes "<think></think>" with a "></"
-    token). So the prefill's KV cache, copied and cropped by k columns, is that sequence's
-    prefix, and only the rest (k + bridge + answer tokens) is run again: one prefill instead of
-    two, the costlier half of a paired evaluation. The completions are bit for bit those of
-    rollout.sample (the same prefill and loop); the log-probs equal gold_logprobs' up to float
-    rounding (LoRA merged, another order of sums; tests/test_collaboration.py). The crop needs C
-    in front ("before") or no C: with C after the prompt ("after") C sits in the cropped
-    columns, and the gold pass runs on its own.
-
-    share_prefix: the prefill is rollout.prefill_shared, which runs the items' common beginning
-    (system prompt, worked example, and C when it is the same for every item) once per batch
-    instead of once per item; it keeps each item's last k columns in its own tail for the crop.
-    The same function in another order of sums: on the verdict's runs the scores were identical
-    item for item (results/performance.md)."""
-    shared = golds is not None and (C is None or args.context_position == "before")
-    bridge = gold_inputs(tok, prompts, golds, args) if shared else None  # None: k is too long
-    keep = max(1, bridge[0]) if bridge else 1  # the columns the gold pass crops stay in each tail
-    with lora_merged(policy):
-        cache, first, pmask, pos = (
-            prefill_shared(policy, ids, mask, C, args.context_position, keep) if share_prefix
-            else prefill(policy, ids, mask, C, 1, args.context_position))
-        gold = gold_from_prefill(policy, tok, cache, pmask, pos, *bridge) if bridge else \
-            gold_logprobs(policy, tok, prompts, golds, C, args, ids.device) if shared else None
-        comp = decode(policy, cache, first, pmask, pos, args.max_new_tokens, 1.0, eos_ids,
-                      tok.pad_token_id, greedy=True)
-    if golds is not None and not shared:
-        gold = gold_logprobs(policy, tok, prompts, golds, C, args, ids.device)
-    return comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id), gold
-
-
-def gold_inputs(tok, prompts, golds, args):
-    """What the gold pass runs on a copy of the prefill's cache (see greedy_and_gold): k, the
-    prompt columns to run again, and per item those k tokens + the bridge + the answer, and the
-    answer's tokens. None when k reaches into the shortest prompt (gold_logprobs runs instead)."""
-    special = not tok.chat_template
-    own = tok(prompts, add_special_tokens=special)["input_ids"]
-    bridged = tok([p + answer_bridge(args.response_prefix) for p in prompts],
-                  add_special_tokens=special)["input_ids"]
-    answers = tok([f"{g}</answer>" for g in golds], add_special_tokens=False)["input_ids"]
-    same = [next((i for i, (a, b) in enumerate(zip(q, o)) if a != b), min(len(q), len(o)))
-            for q, o in zip(own, bridged)]
-    k = max(len(q) - c for q, c in zip(own, same))     # prompt columns to run again
-    if k >= min(len(q) for q in own):
-        return None
-    return k, [o[len(q) - k:] + a for q, o, a in zip(own, bridged, answers)], answers
-
-
-def gold_from_prefill(policy, tok, cache, mask, pos, k, rest, answers):
-    """gold_logprobs on a copy of the prefill's cache, cropped by k columns: see greedy_and_gold."""
-    T = max(map(len, rest))
-    ids = torch.tensor([r + [tok.pad_token_id] * (T - len(r)) for r in rest], device=mask.device)
-    rest_mask = torch.tensor([[1] * len(r) + [0] * (T - len(r)) for r in rest], dtype=torch.bool,
-                             device=mask.device)
-    cache = copy.deepcopy(cache)                      # the greedy loop goes on from the original
-    if k:
-        cache.crop(-k)                                              # drop the last k columns
-    full_mask = torch.cat([mask[:, :-k] if k else mask, rest_mask], 1)
-    out = policy(input_ids=ids, attention_mask=full_mask,
-                 position_ids=pos - k + rest_mask.long().cumsum(-1), use_cache=True,
-                 **cache_kwargs(policy, cache))
-    logp = token_logprobs(out.logits[:, :-1], ids[:, 1:])            # row t predicts token t + 1
-    is_answer = torch.zeros_like(rest_mask)
-    for row, (r, a) in enumerate(zip(rest, answers)):
-        is_answer[row, len(r) - len(a):len(r)] = True
-    return torch.where(is_answer[:, 1:], logp, torch.zeros_like(logp)).sum(-1).tolist()
 
 
 def derangement(n, seed=0):
@@ -194,7 +96,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
     condition (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per
     item]}}, scorer status counts). evaluate() scores a saved run with it; train.py --eval-items
     the policy before and after training. The task's own scorer only: training-only reward
-    shaping (--format-bonus) never reaches it. share_prefix: see greedy_and_gold."""
+    shaping (--format-bonus) never reaches it. share_prefix: see support.gold.greedy_and_gold."""
     device = next(policy.parameters()).device
     # g(x) for every item first (shuffled C needs another item's), then the same items under each
     # condition

@@ -16,8 +16,8 @@ tests/test_adapter.py checks it token for token.
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
                        under a mask of allowed tokens: constrained decoding)
   decode               its token-by-token loop, from a prefill
-  low_precision_linears   (--rollout-dtype bfloat16 / int8) the rollout's matmuls on a
-                       low-precision copy of the weights
+  (support/low_precision.py: --rollout-dtype bfloat16 / int8, the rollout's matmuls on a
+                       low-precision copy of the weights)
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
   mlps_recomputed      (with gradient) the MLPs' activations recomputed in the backward pass
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
@@ -33,10 +33,10 @@ import functools
 import inspect
 
 import torch
-import torch.nn.functional as F
 from transformers.cache_utils import DynamicLayer
 
 from lora import lora_merged
+from support.low_precision import low_precision_linears
 
 # --------------------------------------------------------------------------------------------------
 # How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first
@@ -157,7 +157,7 @@ def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_sha
 
     Each row's real inputs (padding dropped) are [s_1..s_P, t_1..t_L]: s the shared part, P at
     most the shortest row's length - `keep`, so that every row keeps its last `keep` inputs in its
-    tail (evaluate.greedy_and_gold crops that many columns). The new layout per row is
+    tail (support.gold.greedy_and_gold crops that many columns). The new layout per row is
     [s_1..s_P, pad.., t_1..t_L]: the padding moves from the front of the row to the middle. The
     mask hides it and positions count only real inputs, so every real input sees the same
     inputs at the same positions as in `prefill`'s layout: the same function, another order of
@@ -203,82 +203,6 @@ def draw(logits, temperature):
     return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
 
 
-@contextlib.contextmanager
-def low_precision_linears(model, dtype=torch.bfloat16):
-    """Inside: every nn.Linear (the LM head included) multiplies with a low-precision copy of its
-    weight; activations come out in their own dtype, so attention, norms and the softmax stay
-    float32. Decoding is memory-bound, and the 576 x 49,152 LM head alone reads 113 MB per token
-    in float32. Two copies:
-      bfloat16  half the bytes, the copy taken on entry (inside lora_merged, so it holds W + BA).
-                Measured 1.55x faster decoding of the pocket policy on one AVX512-BF16 core, but
-                ~3x slower on a CPU without bf16 instructions (AVX2), which emulates them.
-      int8      a quarter of the bytes and int8 products (int8_linear). The frozen W is
-                quantised once and kept; LoRA's update is not merged but added beside it in
-                float32 by LoRALinear, so the sampler always holds the current LoRA.
-    The sampling distribution then differs slightly from the float32 scoring pass: train.py logs
-    the gap and can correct for it (grpo.truncated_is_weights)."""
-    linears = [m for m in model.modules() if isinstance(m, torch.nn.Linear)]
-    for m in linears:  # an instance attribute
-        m.forward = int8_linear(m) if dtype == torch.int8 else cast_linear(m, dtype)
-    try:
-        yield model
-    finally:
-        for m in linears:
-            del m.forward  # the class's forward again
-
-
-def cast_linear(linear, dtype):
-    """x -> linear(x) with the weight and input cast to `dtype`, the output in x's dtype."""
-    w = linear.weight.detach().to(dtype)
-    b = None if linear.bias is None else linear.bias.detach().to(dtype)
-    return lambda x: F.linear(x.to(w.dtype), w, b).to(x.dtype)
-
-
-def int8_linear(linear):
-    """x -> linear(x) with int8 x int8 products summed in int32 (PyTorch's fbgemm/oneDNN dynamic
-    int8 kernel, torch.ops.quantized.linear_dynamic), rescaled to float32:
-      weight  7 bits per output row, w_q = round(w / s), s = max|w_row| / 63; quantised once and
-              kept on the module (int8_weight)
-      input   8 bits per row: each row is divided by its own max|x| first, so the kernel's one
-              scale per tensor becomes one per row, and the output multiplied back.
-    Why 7-bit weights: AVX2's int8 multiply-add sums pairs of u8 x s8 products into int16, and
-    255 * 127 * 2 overflows it; 255 * 63 * 2 does not. (The kernel's own remedy, 7-bit inputs,
-    gave a larger error; with 8 bits for both, the overflows made the pocket policy's log-probs
-    wrong by 9 nats per token.) Measured on the pocket policy (16 completions x 48 tokens):
-    mean |log pi_int8 - log pi_float32| 0.18 nats per token, 0.08 of it from the LM head.
-
-    Why not torchao (the maintained home of int8 in PyTorch): on this project's CPU (AVX2, one
-    thread, 8 rows) torchao 0.18's int8 dynamic-activation layer took 223 ms and its int8
-    weight-only layer 155 ms for the LM head product that takes 32 ms in float32 and 3.8 ms
-    here; it has no fast CPU path outside torch.compile. PyTorch warns that its quantised
-    tensors (torch.quantize_per_channel, which this kernel's packing takes) are deprecated: when
-    they go, this function is the one to change. CPU only."""
-    packed, b = int8_weight(linear), linear.bias
-
-    def forward(x):                                                         # (..., in)
-        a = x.abs().amax(-1, keepdim=True).float().clamp(min=1e-12)        # (..., 1)
-        y = torch.ops.quantized.linear_dynamic(x.float() / a, packed, False) * a   # (..., out)
-        return (y if b is None else y + b.float()).to(x.dtype)
-    return forward
-
-
-def int8_weight(linear):
-    """The prepacked 7-bit copy of linear.weight, made on first use and kept on the module as
-    long as the weight is the same tensor, unmodified (its storage and version counter): frozen
-    weights are quantised once per run, ~1.8 s for the pocket policy."""
-    w = linear.weight
-    if w.device.type != "cpu":
-        raise ValueError(f"--rollout-dtype int8 runs on CPU only, the weights are on {w.device}")
-    key = (w.data_ptr(), w._version)
-    if getattr(linear, "_int8", (None,))[0] != key:
-        w = w.detach().float()                                              # (out, in)
-        s = (w.abs().amax(1) / 63).clamp(min=1e-12).double()               # (out,)
-        zero = torch.zeros(w.shape[0], dtype=torch.long)
-        w_q = torch.quantize_per_channel(w, s, zero, 0, torch.qint8)       # (out, in) in [-63, 63]
-        linear._int8 = (key, torch.ops.quantized.linear_prepack(w_q, None))
-    return linear._int8[1]
-
-
 @torch.no_grad()
 def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
            position="after", greedy=False, return_logprobs=False, dtype=None, allowed=None):
@@ -288,7 +212,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     for the importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
     weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
     gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
-    weights in that dtype (low_precision_linears).
+    weights in that dtype (support.low_precision).
 
     allowed (constrained decoding, e.g. a grammar): a function called before each draw with the
     last drawn tokens [B*G] (None before the first) that returns a bool [B*G, vocab] mask of the
@@ -416,7 +340,7 @@ def mlps_recomputed(model):
     if not torch.is_grad_enabled() or not getattr(model, "recompute_mlps", True):
         mlps = []  # nothing is kept for a backward pass, or the caller keeps the activations
     for m in mlps:
-        # an instance attribute, as in low_precision_linears
+        # an instance attribute, as in support.low_precision
         m.forward = lambda x, f=m.forward: checkpoint(f, x, use_reentrant=False)
     try:
         yield model

@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from support import config  # noqa: E402
 import rewards  # noqa: E402
 from support.checkpoint import write_json  # noqa: E402
-from evaluate import gold_logprobs  # noqa: E402
+from support.gold import gold_logprobs  # noqa: E402
 from experts import load_model, team_models  # noqa: E402
 
 POCKET = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',

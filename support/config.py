@@ -158,7 +158,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
       help="the rollout's matmuls on a copy of the weights in this dtype "
-      "(rollout.low_precision_linears; int8: CPU only); the scoring pass stays as it is")
+      "(support/low_precision.py; int8: CPU only); the scoring pass stays as it is")
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
       "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
       "(grpo.truncated_is_weights; 0: off)")

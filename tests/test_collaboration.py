@@ -206,12 +206,12 @@ def merging_policy(seed):
 
 @pytest.mark.parametrize("position, with_C", [("before", True), ("before", False), ("after", True)])
 def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, with_C):
-    """evaluate.greedy_and_gold shares the prefill between the greedy answer and the gold pass:
+    """support.gold.greedy_and_gold shares the prefill between the greedy answer and the gold pass:
     its completions are bit for bit rollout.sample's, its log-probs gold_logprobs' to float
     rounding, also when the tokeniser merges the prompt's end with the bridge (k = 1 column run
     again) and when C sits after the prompt (the gold pass then runs on its own)."""
     from types import SimpleNamespace
-    from evaluate import answer_bridge, gold_logprobs, greedy_and_gold
+    from support.gold import answer_bridge, gold_logprobs, greedy_and_gold
     from grpo import completion_mask
     from rollout import encode_prompts, sample
     tok, policy = merging_policy(seed=1)
@@ -242,7 +242,7 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
     the prompt (the prompt's beginning is still shared), and two identical items. With each item's own C
     in front nothing is shared and it is the whole-prompt prefill, bit for bit."""
     from types import SimpleNamespace
-    from evaluate import greedy_and_gold
+    from support.gold import greedy_and_gold
     from rollout import encode_prompts, prefill, prefill_shared
     tok, policy = merging_policy(seed=2)
     args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=8)

@@ -1,4 +1,4 @@
-"""The int8 rollout copy (--rollout-dtype int8, rollout.int8_linear): its products err by what their
+"""The int8 rollout copy (--rollout-dtype int8, low_precision.int8_linear): its products err by what their
 quantisation steps predict, its samples' log-probs stay near the float32 scoring pass, it holds the
 current LoRA (unmerged, added in float32), it leaves the float32 model as it was, and a bad
 --rollout-dtype fails with exit code 2."""
@@ -11,18 +11,19 @@ import torch.nn.functional as F
 
 import rollout
 from lora import apply_lora, lora_disabled, lora_layers
+from support import low_precision
 
 # Mean |log pi_int8 - log pi_float32| per completion token that the tests accept. The products
 # err by ~1 % (test_int8_product_error_is_what_its_quantisation_steps_predict); through the tiny
 # policy (2 layers, 260 tokens) that moved log-probs by 0.08 nats per token, and through the
-# 30-layer pocket policy by 0.18 (rollout.int8_linear). Twice the tiny policy's figure: a wrong
+# 30-layer pocket policy by 0.18 (low_precision.int8_linear). Twice the tiny policy's figure: a wrong
 # scale, a lost row scaling or an int16 overflow all gave > 1 nat.
 GAP_TOLERANCE = 0.15
 
 
 def int8_copy_of(linear):
     """The patched forward of one layer, as low_precision_linears installs it."""
-    return rollout.int8_linear(linear)
+    return low_precision.int8_linear(linear)
 
 
 def test_int8_product_error_is_what_its_quantisation_steps_predict():

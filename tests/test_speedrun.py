@@ -18,6 +18,7 @@ import grpo
 import rewards
 import rollout
 import train
+from support import low_precision
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--max-new-tokens", "3"]
@@ -73,7 +74,7 @@ def test_bfloat16_rollout_copy_samples_close_to_the_float32_scoring_pass_and_is_
     logp = rollout.completion_logprobs(model, ids, mask, None, comp, torch.ones_like(comp, dtype=torch.bool), 1.0)
     gap = (logp - logp_mu).abs().mean().item()
     assert 0 < gap < 0.05, gap   # bf16 has 8 bits of mantissa: near, not equal
-    with rollout.low_precision_linears(model):
+    with low_precision.low_precision_linears(model):
         assert lin(x[0]).dtype == torch.float32 and not torch.equal(lin(x[0]), before)
 
 
