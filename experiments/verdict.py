@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from pocket import archive, run  # noqa: E402
-from support.stats import holm, mean_std, sign_flip_p  # noqa: E402
+from support.stats import holm, mean_std, sign_flip_ci, sign_flip_p  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict")
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
@@ -200,17 +200,22 @@ def markdown(rows, verdict, runs):
     L = ["# The collaboration verdict (experiments/verdict.py)", "", f"**Verdict: {verdict}.**", "",
          "Pre-registered in results/preregistration.md. Differences are in points (score, shuffle) or in "
          "utilisation (strong); one per seed, on the same items; p: exact sign-flip over seeds, one-sided for the "
-         "family (Holm-adjusted over its 8 tests), two-sided and unadjusted for the exploratory rows.", "",
-         "| test | kind | seeds | mean ± sd | better / worse seeds | p | Holm p |", "|---|---|---|---|---|---|---|"]
+         "family (Holm-adjusted over its 8 tests), two-sided and unadjusted for the exploratory rows; the 95 % "
+         "interval of the mean difference is the same test's, by inversion (descriptive; it needs 6 seeds).", "",
+         "| test | kind | seeds | mean ± sd | 95 % interval | better / worse seeds | p | Holm p |",
+         "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         scale = 100 if r["endpoint"] in ("score", "shuffle") else 1
-        fmt = "{:+.1f} ± {:.1f}" if scale == 100 else "{:+.3f} ± {:.3f}"
+        k = 1 if scale == 100 else 3  # decimals: a difference in points, or in utilisation
         n = len(r["seeds"])  # no seed yet: dashes; one seed: its difference, no test
-        diff = fmt.format(scale * r["mean"], scale * r["sd"]) if n > 1 else fmt.split(" ±")[0].format(
-            scale * r["mean"]) if n else "–"
+        diff = (f"{scale * r['mean']:+.{k}f} ± {scale * r['sd']:.{k}f}" if n > 1 else
+                f"{scale * r['mean']:+.{k}f}" if n else "–")
+        ci = sign_flip_ci(r["diffs"]) if n else None
+        ci = f"[{scale * ci[0]:+.{k}f}, {scale * ci[1]:+.{k}f}]" if ci else "–"
         p = f"{r['p']:.3g}" if n > 1 else "– (needs 2 seeds)" if n else "–"
         holm_p = "exploratory" if "p_holm" not in r else f"{r['p_holm']:.3g}" if n > 1 else "–"
-        L.append(f"| {r['name']} | {r['kind']} | {n} | {diff} | {r['better']} / {r['worse']} | {p} | {holm_p} |")
+        L.append(f"| {r['name']} | {r['kind']} | {n} | {diff} | {ci} | {r['better']} / {r['worse']} | {p} | "
+                 f"{holm_p} |")
     seeds = sorted({s for v in runs.values() for s in v})
     same = one_cpu_seeds(runs)
     if len(same) < len(seeds):  # amendment 2: exploratory, the family on the seeds of one instruction set

@@ -44,6 +44,8 @@ def test_a_consistent_effect_over_8_seeds_passes_and_no_effect_does_not():
     assert all(fam[h]["p_holm"] < 0.05 for h in ("H1a", "H1b", "H2", "H3"))
     assert fam["H1a-cf"]["p_holm"] > 0.05                 # ours_cf equals single: no effect
     assert verdict.startswith("RL shapes collaboration")
+    md = markdown(rows, verdict, runs_with(0.15))  # every seed +15 points: the interval is that point
+    assert "| H1a | family | 8 | +15.0 ± 0.0 | [+15.0, +15.0] | 8 / 0 | 0.00391 | 0.0312 |" in md
     rows, verdict = analyse(runs_with(0.0))
     assert verdict.startswith("not shown")
 
@@ -78,7 +80,7 @@ def test_a_partial_table_prints_dashes_not_nan():
     rows, verdict = analyse(runs)
     md = markdown(rows, verdict, runs)
     assert "nan" not in md and verdict.startswith("incomplete")
-    assert "| H1a | family | 1 | +15.0 | 1 / 0 | – (needs 2 seeds) | – |" in md
+    assert "| H1a | family | 1 | +15.0 | – | 1 / 0 | – (needs 2 seeds) | – |" in md
 
 
 def test_costs_sum_every_timed_run_and_name_the_untimed(tmp_path):
