@@ -242,6 +242,39 @@ def markdown(rows, verdict, runs):
     return "\n".join(L) + "\n"
 
 
+def headline(rows, verdict, runs):
+    """The README's verdict, as lines of markdown written from the table (results/verdict/headline.md; a test
+    holds the README to it): while incomplete, the count of runs and nothing else, because a partial table is no
+    claim; once complete, the verdict, then each variant's four endpoints and the controls, with the 95 %
+    interval over seeds, the seeds that went each way and the Holm-adjusted p."""
+    done, total = sum(len(v) for v in runs.values()), len(arms("", 1.0)) * len(SEEDS)
+    design = (f"pre-registered: {len(arms('', 1.0))} arms × {len(SEEDS)} seeds on lcm, one-sided exact sign-flip "
+              "tests over seeds, Holm over 8")
+    if verdict.startswith("incomplete"):
+        return [f"**The verdict is running** ({design}): {done} of {total} runs archived; a partial table is no "
+                "claim."]
+    by = {r["name"]: r for r in rows}
+
+    def say(name):
+        r = by[name]
+        k, scale = (1, 100) if r["endpoint"] in ("score", "shuffle") else (3, 1)
+        if len(r["seeds"]) < 2:  # an exploratory arm without records (a complete family needs none of them)
+            return "no records"
+        ci = sign_flip_ci(r["diffs"])
+        ci = f" [{scale * ci[0]:+.{k}f}, {scale * ci[1]:+.{k}f}]" if ci else ""
+        p = f"Holm p = {r['p_holm']:.3g}" if "p_holm" in r else f"p = {r['p']:.3g}, exploratory"
+        return (f"{scale * r['mean']:+.{k}f}{' points' if scale == 100 else ''}{ci}, {r['better']} / "
+                f"{r['worse']} seeds, {p}")
+    L = [f"**Verdict: {verdict}** ({design}; {done} of {total} runs; 95 % intervals over seeds)."]
+    for arm, sfx in (("ours", ""), ("ours_cf", "-cf")):
+        L.append(f"- `{arm}` − `single`: {say('H1a' + sfx)}; − `soft_prompt`: {say('H1b' + sfx)}")
+        L.append(f"- `{arm}` with C − shuffled C: {say('H2' + sfx)}; strong expert's utilisation − "
+                 f"`random`'s: {say('H3' + sfx)}")
+    L.append(f"- exploratory: `bare_anchor` − `single`: {say('bare_anchor − single')}; `soft_prompt` − "
+             f"`bare_anchor`: {say('soft_prompt − bare_anchor')}; `random` − `single`: {say('random − single')}")
+    return L
+
+
 def plot(runs, path):
     """Each arm's validation score (with C as trained) per seed, one line per seed across the arms, so that
     a pairing shows: the family's comparisons are within a seed. Returns the path, or None (no matplotlib)."""
@@ -316,6 +349,8 @@ def main():
     md = markdown(rows, verdict, runs)
     with open(os.path.join(RESULTS, "table.md"), "w") as f:
         f.write(md)
+    with open(os.path.join(RESULTS, "headline.md"), "w") as f:  # README.md quotes it (tests/test_verdict.py)
+        f.write("\n".join(headline(rows, verdict, runs)) + "\n")
     with open(os.path.join(RESULTS, "costs.md"), "w") as f:
         f.write("# The verdict's runs: wall time (experiments/verdict.py --analyse)\n\n"
                 "One thread per run, pinned to one core; what else ran on the machine is in README.md's log.\n\n"

@@ -1,13 +1,15 @@
 """experiments/verdict.py's pre-registered analysis on synthetic records: the endpoints are taken seed by seed on
 the same items, the family is tested one-sided and Holm-adjusted, and the verdict needs every endpoint of one
-variant. Also why the design has 8 seeds: with 6, no Holm-adjusted p of an 8-test family can fall below 0.05."""
+variant. Also why the design has 8 seeds: with 6, no Holm-adjusted p of an 8-test family can fall below 0.05;
+and that README.md quotes the verdict the archived records give."""
 import os
 import sys
 
 import numpy as np
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
-from verdict import FAMILY, analyse, costs, markdown  # noqa: E402
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from verdict import FAMILY, analyse, costs, headline, markdown  # noqa: E402
 
 from support.stats import holm, sign_flip_p  # noqa: E402
 
@@ -46,6 +48,9 @@ def test_a_consistent_effect_over_8_seeds_passes_and_no_effect_does_not():
     assert verdict.startswith("RL shapes collaboration")
     md = markdown(rows, verdict, runs_with(0.15))  # every seed +15 points: the interval is that point
     assert "| H1a | family | 8 | +15.0 ± 0.0 | [+15.0, +15.0] | 8 / 0 | 0.00391 | 0.0312 |" in md
+    lines = headline(rows, verdict, runs_with(0.15))
+    assert lines[0].startswith("**Verdict: RL shapes collaboration here") and len(lines) == 6
+    assert lines[1].startswith("- `ours` − `single`: +15.0 points [+15.0, +15.0], 8 / 0 seeds, Holm p = 0.0312;")
     rows, verdict = analyse(runs_with(0.0))
     assert verdict.startswith("not shown")
 
@@ -53,8 +58,11 @@ def test_a_consistent_effect_over_8_seeds_passes_and_no_effect_does_not():
 def test_a_missing_arm_makes_the_verdict_incomplete_not_negative():
     runs = runs_with(0.15)
     del runs["random"]
-    _, verdict = analyse(runs)
+    rows, verdict = analyse(runs)
     assert verdict.startswith("incomplete")
+    assert headline(rows, verdict, runs) == [  # no partial numbers in the README
+        "**The verdict is running** (pre-registered: 8 arms × 8 seeds on lcm, one-sided exact sign-flip tests over "
+        "seeds, Holm over 8): 32 of 64 runs archived; a partial table is no claim."]
 
 
 def test_seven_of_eight_seeds_are_incomplete_not_negative():
@@ -125,3 +133,16 @@ def test_the_family_on_seeds_of_one_instruction_set_is_printed_when_runs_mix_the
     assert one_cpu_seeds(runs) == [0, 2]
     md = markdown(*analyse(runs), runs)
     assert "seeds whose arms all ran on one instruction set: 0, 2;" in md and "H1a +15.0 (2)" in md
+
+
+def test_the_readme_quotes_the_verdict_the_archive_gives():
+    """README.md's verdict lines are results/verdict/headline.md, and that file is what --analyse writes from
+    the archived runs: neither can fall behind the records."""
+    from verdict import RESULTS, headline, load
+    runs = load(os.path.join(RESULTS, "runs"))
+    lines = headline(*analyse(runs), runs)
+    with open(os.path.join(RESULTS, "headline.md")) as f:
+        assert f.read().splitlines() == lines, "results/verdict/headline.md is stale: run verdict.py --analyse"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    assert "\n".join(lines) in readme, "README.md's verdict differs from results/verdict/headline.md"
