@@ -50,13 +50,13 @@ import torch
 import grpo
 import rewards
 import rollout
-from adapter import anchor_context, context_probes, empty_context
+from adapter import anchor_context, empty_context
 from baselines import METHODS
 from experts import frozen_dtype, load_model, team_models
 from lora import apply_lora, lora_disabled
 from support import distributed
 from support.config import fail, parse_args
-from support.run import run_steps, start_run
+from support.run import run_steps, start_run, step_metrics
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -328,53 +328,6 @@ def clip_gradients(param_groups, max_norm, per_group=False):
         return float(np.sqrt(sum(v ** 2 for v in norms.values()))), norms
     params = [p for g in param_groups for p in g["params"]]
     return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), norms
-
-
-def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
-    """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the
-    first draw's rewards, the loss terms averaged over micro-batches, gradient norms before
-    clipping, what the completions looked like, and the context probes (adapter.context_probes)."""
-    r_all = torch.cat([b["task_r"] for b in batches])
-    eos = torch.tensor(run["eos_ids"], device=run["device"])
-    trained = [b for b in batches if len(b["comp"])]
-    lengths = [b["comp_mask"].sum(-1) for b in trained]
-    truncated = [~torch.isin(b["comp"], eos).any(-1) for b in trained]
-    no_answer = sum(b["first_counts"].get("no_answer", 0) for b in batches)
-    failures = ("refused", "error", "timeout")  # "no_answer" is the model's fault, not the scorer's
-    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-           "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
-           **{k: mean([m[k] for m in stats]) for k in LOSS_TERMS},
-           **{k: mean([m[k] for m in stats if np.isfinite(m[k])])  # NaN: a batch with no A > 0
-              for k in CHANNEL_TERMS if args.channel_weight},
-           "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
-           "completion_length": mean(torch.cat(lengths).float().tolist() if trained else []),
-           "truncated_fraction": mean(torch.cat(truncated).float().tolist() if trained else []),
-           "zero_std_fraction": torch.cat([b["flat"] for b in batches]).float().mean().item(),
-           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in failures),
-           "answer_rate": 1 - no_answer / len(r_all),
-           "lr": run["optimizer"].param_groups[0]["lr"], "skipped_update": skipped,
-           **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
-    if args.dynamic_sampling:
-        kept = torch.cat([b["keep"] for b in batches])
-        rec["trained_group_fraction"] = kept.float().mean().item()
-    # --rollout-dtype: the sampler's gap to pi_old
-    if trained and trained[0]["logp_mu"] is not None:
-        gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]
-        rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
-        if args.tis_cap:
-            weights = torch.cat([b["is_weight"][b["comp_mask"]] for b in trained])
-            rec["is_weight_mean"] = weights.mean().item()
-            rec["is_weight_clipped_fraction"] = (weights >= args.tis_cap).float().mean().item()
-    return rec
-
-
-LOSS_TERMS = ("pg_loss", "kl", "clip_fraction", "ratio_mean")  # grpo_loss's metrics, logged
-CHANNEL_TERMS = ("cf_loss", "cf_margin", "cf_fraction")  # grpo.channel_forcing_loss's
-
-
-def mean(xs):
-    """The mean of a list, NaN for an empty one (written as null)."""
-    return float(np.mean(xs)) if len(xs) else float("nan")
 
 
 # --------------------------------------------------------------------------------------------------

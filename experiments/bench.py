@@ -44,7 +44,7 @@ EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-min
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
 TIS_CAP = 2.0  # ours_int8: --rollout-dtype int8 --tis-cap 2, the pocket preset's cap
-# train.step_metrics' sampler-policy gap
+# support.run.step_metrics' sampler-policy gap
 GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")
 CONTENDERS = ["single", "ours", "ours_int8", "trl_default", "trl_no_gc", "floor"]
 DATASET_SIZE, SEED = 256, 0

@@ -14,6 +14,8 @@ where run_steps is
         bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
     finish_run(run, args)
 
+and train.py's grpo_step ends with step_metrics: the step's record for metrics.jsonl.
+
 Nothing here is in the paper. What it guarantees (tests/test_hardening.py): bad input exits with code 2 and one
 line on stderr before anything in --out is written; rank 0 alone writes; --max-bad-steps non-finite steps in a
 row exit with code 3, the checkpoint holding the last good weights; --resume continues to the very numbers of a
@@ -28,8 +30,10 @@ import json
 import os
 
 import numpy as np
+import torch
 
 import rewards
+from adapter import context_probes
 from experts import pick_device
 from lora import save_peft
 from support import distributed
@@ -116,6 +120,53 @@ def progress_bar(start, args, writer=True):
     from tqdm import tqdm
     return tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",
                 dynamic_ncols=True, disable=not writer)
+
+
+def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
+    """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the
+    first draw's rewards, the loss terms averaged over micro-batches, gradient norms before
+    clipping, what the completions looked like, and the context probes (adapter.context_probes)."""
+    r_all = torch.cat([b["task_r"] for b in batches])
+    eos = torch.tensor(run["eos_ids"], device=run["device"])
+    trained = [b for b in batches if len(b["comp"])]
+    lengths = [b["comp_mask"].sum(-1) for b in trained]
+    truncated = [~torch.isin(b["comp"], eos).any(-1) for b in trained]
+    no_answer = sum(b["first_counts"].get("no_answer", 0) for b in batches)
+    failures = ("refused", "error", "timeout")  # "no_answer" is the model's fault, not the scorer's
+    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
+           "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
+           **{k: mean([m[k] for m in stats]) for k in LOSS_TERMS},
+           **{k: mean([m[k] for m in stats if np.isfinite(m[k])])  # NaN: a batch with no A > 0
+              for k in CHANNEL_TERMS if args.channel_weight},
+           "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
+           "completion_length": mean(torch.cat(lengths).float().tolist() if trained else []),
+           "truncated_fraction": mean(torch.cat(truncated).float().tolist() if trained else []),
+           "zero_std_fraction": torch.cat([b["flat"] for b in batches]).float().mean().item(),
+           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in failures),
+           "answer_rate": 1 - no_answer / len(r_all),
+           "lr": run["optimizer"].param_groups[0]["lr"], "skipped_update": skipped,
+           **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
+    if args.dynamic_sampling:
+        kept = torch.cat([b["keep"] for b in batches])
+        rec["trained_group_fraction"] = kept.float().mean().item()
+    # --rollout-dtype: the sampler's gap to pi_old
+    if trained and trained[0]["logp_mu"] is not None:
+        gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]
+        rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
+        if args.tis_cap:
+            weights = torch.cat([b["is_weight"][b["comp_mask"]] for b in trained])
+            rec["is_weight_mean"] = weights.mean().item()
+            rec["is_weight_clipped_fraction"] = (weights >= args.tis_cap).float().mean().item()
+    return rec
+
+
+LOSS_TERMS = ("pg_loss", "kl", "clip_fraction", "ratio_mean")  # grpo_loss's metrics, logged
+CHANNEL_TERMS = ("cf_loss", "cf_margin", "cf_fraction")  # grpo.channel_forcing_loss's
+
+
+def mean(xs):
+    """The mean of a list, NaN for an empty one (written as null)."""
+    return float(np.mean(xs)) if len(xs) else float("nan")
 
 
 def after_step(run, args, step, rec, batches, bar, bad_steps):
