@@ -246,7 +246,7 @@ def headline(rows, verdict, runs):
     """The README's verdict, as lines of markdown written from the table (results/verdict/headline.md; a test
     holds the README to it): while incomplete, the count of runs and nothing else, because a partial table is no
     claim; once complete, the verdict, then each variant's four endpoints and the controls, with the 95 %
-    interval over seeds, the seeds that went each way and the Holm-adjusted p."""
+    interval over seeds, the seeds that went each way and the Holm-adjusted p; beneath, each arm's mean score."""
     done, total = sum(len(v) for v in runs.values()), len(arms("", 1.0)) * len(SEEDS)
     design = (f"pre-registered: {len(arms('', 1.0))} arms × {len(SEEDS)} seeds on lcm, one-sided exact sign-flip "
               "tests over seeds, Holm over 8")
@@ -272,6 +272,10 @@ def headline(rows, verdict, runs):
                  f"`random`'s: {say('H3' + sfx)}")
     L.append(f"- exploratory: `bare_anchor` − `single`: {say('bare_anchor − single')}; `soft_prompt` − "
              f"`bare_anchor`: {say('soft_prompt − bare_anchor')}; `random` − `single`: {say('random − single')}")
+    L += ["", "| arm | validation score, mean ± sd over seeds (%) | seeds |", "|---|---|---|"]
+    for arm in (a for a in arms("", 1.0) if a in runs):
+        m, sd = mean_std([100 * rec["eval"]["score"] for rec in runs[arm].values()])
+        L.append(f"| `{arm}` | {m:.1f} ± {sd:.1f} | {len(runs[arm])} |")
     return L
 
 

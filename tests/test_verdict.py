@@ -48,9 +48,12 @@ def test_a_consistent_effect_over_8_seeds_passes_and_no_effect_does_not():
     assert verdict.startswith("RL shapes collaboration")
     md = markdown(rows, verdict, runs_with(0.15))  # every seed +15 points: the interval is that point
     assert "| H1a | family | 8 | +15.0 ± 0.0 | [+15.0, +15.0] | 8 / 0 | 0.00391 | 0.0312 |" in md
-    lines = headline(rows, verdict, runs_with(0.15))
-    assert lines[0].startswith("**Verdict: RL shapes collaboration here") and len(lines) == 6
+    runs = runs_with(0.15)  # its base scores are drawn anew each time
+    lines = headline(*analyse(runs), runs)
+    assert lines[0].startswith("**Verdict: RL shapes collaboration here") and len(lines) == 6 + 2 + 1 + 5
     assert lines[1].startswith("- `ours` − `single`: +15.0 points [+15.0, +15.0], 8 / 0 seeds, Holm p = 0.0312;")
+    single = [100 * r["eval"]["score"] for r in runs["single"].values()]
+    assert f"| `single` | {np.mean(single):.1f} ± {np.std(single, ddof=1):.1f} | 8 |" in lines
     rows, verdict = analyse(runs_with(0.0))
     assert verdict.startswith("not shown")
 
