@@ -95,6 +95,20 @@ def group_advantages(rewards, group_size, scale=True, eps=1e-6):
     adv = torch.where(equal, torch.zeros_like(adv), adv)       # exactly 0, not "0 up to rounding"
     return adv.view(-1)                                        # (B*G,)
 
+def flat_groups(r, G):
+    """[B*G] rewards -> [B] bool: the groups whose G rewards are all equal (advantage 0: no
+    gradient)."""
+    groups = r.view(-1, G)
+    return (groups == groups[:, :1]).all(-1)
+
+
+def kept_groups(r, G, dynamic_sampling):
+    """[B] bool: the groups trained on. DAPO's dynamic sampling (train.py's --dynamic-sampling
+    draws flat groups again first) leaves out those still flat; without it, every group."""
+    if dynamic_sampling:
+        return ~flat_groups(r, G)
+    return torch.ones(len(r) // G, dtype=torch.bool, device=r.device)
+
 # ----------------------------------------------------------------------------- loss
 
 def _aggregate(x, mask, aggregation):

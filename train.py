@@ -78,7 +78,7 @@ def grpo_step(step, run, args, score_batch):
         first = first_draw(drawn, G)  # what the log reports
         if args.dynamic_sampling:  # DAPO: draw the groups whose rewards are all equal again
             redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
-        keep = kept_groups(drawn["r"], G, args.dynamic_sampling)  # (B,) the groups trained on
+        keep = grpo.kept_groups(drawn["r"], G, args.dynamic_sampling)  # (B,) the groups trained on
         rows = keep.repeat_interleave(G)                          # (B*G,) their completions
         comp, comp_mask = completions(drawn, rows, run["eos_ids"])  # (N, T) each
         # ---- advantage: group-relative, one group per prompt ------------------------------------
@@ -201,15 +201,8 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
 def first_draw(drawn, G):
     """What the log reports of a micro-batch: its first draw, before dynamic sampling replaces
     groups."""
-    return dict(task_r=drawn["task_r"].clone(), flat=flat_groups(drawn["r"], G),
+    return dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
                 first_counts=drawn["counts"])
-
-
-def flat_groups(r, G):
-    """[B*G] rewards -> [B] bool: the groups whose G rewards are all equal (advantage 0: no
-    gradient)."""
-    groups = r.view(-1, G)
-    return (groups == groups[:, :1]).all(-1)
 
 
 def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch):
@@ -217,7 +210,7 @@ def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch
     times; each new draw replaces its group in `drawn`, in place. key = (step, micro-batch, 0)."""
     step, micro, _ = key
     for draw in range(1, args.dynamic_sampling + 1):
-        redo = flat_groups(drawn["r"], args.group_size).nonzero().squeeze(1)  # (k,) prompts
+        redo = grpo.flat_groups(drawn["r"], args.group_size).nonzero().squeeze(1)  # (k,) prompts
         if len(redo) == 0:
             break
         again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
@@ -241,13 +234,6 @@ def replace_groups(drawn, again, prompts, G, pad_id):
         drawn["texts"][row] = again["texts"][i]
     names = set(drawn["counts"]) | set(again["counts"])
     drawn["counts"] = {k: drawn["counts"].get(k, 0) + again["counts"].get(k, 0) for k in names}
-
-
-def kept_groups(r, G, dynamic_sampling):
-    """[B] bool: the groups trained on; --dynamic-sampling leaves out those still flat."""
-    if dynamic_sampling:
-        return ~flat_groups(r, G)
-    return torch.ones(len(r) // G, dtype=torch.bool, device=r.device)
 
 
 def rows_of(x, rows):

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import completion_mask, group_advantages, grpo_loss
+from grpo import completion_mask, flat_groups, group_advantages, grpo_loss, kept_groups
 from rollout import draw, token_logprobs
 
 e = math.exp
@@ -41,6 +41,16 @@ def test_equal_rewards_give_exactly_zero_advantage():
         for value in (0.6, 0.1, 1 / 3, 0.0, 1.0):
             adv = group_advantages(torch.full((16,), value), 8, scale=scale)
             assert torch.equal(adv, torch.zeros(16))
+
+
+def test_flat_and_kept_groups_by_hand():
+    # G = 3: group 0 mixed, group 1 all 0, group 2 all 1 -> groups 1 and 2 are flat (advantage 0)
+    r = torch.tensor([1., 0., 1., 0., 0., 0., 1., 1., 1.])
+    assert flat_groups(r, 3).tolist() == [False, True, True]
+    assert kept_groups(r, 3, dynamic_sampling=2).tolist() == [True, False, False]  # DAPO: flat groups left out
+    assert kept_groups(r, 3, dynamic_sampling=0).tolist() == [True, True, True]    # off: every group trained
+    flat = group_advantages(r, 3).view(3, 3).eq(0).all(-1)  # the same groups as the advantage's zeros
+    assert flat.tolist() == flat_groups(r, 3).tolist()
 
 
 @pytest.mark.parametrize("rewards, group_size", [

@@ -104,7 +104,7 @@ def test_dynamic_sampling_never_trains_on_a_flat_group(tmp_path):
     rec, batches = train.grpo_step(0, run, args, score)
     G = args.group_size
     for b in batches:
-        flat = train.flat_groups(b["r"], G)
+        flat = grpo.flat_groups(b["r"], G)
         assert torch.equal(b["keep"], ~flat)                        # only groups with a signal are kept ...
         assert len(b["comp"]) == int(b["keep"].sum()) * G == len(b["adv"]) == b["ids"].shape[0] * G
         assert (b["adv"].view(-1, G) != 0).any(-1).all()            # ... and every kept group has advantages
