@@ -149,3 +149,33 @@ def test_the_readme_quotes_the_verdict_the_archive_gives():
     with open(os.path.join(ROOT, "README.md")) as f:
         readme = f.read()
     assert "\n".join(lines) in readme, "README.md's verdict differs from results/verdict/headline.md"
+
+
+def test_int8_learning_pairs_each_seed_item_by_item(tmp_path):
+    """experiments/int8_learning.py's table on two synthetic seeds, its numbers worked out by hand."""
+    import json
+
+    from int8_learning import analyse as int8_table
+
+    def write(folder, items, seconds, gap=None):
+        os.makedirs(folder)
+        json.dump({"score": float(np.mean(items)), "per_item": {"with_C": {"score": items}}},
+                  open(os.path.join(folder, "eval.json"), "w"))
+        extra = {} if gap is None else {"rollout_logp_gap": gap, "is_weight_clipped_fraction": 0.02}
+        with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+            for s in seconds:
+                f.write(json.dumps({"seconds": s, **extra}) + "\n")
+        json.dump({"cpu": "AVX512"}, open(os.path.join(folder, "timing.json"), "w"))
+
+    f32, res = tmp_path / "f32", tmp_path / "int8"
+    write(f32 / "single-s2", [1, 0, 0, 0], [40, 50, 60])       # 25 %, median 50 s a step
+    write(res / "runs" / "single_int8-s2", [1, 1, 1, 0], [20, 25, 90], gap=0.2)  # 75 %: 2 items better
+    write(f32 / "single-s4", [1, 1, 0, 0], [30, 30, 30])       # 50 %
+    write(res / "runs" / "single_int8-s4", [0, 1, 0, 0], [15, 15, 15], gap=0.2)  # 25 %: 1 item worse
+    md = int8_table(str(res), str(f32))
+    assert "| 2 | 25.0 | 75.0 | +50.0 [" in md and "| 2 / 0 | 50.0 | 25.0 | 0.200 | 2.0 % | AVX512 / AVX512 |" in md
+    assert "| 4 | 50.0 | 25.0 | -25.0 [" in md and "| 0 / 1 | 30.0 | 15.0 |" in md
+    # over seeds: mean of +50 and -25, sd sqrt(((37.5)^2 + (37.5)^2) / 1) = 53.0; one seed each way;
+    # the sign-flip p over {+50, -25}: all 4 sign patterns have |mean| >= 12.5 (12.5 or 37.5) -> p = 1
+    assert "int8 − float32 +12.5 ± 53.0 points (no 95 % interval over fewer than 6 seeds); 1 / 1 seeds" in md
+    assert "p = 1 (two-sided)" in md and "2.00×, 2.00× (median 2.00×)" in md
