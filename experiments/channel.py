@@ -67,7 +67,6 @@ sys.path.insert(0, ROOT)
 
 from adapter import PerceiverAdapter  # noqa: E402
 from experts import expert_text, load_model  # noqa: E402
-import grpo  # noqa: E402
 import rollout  # noqa: E402
 from rollout import policy_inputs  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402

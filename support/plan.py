@@ -33,7 +33,6 @@ here at --dtype (bfloat16: ~2x what the MXFP4 file takes).
 Try it on CPU:  python train.py --team tiny --device cpu --plan
 """
 import contextlib
-import math
 import resource
 
 import torch

@@ -267,7 +267,6 @@ def test_constrained_logprobs_are_the_masked_distributions(tiny_policy):
     pytest.importorskip("llguidance", reason="constrained decoding needs requirements-conductor.txt")
     import copy
 
-    import grpo
     import rollout
     from lora import apply_lora
     model, tok = copy.deepcopy(tiny_policy[0]), tiny_policy[1]
