@@ -39,7 +39,8 @@ def record(run_dir):
     """One run's figures: per-item scores, median step seconds, the sampler's gap (int8 runs only)."""
     ev = json.load(open(os.path.join(run_dir, "eval.json")))
     steps = [json.loads(line) for line in open(os.path.join(run_dir, "metrics.jsonl"))]
-    mean = (lambda k: float(np.mean([s[k] for s in steps])) if k in steps[0] else None)
+    # a step that trained no completion (every group flat) logs no sampler gap: the mean is over the steps that do
+    mean = (lambda k: float(np.mean([s[k] for s in steps if k in s])) if any(k in s for s in steps) else None)
     return {"items": ev["per_item"]["with_C"]["score"], "score": 100 * ev["score"],
             "step_seconds": float(np.median([s["seconds"] for s in steps])), "gap": mean("rollout_logp_gap"),
             "clipped": mean("is_weight_clipped_fraction"), "cpu": read_timing(run_dir).get("cpu", "?")}

@@ -121,17 +121,20 @@ def costs(runs_dir):
     """Markdown: every archived run's training and evaluation wall time, and the total in core-hours (one
     thread per run)."""
     L = ["| run | train s | eval s | load average after (1, 5, 15 min) | CPU | note |", "|---|---|---|---|---|---|"]
-    total, untimed = 0.0, []
+    total, untimed, part = 0.0, [], []
     for name in sorted(os.listdir(runs_dir)) if os.path.isdir(runs_dir) else []:
         t = read_timing(os.path.join(runs_dir, name))
         if not t:
             untimed.append(name)
             continue
+        if "train_seconds" not in t or "eval_seconds" not in t:  # a part not recorded: the total is short of it
+            part.append(name)
         total += t.get("train_seconds", 0) + t.get("eval_seconds", 0)
         load = ", ".join(f"{x:.1f}" for x in t["load_average_after"]) if "load_average_after" in t else "–"
-        L.append(f"| {name} | {t.get('train_seconds', 0):.0f} | {t.get('eval_seconds', 0):.0f} | {load} | "
-                 f"{t.get('cpu', '–')} | {t.get('note', '')} |")
+        seconds = [f"{t[k]:.0f}" if k in t else "–" for k in ("train_seconds", "eval_seconds")]
+        L.append(f"| {name} | {seconds[0]} | {seconds[1]} | {load} | {t.get('cpu', '–')} | {t.get('note', '')} |")
     L += ["", f"Total: {total / 3600:.2f} core-hours over {len(L) - 2} timed runs"
+          + (f" (not counted: the unrecorded training or evaluation of {', '.join(part)})" if part else "")
           + (f"; without timing: {', '.join(untimed)}" if untimed else "") + "."]
     return "\n".join(L) + "\n"
 
