@@ -66,14 +66,14 @@ def phase_timers(run, times):
     import torch
     import rewards
     import rollout
-    import train
+    from support import run as run_module  # step_metrics, which calls the probes of C, lives there
     patched = []
     for owner, name, key in [
             (rollout, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
             (rollout, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
             (rewards, "score_batch", "reward scoring"), (rewards, "build_prompt", "prompt + tokenise"),
             (rollout, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
-            (torch.nn.utils, "clip_grad_norm_", "grad clip"), (train, "context_probes", "probes of C")] + (
+            (torch.nn.utils, "clip_grad_norm_", "grad clip"), (run_module, "context_probes", "probes of C")] + (
             [] if run["pool"] is None else [
             (run["pool"], "encode", "experts (frozen forwards)"), (run["method"].adapter, "forward", "adapter")]):
         def timed(*a, _f=getattr(owner, name), _key=key, **k):
