@@ -5,7 +5,7 @@ Speed benchmark: one GRPO optimiser step of this project vs TRL's GRPOTrainer vs
     HF_HUB_OFFLINE=1 python experiments/bench.py            # ~20 min on 2 CPU cores -> results/bench.{json,md}
     HF_HUB_OFFLINE=1 python experiments/bench.py --quick    # 1 measured step, no scaling runs: a fast check
     HF_HUB_OFFLINE=1 python experiments/bench.py --steps 3 --no-scaling \
-        --contenders single,ours,ours_int8,trl_default     # results/bench.md as committed
+        --contenders single,ours,ours_int8,ours_fast,trl_default     # results/bench.md as committed
     HF_HUB_OFFLINE=1 python experiments/bench.py --speedrun # time to 30 % and 45 % (experiments/speedrun.py)
 
 A step, for every contender: SmolLM2-135M-Instruct (pocket policy, fp32, CPU) + LoRA r8 (alpha 16) on
@@ -17,6 +17,8 @@ beta 0.04; one optimiser step per rollout. Step k uses the same chain_sum questi
                  rollouts alternate in one process. Reported: its speed-up over ours (paired
                  rounds), its generation's, and the sampler-policy gap train.py logs
                  (rollout_logp_gap, is_weight_mean, is_weight_clipped_fraction).
+  ours_fast      ours_int8 with --keep-activations too (the MLPs' activations kept for the backward pass instead
+                 of recomputed: exact, ~1 GB more memory), in the same worker: every speed lever of train.py.
   trl_default    TRL GRPOTrainer + PEFT LoRA, GRPOConfig defaults (gradient checkpointing ON in TRL 1.16);
   trl_no_gc      the same with it off. Both bf16=False (fp32), no vLLM, logging/saving/shuffling off, batch =
                  prompts x G; timed by a callback from on_step_begin (before generation) to on_step_end.
@@ -46,7 +48,8 @@ GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, over
 TIS_CAP = 2.0  # ours_int8: --rollout-dtype int8 --tis-cap 2, the pocket preset's cap
 # support.run.step_metrics' sampler-policy gap
 GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")
-CONTENDERS = ["single", "ours", "ours_int8", "trl_default", "trl_no_gc", "floor"]
+CONTENDERS = ["single", "ours", "ours_int8", "ours_fast", "trl_default", "trl_no_gc", "floor"]
+IN_OURS = {"ours_int8": dict(rollout_dtype="int8"), "ours_fast": dict(rollout_dtype="int8", keep_activations=True)}
 DATASET_SIZE, SEED = 256, 0
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository: train.py, rewards.py, ...
 
@@ -111,6 +114,7 @@ def ours_worker(kind, o):
         # --rollout-dtype per command: both rollouts alternate in one process; int8 with its TIS cap
         args.rollout_dtype = cmd.get("rollout_dtype", "float32")
         args.tis_cap = 0.0 if args.rollout_dtype == "float32" else TIS_CAP
+        run["policy"].recompute_mlps = not cmd.get("keep_activations", False)  # read by rollout.mlps_recomputed
         generation["seconds"] = 0.0
         if run["pool"] is not None:  # ours and ours_int8 share prompts: both pay the experts
             run["pool"].cache.clear()
@@ -328,7 +332,7 @@ def main():
     p.add_argument("--quick", action="store_true", help="--steps 1 --no-scaling: a fast check")
     p.add_argument("--contenders", default=",".join(CONTENDERS), help="comma-separated, of "
                    f"{', '.join(CONTENDERS)} (ours_int8: ours with --rollout-dtype int8 "
-                   f"--tis-cap {TIS_CAP})")
+                   f"--tis-cap {TIS_CAP}; ours_fast: ours_int8 with --keep-activations)")
     p.add_argument("--profile-only", action="store_true", help="only the phase profile of `ours` (loads one worker): "
                    "where a step's time goes, e.g. what the probes of C cost -> bench_profile.json beside --out")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "bench.json"),
@@ -341,7 +345,9 @@ def main():
     a.steps, a.no_scaling = (1, True) if a.quick else (a.steps, a.no_scaling)
     a.contenders = a.contenders.split(",")
     unknown = set(a.contenders) - set(CONTENDERS)
-    assert not unknown and "ours" in a.contenders, f"--contenders: unknown {unknown} or no ours"
+    if unknown or "ours" not in a.contenders:
+        p.error(f"--contenders: {'unknown ' + ', '.join(sorted(unknown)) if unknown else 'ours is needed'}; "
+                f"choose from {', '.join(CONTENDERS)}")
     for flag in ("steps", "scaling_steps", "prompts", "threads", "max_new_tokens"):
         assert getattr(a, flag) >= 1, f"--{flag.replace('_', '-')} must be >= 1"
     assert a.group_size >= 2 and a.warmup >= 0, "--group-size must be >= 2 and --warmup >= 0"
@@ -373,20 +379,19 @@ def main():
         return log(f"probes of C: {100 * res['probes_share_median']:.3f} % of a step (median of {a.steps}); {path}")
 
     # ---- 1. main comparison: all contenders loaded at once, alternated step by step ------------------------------
-    # ours_int8 is the ours worker with --rollout-dtype int8: both rollouts alternate in one process
-    W = {k: Worker(k, k, o, log_dir) for k in a.contenders if k != "ours_int8"}
+    # ours_int8 and ours_fast are commands to the ours worker (IN_OURS): they alternate with ours in one process
+    W = {k: Worker(k, k, o, log_dir) for k in a.contenders if k not in IN_OURS}
     info = {k: w.recv() for k, w in W.items()}
     log("loaded: " + ", ".join(f"{k} {w.rss / 1024:.1f} GB" for k, w in W.items()))
-    plan = {k: (W.get(k) or W["ours"], lambda r, k=k: dict(
-        step=r, **({"rollout_dtype": "int8"} if k == "ours_int8" else {}))) for k in a.contenders}
+    plan = {k: (W.get(k) or W["ours"], lambda r, k=k: dict(step=r, **IN_OURS.get(k, {}))) for k in a.contenders}
     runs = alternate(plan, a.warmup, a.steps, log)
     res = {k: {**stats(v, (W.get(k) or W["ours"]).rss),
-               "threads": info[k.replace("_int8", "")]["threads"]} for k, v in runs.items()}
+               "threads": info["ours" if k in IN_OURS else k]["threads"]} for k, v in runs.items()}
     if "trl_default" in res:
         res["trl_default"]["gradient_checkpointing"] = info["trl_default"]["gradient_checkpointing"]
     pair = lambda x, y, key="seconds": float(np.median(  # noqa: E731
         [u[key] / v[key] for u, v in zip(runs[x], runs[y])]))
-    paired = {f"{x}/{y}": pair(x, y) for x in ("ours", "ours_int8") for y in runs if y != x}
+    paired = {f"{x}/{y}": pair(x, y) for x in ("ours", *IN_OURS) if x in runs for y in runs if y != x}
     int8 = {} if "ours_int8" not in runs else dict(
         step_speedup_paired=pair("ours", "ours_int8"),
         generation_speedup_paired=pair("ours", "ours_int8", "generation"),
@@ -428,6 +433,8 @@ def main():
     report = dict(**ratios("ours"), trl_best_config=best, targets=GOALS, paired_round_ratios=paired,
                   targets_met={k: v <= GOALS[k] for k, v in ratios("ours").items()},
                   int8=dict(**int8, **ratios("ours_int8")) if int8 else {},
+                  fast=dict(step_speedup_paired=pair("ours", "ours_fast"), **ratios("ours_fast"))
+                  if "ours_fast" in runs else {},
                   contenders=res, profile=profile, scaling=scaling,
                   setup=dict(policy=POLICY, experts=EXPERTS, task="chain_sum", G=a.group_size, prompts=a.prompts,
                              new_tokens=a.max_new_tokens, forced_length=not a.natural_eos, lora_rank=8, beta=0.04,
@@ -469,6 +476,11 @@ def markdown(r):
                 f"{i['rollout_logp_gap']:.3f} nats per token, TIS weights at the cap "
                 f"{100 * i['is_weight_clipped_fraction']:.1f} %, mean weight "
                 f"{i['is_weight_mean']:.3f}."]
+    if r.get("fast"):
+        f = r["fast"]
+        out += ["", f"`ours_fast` (`ours_int8` with `--keep-activations`, the same worker): step "
+                f"{f['step_speedup_paired']:.2f}x faster than `ours` (paired rounds); ours_fast / TRL defaults "
+                f"{f.get('ratio_vs_trl', float('nan')):.2f}."]
     out += ["", *(f"Profile of one `{k}` step ({v['seconds']:.1f} s): " + ", ".join(
         f"{ph} {t:.1f} s" for ph, t in v["phases"].items()) for k, v in r["profile"].items())]
     if r["scaling"]:
