@@ -4,7 +4,7 @@ verdict's testbed with the verdict's flags, run again with `--rollout-dtype int8
 float32 run is archived in results/verdict/runs: the same seed draws the same training prompts and is scored on
 the same 100 validation items, so the two runs pair item by item.
 
-    OMP_NUM_THREADS=1 taskset -c 0 python experiments/int8_learning.py --seeds 2 4     # ~12 min a seed
+    OMP_NUM_THREADS=1 taskset -c 0 python experiments/int8_learning.py --seeds 2 4     # ~7 min a seed (AVX-512)
     OMP_NUM_THREADS=1 taskset -c 1 python experiments/int8_learning.py --seeds 6 7
     python experiments/int8_learning.py --analyse     # results/int8/runs -> results/int8/table.md
 
