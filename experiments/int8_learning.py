@@ -27,11 +27,11 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from pocket import archive, run  # noqa: E402
 from support.stats import mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
-from verdict import EXACT, HYPER, PROMPT, arms, cpu_capability, read_timing  # noqa: E402
+from verdict import EXACT, HYPER, PROMPT, TESTBED_CONFIG, TESTBED_TASK, arms, cpu_capability, read_timing  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "int8")
 FLOAT32 = os.path.join(ROOT, "results", "verdict", "runs")  # the verdict's `single` runs: the float32 sampler
-TASK = ["--task", "lcm", "--task-config", '{"min_numbers": 2, "max_numbers": 2, "min_value": 2, "max_value": 20}']
+TASK = ["--task", TESTBED_TASK, "--task-config", TESTBED_CONFIG]
 INT8 = ["--rollout-dtype", "int8", "--tis-cap", "2"]
 
 

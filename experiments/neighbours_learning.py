@@ -49,9 +49,9 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from neighbours_table import analyse, protocol  # noqa: E402
 from support.checkpoint import write_json  # noqa: E402
 from support.config import COUNT, ArgumentParser, fail, number  # noqa: E402
-from verdict import HYPER, PROMPT  # noqa: E402
+from verdict import HYPER, PROMPT, TESTBED_CONFIG, TESTBED_TASK  # noqa: E402
 
-TASK, TASK_CONFIG = "lcm", '{"min_numbers": 2, "max_numbers": 2, "min_value": 2, "max_value": 20}'  # the verdict's
+TASK, TASK_CONFIG = TESTBED_TASK, TESTBED_CONFIG  # the verdict's
 PARTS = ["conductor_controls", "conductor", "rlae_controls", "rlae", "rlae_random"]
 TRAINED = {"conductor": ("neighbours/conductor.py", []), "rlae": ("neighbours/rlae.py", []),
            "rlae_random": ("neighbours/rlae.py", ["--reward", "random"])}

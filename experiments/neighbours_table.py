@@ -36,6 +36,9 @@ from support.report import plot_runs
 from support.stats import hierarchical_bootstrap_ci, mean_std, paired_comparison, sign_flip_p
 
 LAST = 3  # "at the end" of a training: the mean over its last 3 steps
+# the conductor's metrics over training; zero_std_fraction is the share of groups whose G rewards are all equal:
+# their advantage is 0, so they give GRPO no gradient
+CONDUCTOR_CURVES = ("parse_rate", "mean_steps", "reward", "solve_rate", "zero_std_fraction")
 # the fields two runs' configs share when their evaluations score the same items with the same prompt
 SAME_ITEMS = ("task", "task_config", "system_prompt", "worked_example", "response_prefix", "context_position",
               "max_new_tokens")
@@ -113,7 +116,7 @@ def start_and_end(metrics, key):
 def conductor_training(recs):
     """{metric: {"start": [per seed], "end": [per seed]}}, and the workers' names."""
     out = {}
-    for key in ("parse_rate", "mean_steps", "reward", "solve_rate", "utilization"):
+    for key in (*CONDUCTOR_CURVES, "utilization"):
         pairs = [start_and_end(recs[s]["metrics"], key) for s in sorted(recs)]
         out[key] = {"start": [p[0] for p in pairs], "end": [p[1] for p in pairs]}
     out["names"] = next((m["utilization_names"] for r in recs.values() for m in r["metrics"]
@@ -205,7 +208,7 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots):
     if cond:
         L += ["", f"## The conductor over training (mean ± sd over seeds; end: the last {LAST} steps)", "",
               "| metric | step 1 | end |", "|---|---|---|"]
-        for key in ("parse_rate", "mean_steps", "reward", "solve_rate"):
+        for key in CONDUCTOR_CURVES:
             L.append(f"| {key} | {mean_sd(cond[key]['start'])} | {mean_sd(cond[key]['end'])} |")
         for k, name in enumerate(cond["names"]):
             share = [[None if v is None else v[k] for v in cond["utilization"][w]] for w in ("start", "end")]

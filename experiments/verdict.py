@@ -43,6 +43,9 @@ from pocket import archive, run  # noqa: E402
 from support.stats import holm, mean_std, sign_flip_ci, sign_flip_p  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict")
+# the testbed the screen chose and every verdict run trained on (given to this script as --task / --task-config);
+# the int8 and neighbours experiments run on it too, so that their runs pair item by item with the verdict's
+TESTBED_TASK, TESTBED_CONFIG = "lcm", '{"min_numbers": 2, "max_numbers": 2, "min_value": 2, "max_value": 20}'
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
 HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--lr", "1e-3", "--router-lr", "1e-3",
          "--steps", "15", "--save-every", "5", "--dataset-size", "2000"]

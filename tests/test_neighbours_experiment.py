@@ -107,7 +107,8 @@ def test_the_table_has_every_row_and_the_plots(experiment):
     assert sorted(r["label"] for r in experiment["table"]["comparisons"]) == sorted(labels)
     for label in labels:
         assert f"\n| {label} | 2 | " in md
-    for row in ("parse_rate", "reward", "share of workflow steps: tiny:qwen2", "share of workflow steps: tiny:gpt2"):
+    for row in ("parse_rate", "reward", "zero_std_fraction", "share of workflow steps: tiny:qwen2",
+                "share of workflow steps: tiny:gpt2"):
         assert f"\n| {row} | " in md
     assert [w["member"] for w in experiment["table"]["rlae_weights_vs_coins"]] == ["tiny:qwen2", "tiny:gpt2",
                                                                                   "tiny:llama"]
