@@ -45,12 +45,12 @@ its (step, clock, score) trace and the commit; a run whose recorded config equal
 a killed queue continues where it stopped.
 
 Cost (`worst_case_seconds`; seconds per step measured on this machine in the first speedrun: single 30.5, ours
-30.9, TRL 102.3, one thread; an evaluation of 100 items ~60 s, loading ~30 s): 5 seeds x 3 contenders x 60 steps
-(--max-steps) would be 5 x 60 x (30.5 + 30.9 + 102.3) s = 13.6 core-hours of training (18.8 with evaluations);
---max-seconds 1200 stops each run after ~40 steps of ours or single and ~12 of TRL, so the whole table costs at
-most 8.3 core-hours on one core (and less for every run that reaches 45 % early). Those runs of single and ours
-sampled in bfloat16; their float32 ablation ran 33.0 s per step, which moves the bound by a few minutes only,
-since --max-seconds caps the training clock.
+30.9, TRL 102.3, one thread; an evaluation of 100 items ~60 s, loading ~30 s): a run stops after --max-seconds
+600 of training (~20 steps of ours or single, ~6 of TRL) or --max-steps 40, so the 15 runs cost at most 4.8
+core-hours, and less for every run that reaches 45 % early. Measured (results/speedrun.md, 2026-11-26): the 15
+runs took 3.15 core-hours (2.0 h of wall time on core 0, 1.1 on core 1). Until then the bounds were 1200 s and 60 steps (8.3 core-hours at most): halved
+so that the 5 seeds fit in one session's two cores; the bound matters only for TRL, whose ~100 s steps leave it 6
+steps, so a TRL run that does not reach a target in 600 s says "slower than 600 s", no more.
 """
 import argparse
 import contextlib
@@ -317,8 +317,8 @@ def parse(argv):
     p.add_argument("--levers", nargs="+", default=None, choices=list(LEVERS),
                    help="the levers --ablations sets back (default: all there are)")
     p.add_argument("--items", type=COUNT, default=100, help="validation items (greedy)")
-    p.add_argument("--max-steps", type=COUNT, default=60, help="optimiser steps after which a run gives up")
-    p.add_argument("--max-seconds", type=POSITIVE, default=1200, help="training seconds after which a run gives up")
+    p.add_argument("--max-steps", type=COUNT, default=40, help="optimiser steps after which a run gives up")
+    p.add_argument("--max-seconds", type=POSITIVE, default=600, help="training seconds after which a run gives up")
     p.add_argument("--core", type=number(int, 0), default=1, help="the core every run is pinned to (one thread)")
     p.add_argument("--runs", default=os.path.join(ROOT, "runs", "speedrun"), help="the runs' folders")
     p.add_argument("--out", default=os.path.join(ROOT, "results", "speedrun.json"),
