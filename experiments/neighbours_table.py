@@ -13,8 +13,8 @@ What is computed (all on the same items: a seed's runs are scored on the seed's 
      stats.MIN_SEEDS_FOR_BOOTSTRAP seeds), the items better and worse, and per seed stats.paired_comparison
      (bootstrap interval over items, sign test) in table.json; against the verdict's `single` too, for the seeds
      whose record (--single) was scored on the same items with the same prompt;
-  2. the conductor over training: parse rate, workflow length, reward, solve rate and each worker's share of the
-     workflow steps, at step 1 and at the end (the mean over the last LAST steps);
+  2. the conductor over training: parse rate, workflow length, reward, solve rate, the share of flat groups and
+     each worker's share of the workflow steps, at step 1 and at the end (the mean over the last LAST steps);
   3. RLAE's agent weights (alpha / sum alpha, exactly uniform before the first update) at the end minus uniform,
      per member, trained on the task's reward and on coins, and their per-seed difference with its sign-flip p:
      weights that move under coins too are not learning; per item type in table.json;

@@ -49,8 +49,8 @@ Cost (`worst_case_seconds`; seconds per step measured on this machine in the fir
 600 of training (~20 steps of ours or single, ~6 of TRL) or --max-steps 40, so the 15 runs cost at most 4.8
 core-hours, and less for every run that reaches 45 % early. Measured (results/speedrun.md, 2026-11-26): the 15
 runs took 3.15 core-hours (2.0 h of wall time on core 0, 1.1 on core 1). Until then the bounds were 1200 s and 60
-steps (8.3 core-hours at most): halved so that 5 seeds fit in one session's two cores. A run that has not reached a
-target in 600 s says "slower than 600 s", no more; for TRL, whose steps take ~100 s, that is 6 steps.
+steps (8.3 core-hours at most): halved so that the 15 runs fit in ~2 hours on two cores. A run that has not
+reached a target in 600 s says "slower than 600 s", no more; for TRL, whose steps take ~100 s, that is 6 steps.
 """
 import argparse
 import contextlib
