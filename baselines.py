@@ -54,7 +54,7 @@ from adapter import FFN, OutputProjection, PerceiverAdapter, StateNorm
 HINT_INSTRUCTION = "Give a short hint or solution for this problem.\n\n"
 
 
-def expert_pool(names, args, device, dtype):
+def expert_pool(names, args, device, dtype, heads=False):
     """The frozen experts, on --expert-device when given (they only run forward, once per prompt:
     a second GPU, or the CPU to save GPU memory); their pooled states come back to `device`,
     where g_phi and the policy are."""
@@ -62,7 +62,7 @@ def expert_pool(names, args, device, dtype):
     where = getattr(args, "expert_device", None) or device
     return ExpertPool(names, where, dtype, args.pooling, args.seed,
                       depth=getattr(args, "expert_depth", 1.0), out_device=device,
-                      store=getattr(args, "expert_cache", None))
+                      store=getattr(args, "expert_cache", None), heads=heads)
 
 
 def pooled_states(pool, questions, answers, reuse):
@@ -98,8 +98,10 @@ def ours(team, out_dim, args, device, dtype):
     pool = expert_pool(team["experts"], args, device, dtype)
     adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents,
                                args.num_heads)
-    # g_phi stays float32 whatever the frozen weights are
-    return ExpertContext(pool, adapter.to(device))
+    # g_phi stays float32 whatever the frozen weights are; .to(device) moves StateNorm's buffers
+    # too (moving only the adapter left them on the CPU: every `ours` run on a GPU failed at its
+    # first step, the device check's first run on an H200)
+    return ExpertContext(pool, adapter).to(device)
 
 
 def identical(team, out_dim, args, device, dtype):
@@ -253,7 +255,7 @@ class TextHints(nn.Module):
 
 
 def output_collab(team, out_dim, args, device, dtype):
-    return TextHints(expert_pool(team["experts"], args, device, dtype), args.max_new_tokens)
+    return TextHints(expert_pool(team["experts"], args, device, dtype, heads=True), args.max_new_tokens)
 
 
 # Methods that read none of the team's experts (identical's only expert is the policy itself): their

@@ -17,7 +17,8 @@ What is here:
                  (real pretrained models shipped in PyPI packages, offline on CPU) and `tiny`
                  (random-init models built from configs, for hermetic tests)
   load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME`
-                 (support/pocket_models.py), `tiny:NAME` (support/tiny_models.py);
+                 (support/pocket_models.py), `tiny:NAME` (support/tiny_models.py), `shape:NAME`
+                 (random weights at a hub model's real shapes: support/shape_models.py);
                  a model loaded twice shares its frozen weights (share_frozen_weights)
   oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}."
                  (ORACLE_TEXT), so its state holds the gold answer; it tests whether the channel
@@ -46,6 +47,8 @@ import os
 import weakref
 
 import torch
+
+from rollout import padding_behind_first_token
 
 TEAMS = {
     # The paper's teams (§4.1). Hub ids: they need network and, to be practical, a GPU.
@@ -110,18 +113,26 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "elect
 # Loading: hub id, local folder, GGUF file, pocket package, tiny config
 
 
-def load_model(spec, device="cpu", dtype=torch.float32):
-    """Return (model, tokenizer) in eval mode, frozen. Causal LMs come with their LM head (the
-    output-collaboration baseline generates from experts); encoders come as the bare encoder."""
+def load_model(spec, device="cpu", dtype=torch.float32, head=True):
+    """Return (model, tokenizer) in eval mode, frozen, on `device` in `dtype`. Causal LMs come with
+    their LM head, unless head=False (an expert that is only read: the head of Qwen2.5-Coder-7B
+    alone is 1 GiB in bfloat16, and only output_collab's experts generate); encoders come as the
+    bare encoder. Hub models and `shape:` models are built on `device` directly; tiny and pocket
+    ones (small) on the CPU, then moved."""
     spec = spec.removeprefix(ORACLE)  # an oracle is an ordinary model that reads another text
-    if spec.startswith("tiny:"):
+    if spec.startswith("shape:"):
+        from support import shape_models
+        model, tok = shape_models.load(spec[6:], device, dtype, head)
+    elif spec.startswith("tiny:"):
         from support import tiny_models
         model, tok = tiny_models.load(spec[5:])
     elif spec.startswith("pocket:"):
         from support import pocket_models
         model, tok = pocket_models.load(spec[7:])
     else:
-        model, tok = _load_pretrained(spec)
+        model, tok = _load_pretrained(spec, device, dtype, head)
+    if not head and hasattr(model, "lm_head"):  # tiny, pocket: the base model, the head dropped
+        model = model.base_model
     model = model.to(device=device, dtype=dtype).eval()
     for p in model.parameters():
         p.requires_grad_(False)
@@ -141,14 +152,18 @@ def share_frozen_weights(model, key):
     tensors (the same values; the second copy's own file pages are then never read): the pocket
     run's validation before training peaked 0.33 GB lower. Safe because the frozen
     weights are never written in place: LoRA adds its own tensors, and lora.lora_merged swaps
-    a merged copy in and out of the policy's own parameter objects, not the expert's."""
+    a merged copy in and out of the policy's own parameter objects, not the expert's. Names are
+    taken relative to the base model, so a copy without its LM head shares with one that has it."""
+    prefix = getattr(model, "base_model_prefix", "") + "."
+    names = {n.removeprefix(prefix): p for n, p in model.named_parameters()}
     first = _LOADED.get(key)
     if first is None:
-        model.frozen_weights = dict(model.named_parameters())  # names before LoRA renames them
+        model.frozen_weights = names  # names before LoRA renames them
         _LOADED[key] = model
         return
-    for name, p in model.named_parameters():
-        p.data = first.frozen_weights[name].data
+    for name, p in names.items():
+        if name in first.frozen_weights:
+            p.data = first.frozen_weights[name].data
 
 
 def frozen_dtype(name, device):
@@ -172,11 +187,18 @@ def pick_device(name):
 
 
 def team_models(args):
-    """{"policy", "experts", "router"}: the team's models, with --policy / --experts applied."""
+    """{"policy", "experts", "router"}: the team's models, with --policy / --experts applied, and
+    with --random-weights every hub model of HUB_CONFIGS as `shape:NAME` (random weights at the
+    real shapes, support/shape_models.py)."""
     team = dict(TEAMS[args.team])
     team["policy"] = args.policy or team["policy"]
     if args.experts:
         team["experts"] = args.experts.split(",")
+    if getattr(args, "random_weights", False):
+        from support.shape_models import HUB_CONFIGS
+        shape = lambda s: "shape:" + s if s in HUB_CONFIGS else s  # noqa: E731
+        team = {"policy": shape(team["policy"]), "experts": [shape(s) for s in team["experts"]],
+                "router": shape(team["router"])}
     return team
 
 
@@ -193,6 +215,10 @@ def check_models(specs):
     half a minute per file)."""
     for spec, flag in specs:
         spec = spec.removeprefix(ORACLE)
+        if spec.startswith("shape:"):
+            from support.shape_models import split_name
+            split_name(spec[6:])  # a ValueError for a model without published dimensions
+            continue
         if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
             continue
         if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
@@ -213,7 +239,7 @@ def is_encoder(model):
     return model.config.model_type in ENCODER_TYPES
 
 
-def _load_pretrained(spec):
+def _load_pretrained(spec, device="cpu", dtype=torch.float32, head=True):
     from transformers import AutoConfig, AutoModel, AutoModelForCausalLM, AutoTokenizer
     kwargs = {}
     # a GGUF file: transformers dequantises it (slow), so convert once and cache
@@ -228,8 +254,11 @@ def _load_pretrained(spec):
         raise ValueError(f"model folder {spec!r} does not exist")
     try:
         config = AutoConfig.from_pretrained(spec, **kwargs)
-        cls = AutoModel if config.model_type in ENCODER_TYPES else AutoModelForCausalLM
-        return cls.from_pretrained(spec, **kwargs), AutoTokenizer.from_pretrained(spec, **kwargs)
+        encoder = config.model_type in ENCODER_TYPES
+        cls = AutoModel if encoder or not head else AutoModelForCausalLM
+        # straight onto the device in its dtype: no float32 staging copy in host memory
+        model = cls.from_pretrained(spec, dtype=dtype, device_map=str(device), **kwargs)
+        return model, AutoTokenizer.from_pretrained(spec, **kwargs)
     except OSError as e:
         why = str(e).splitlines()[0][:120]
         raise ValueError(f"cannot load model {spec!r} ({why}); without a model hub, pass a local "
@@ -252,7 +281,8 @@ class ExpertPool:
     """n frozen experts. `encode(questions)` -> list of n tensors [B, d_i] (Eq. 5)."""
 
     def __init__(self, names, device="cpu", dtype=torch.float32, pooling="last", seed=0,
-                 max_length=1024, cache_size=100_000, depth=1.0, out_device=None, store=None):
+                 max_length=1024, cache_size=100_000, depth=1.0, out_device=None, store=None,
+                 heads=False):
         # "mean": sentence-embedding pooling of the hard router
         if pooling not in POOLINGS + ("mean",):
             raise ValueError(f"--pooling must be one of {POOLINGS}, got {pooling!r}")
@@ -265,7 +295,8 @@ class ExpertPool:
         self.pooling, self.max_length = pooling, max_length
         # train.py --expert-device: experts run on device, states go here
         self.out_device = out_device or device
-        self.models = [load_model(n, device, dtype) for n in self.names]
+        # heads: only output_collab generates from its experts; the others read one state each
+        self.models = [load_model(n, device, dtype, head=heads) for n in self.names]
         self.oracle = [n.startswith(ORACLE) for n in self.names]
         self.dims = [m.config.hidden_size for m, _ in self.models]
         self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
@@ -319,11 +350,14 @@ class ExpertPool:
         max_len = min(self.max_length, tok.model_max_length, model.config.max_position_embeddings)
         batch = tok(texts, return_tensors="pt", padding=True, truncation=True, max_length=max_len,
                     add_special_tokens=not tok.chat_template).to(self.device)
-        mask = batch["attention_mask"]
-        pos = (mask.cumsum(-1) - 1).clamp(min=0)                 # positions skip the left padding
+        # [x0 pad.. x1..]: no query row with every key masked (rollout.padding_behind_first_token)
+        ids, mask = padding_behind_first_token(batch["input_ids"], batch["attention_mask"])
+        pos = (mask.cumsum(-1) - 1).clamp(min=0)                 # positions skip the padding
         need_layers = self.pooling in ("first_layer", "random_layer") or self.depth < 1
-        out = model.base_model(input_ids=batch["input_ids"], attention_mask=mask, position_ids=pos,
-                               output_hidden_states=need_layers)
+        # no KV cache: the experts read the prompt once and never continue it
+        extra = {} if is_encoder(model) else {"use_cache": False}
+        out = model.base_model(input_ids=ids, attention_mask=mask, position_ids=pos,
+                               output_hidden_states=need_layers, **extra)
         B, T = mask.shape
         rows = torch.arange(B, device=mask.device)
         states = out.last_hidden_state                           # (B, T, d_i) after the final norm
@@ -333,11 +367,12 @@ class ExpertPool:
         if self.pooling == "last":
             h = states[:, -1]
         elif self.pooling == "first_token":
-            h = states[rows, T - mask.sum(-1)]  # first real token after the padding
+            h = states[:, 0]  # the first real token (the padding sits behind it)
         elif self.pooling == "random_token":
             lens = mask.sum(-1).cpu()
-            offset = (torch.rand(B, generator=self.generator) * lens).long()
-            h = states[rows, (T - lens + offset).to(mask.device)]
+            k = (torch.rand(B, generator=self.generator) * lens).long()  # the k-th real token
+            col = torch.where(k == 0, 0, T - lens + k)    # x0 at column 0, x_k at T - len + k
+            h = states[rows, col.to(mask.device)]
         elif self.pooling == "mean":
             w = mask.unsqueeze(-1).to(states.dtype)
             h = (states * w).sum(1) / w.sum(1)
@@ -347,7 +382,10 @@ class ExpertPool:
             L = len(out.hidden_states) - 1
             layer = torch.randint(1, L + 1, (B,), generator=self.generator)
             h = torch.stack([out.hidden_states[l][b, -1] for b, l in enumerate(layer.tolist())])
-        return dict(zip(questions, h.float()))
+        # a float32 copy per prompt: h is a view of the batch's activations (and .float() of a
+        # float32 tensor is the tensor itself), so a cached view would keep the whole [B, T, d]
+        # batch alive: 81,024 bytes held for a 192-byte state on the tiny team
+        return {q: row.clone() for q, row in zip(questions, h.float())}
 
 
 class StateStore:

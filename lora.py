@@ -64,9 +64,12 @@ class LoRALinear(nn.Module):
     def forward(self, x):
         y = self.base(x)
         if self.enabled and not self.merged:
-            # (..., in) -> (..., r) -> (..., out); never forms the (out x in) product B A
-            low_rank = (x.to(self.lora_A.dtype) @ self.lora_A.T) @ self.lora_B.T  # (..., out)
-            y = y + self.scaling * low_rank.to(y.dtype)
+            # (..., in) -> (..., r) -> (..., out); never forms the (out x in) product B A. Computed
+            # in the activations' dtype, with A and B cast to it (their float32 masters get float32
+            # gradients through the cast): casting x up instead made autograd keep a float32 copy
+            # of every wrapped layer's input under bfloat16 weights, ~2x the activation memory
+            A, B = self.lora_A.to(x.dtype), self.lora_B.to(x.dtype)
+            y = y + self.scaling * ((x @ A.T) @ B.T)                          # (..., out)
         return y
 
     def delta_weight(self):

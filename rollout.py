@@ -89,16 +89,61 @@ def position_ids(mask):
 
 
 def encode_prompts(tok, prompts, device):
-    """Token ids and mask of the policy's prompts, left-padded. A chat template writes its own
-    special tokens into the text; a model without one (a base model such as Gemma-3-270M, GPT-2)
-    gets what its tokenizer adds to plain text, e.g. Gemma's <bos>, as the experts do
-    (experts.py). Without its <bos> Gemma-3-270M scored 0.0 on the pocket task, with it 8.3 % on
-    12 items (a bug we had)."""
-    # every prompt ends at the last column, so completions follow directly
+    """Token ids and mask of the policy's prompts [B, T]: every prompt ends at the last column, so
+    completions follow directly, and its padding sits behind its first token
+    (padding_behind_first_token). A chat template writes its own special tokens into the text; a
+    model without one (a base model such as Gemma-3-270M, GPT-2) gets what its tokenizer adds to
+    plain text, e.g. Gemma's <bos>, as the experts do (experts.py). Without its <bos> Gemma-3-270M
+    scored 0.0 on the pocket task, with it 8.3 % on 12 items (a bug we had)."""
     tok.padding_side = "left"
     batch = tok(prompts, return_tensors="pt", padding=True,
                 add_special_tokens=not tok.chat_template)
-    return batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
+    ids, mask = batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
+    return padding_behind_first_token(ids, mask)
+
+
+def padding_behind_first_token(ids, mask):
+    """Left padding moved behind each row's first real token, [B, T] -> [B, T]:
+
+        [pad pad x0 x1 x2]  ->  [x0 pad pad x1 x2]
+
+    Why: with left padding, a padding position is a query whose keys (itself and the padding
+    before it) are all masked. Such a row of attention has nothing to attend to: CPU kernels
+    return finite values for it, but CUDA's memory-efficient SDPA kernel returns NaN there, and
+    the NaN reaches the real tokens through the next layer's products (transformers 5 no longer
+    un-masks these rows). Behind x0, every padding query sees x0, and no row is empty. The real
+    tokens see the same keys at the same positions (position_ids skips padding wherever it sits,
+    the mask hides it), so their outputs are the same function; the last column is still every
+    prompt's last token. tests/test_rollout.py counts empty rows in every attention call."""
+    B, T = ids.shape
+    n_pad = (T - mask.long().sum(-1))[:, None]                            # (B, 1)
+    cols = torch.arange(T, device=ids.device)[None]                       # (1, T)
+    src = torch.where(cols == 0, n_pad, torch.where(cols <= n_pad, cols - 1, cols))  # (B, T)
+    src = src.clamp(max=T - 1)  # an all-padding row stays all padding
+    return ids.gather(1, src), mask.gather(1, src)
+
+
+def same_width(batches, pad_id):
+    """[(ids [B_k, P_k], mask [B_k, P_k])] -> (ids, mask) [sum B_k, max P_k]: several micro-batches'
+    prompts in one batch, the narrower ones widened by padding behind their first token, where
+    padding_behind_first_token keeps it (the last column stays every prompt's last token)."""
+    P = max(ids.shape[1] for ids, _ in batches)
+    out_ids, out_mask = [], []
+    for ids, mask in batches:
+        extra = P - ids.shape[1]
+        pad = ids.new_full((ids.shape[0], extra), pad_id)
+        out_ids.append(torch.cat([ids[:, :1], pad, ids[:, 1:]], 1))
+        out_mask.append(torch.cat([mask[:, :1], torch.zeros_like(pad, dtype=torch.bool), mask[:, 1:]], 1))
+    return torch.cat(out_ids), torch.cat(out_mask)
+
+
+def cut_padding(comp, logp, eos_ids, pad_id):
+    """(comp, logp) [N, T] cut after their longest completion (its EOS included): what a decode loop
+    of these rows alone would have returned. logp may be None."""
+    is_eos = torch.isin(comp, torch.tensor(eos_ids, device=comp.device))       # (N, T)
+    ends = torch.where(is_eos.any(1), is_eos.int().argmax(1) + 1, comp.shape[1])  # (N,) lengths
+    T = int(ends.max()) if len(ends) else comp.shape[1]
+    return comp[:, :T], None if logp is None else logp[:, :T]
 
 
 def eos_token_ids(policy, tok):
@@ -193,19 +238,22 @@ def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_sha
 # The rollout
 
 
-def draw(logits, temperature):
+def draw(logits, temperature, u=None):
     """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF
-    sampling: one uniform number per row, where torch.multinomial draws one exponential per
-    vocabulary entry (~9 ms a step for 8 x 49k on 2 CPU cores). A zero-probability token has an
-    empty CDF interval and is never drawn."""
+    sampling: one uniform number per row (u [N, 1] in [0, 1), drawn here if not given), where
+    torch.multinomial draws one exponential per vocabulary entry (~9 ms a step for 8 x 49k on 2
+    CPU cores). A zero-probability token has an empty CDF interval and is never drawn."""
     cdf = torch.softmax(logits.float() / temperature, -1).cumsum(-1)         # (N, V)
-    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]  # (N, 1) uniform in [0, total)
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, device=cdf.device)
+    u = u * cdf[:, -1:]                                               # (N, 1) uniform in [0, total)
     return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
 
 
 @torch.no_grad()
 def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
-           position="after", greedy=False, return_logprobs=False, dtype=None, allowed=None):
+           position="after", greedy=False, return_logprobs=False, dtype=None, allowed=None,
+           uniforms=None):
     """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad
     after EOS), and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them
     with the scoring pass; with dtype=bfloat16 or int8 they are the low-precision sampler's own,
@@ -217,7 +265,11 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     allowed (constrained decoding, e.g. a grammar): a function called before each draw with the
     last drawn tokens [B*G] (None before the first) that returns a bool [B*G, vocab] mask of the
     tokens allowed next; the others get logit -inf, so the draw, the greedy pick and the returned
-    log-probs are those of the masked, renormalised softmax. Without it nothing changes."""
+    log-probs are those of the masked, renormalised softmax. Without it nothing changes.
+
+    uniforms [B*G, max_new_tokens] in [0, 1): the numbers each row's draws use, token by token
+    (train.py draws them per micro-batch from its own seed, so a row's completion does not depend
+    on which other rows share its decode loop); None draws them from torch's generator."""
     low = contextlib.nullcontext()
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
@@ -226,25 +278,31 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     with merge, low:
         start = prefill(policy, prompt_ids, prompt_mask, C, G, position)
         return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
-                      return_logprobs, allowed)
+                      return_logprobs, allowed, uniforms)
 
 
 def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
-           greedy=False, return_logprobs=False, allowed=None):
+           greedy=False, return_logprobs=False, allowed=None, uniforms=None):
     """The token-by-token loop of `sample`, from what `prefill` returned: draw (or argmax) a
     token per row, feed it, until every row has ended or max_new_tokens are written. Finished
-    rows emit pad_id. evaluate.py calls it directly to reuse one prefill for two things."""
+    rows emit pad_id. evaluate.py calls it directly to reuse one prefill for two things.
+
+    "Has every row ended?" needs the GPU's answer on the host (a synchronisation that stalls the
+    launch queue), so on a GPU it is asked every SYNC_EVERY tokens, and the tokens written after
+    the last row ended (all padding) are cut at the end: the same output as asking every token."""
+    sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
     cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
                     for l in cache.layers]
     logits = logits.float()                                               # (B*G, vocab)
     eos = torch.tensor(eos_ids, device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens, logps = [], []
-    for _ in range(max_new_tokens):
+    tokens, logps, ended = [], [], []
+    for t in range(max_new_tokens):
         if allowed is not None:
             ok = allowed(tokens[-1] if tokens else None)                      # (B*G, vocab) bool
             logits = logits.masked_fill(~ok, -torch.inf)
-        nxt = logits.argmax(-1) if greedy else draw(logits, temperature)      # (B*G,)
+        u = None if uniforms is None else uniforms[:, t:t + 1]               # (B*G, 1)
+        nxt = logits.argmax(-1) if greedy else draw(logits, temperature, u)   # (B*G,)
         if allowed is not None:  # draw clamps to the last token if u rounds up (p ~ 1e-7)
             nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
         nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
@@ -253,16 +311,24 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
             logp_all = torch.log_softmax(logits / temperature, -1)         # (B*G, vocab)
             logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
         done = done | torch.isin(nxt, eos)
-        if done.all():
+        ended.append(done)
+        if (t + 1) % sync_every == 0 and done.all():
             break
         mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)      # (B*G, P' + t + 1)
         pos = pos + 1
         out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
                      use_cache=True, **cache_kwargs(policy, cache))
         cache, logits = cache_of(out), out.logits[:, -1].float()
+    if sync_every > 1:  # cut the all-padding tokens written after every row had ended
+        all_ended = torch.stack(ended).all(1)                                  # (t,)
+        n = int(all_ended.int().argmax()) + 1 if bool(all_ended.any()) else len(tokens)
+        tokens, logps = tokens[:n], logps[:n]
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
     return torch.stack(tokens, 1)
+
+
+SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
 
 
 class _Preallocated(DynamicLayer):

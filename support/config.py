@@ -22,6 +22,8 @@ import re
 import shlex
 import sys
 
+import torch
+
 import rewards
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import POOLINGS, TEAMS, check_models, team_models
@@ -159,6 +161,8 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
       help="the rollout's matmuls on a copy of the weights in this dtype "
       "(support/low_precision.py; int8: CPU only); the scoring pass stays as it is")
+    a("--rollout-batch", type=number(int, 0), default=0, help="micro-batches sampled in one decode loop (0: the "
+      "whole step's, one loop; lower it if the rollout's KV cache does not fit: --plan counts it)")
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
       "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
       "(grpo.truncated_is_weights; 0: off)")
@@ -198,6 +202,12 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "their pooled states move to the policy's device")
     a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
       "prompt: runs and evaluations that name the same folder compute each state once (experts.StateStore)")
+    a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
+      "(support/shape_models.py): the paper's code path at full size with no download, for memory and speed "
+      "checks only (it learns nothing useful)")
+    a("--deterministic", action="store_true", help="deterministic CUDA kernels (torch.use_deterministic_algorithms, "
+      "CUBLAS_WORKSPACE_CONFIG): on a GPU, --resume and N processes then reach the same numbers as one "
+      "uninterrupted process; slower. CPU runs are deterministic without it")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
       "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
@@ -225,12 +235,14 @@ def check_args(p, args):
                "use --format-bonus 0"),
               (args.format_bonus or not args.format_bonus_strict,
                "--format-bonus-strict shapes the format bonus: give --format-bonus > 0 too"),
-              (not args.tis_cap or args.rollout_dtype != "float32",
-               "--tis-cap corrects a --rollout-dtype bfloat16 or int8 sampler; "
-               "with float32 there is nothing to correct"),
-              (args.rollout_dtype != "int8" or args.device in ("auto", "cpu"),
-               f"--rollout-dtype int8 runs on CPU only (PyTorch's int8 kernels), "
-               f"got --device {args.device}"),
+              (not args.tis_cap or args.rollout_dtype != "float32" or low_precision_frozen(args),
+               "--tis-cap corrects a sampler that is not the scoring pass (--rollout-dtype bfloat16 or int8, "
+               "or bfloat16 frozen weights); with float32 everywhere there is nothing to correct"),
+              (args.rollout_dtype != "int8" or args.device == "cpu" or
+               (args.device == "auto" and not torch.cuda.is_available()),
+               f"--rollout-dtype int8 runs on CPU only (PyTorch's int8 kernels), and --device {args.device} "
+               f"{'picks cuda here' if args.device == 'auto' else 'is not the CPU'}: add --device cpu or use "
+               "--rollout-dtype bfloat16"),
               (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
                f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
               (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),
@@ -248,6 +260,11 @@ def check_args(p, args):
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
     return args
+
+
+def low_precision_frozen(args):
+    """The frozen weights will be below float32: --dtype bfloat16, or auto on a CUDA machine."""
+    return args.dtype == "bfloat16" or (args.dtype == "auto" and args.device != "cpu" and torch.cuda.is_available())
 
 
 def refuse_train_levers(p, args, rewards=("task",)):

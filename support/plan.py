@@ -9,16 +9,17 @@ The models are built on PyTorch's meta device (shapes without storage) by the co
 lora.apply_lora, the method with its own constructor (experts.load_model swapped for a meta loader while it
 runs). So the parameter counts are exact, LoRA and g_phi included. A config comes from: tiny (built here),
 pocket (the converted copy's config.json, else the GGUF file's header), a local folder or the hub cache, and for
-the paper's hub models without a cache, HUB_CONFIGS below.
+the paper's hub models without a cache, support/shape_models.HUB_CONFIGS (their published dimensions).
 
 What is counted, per device of one process (under torchrun every process holds the same on its own devices):
   policy       its frozen weights at --dtype
   experts      their frozen weights at --dtype (on --expert-device if given), and the activations and KV cache
                of one forward over a micro-batch's prompts (no gradient)
   LoRA, g_phi  float32 weights + gradient + AdamW's two moments: 16 bytes a parameter
-  rollout      one micro-batch: a merged copy of the LoRA-wrapped weights (lora.lora_merged), the KV cache of
-               B*G rows x (prompt + m + new tokens) (and the prefill's cache while it is copied into it), the
-               float32 logits of one sampling step
+  rollout      one decode loop (train.sample_step: every micro-batch of the step, or --rollout-batch of them): a
+               merged copy of the LoRA-wrapped weights (lora.lora_merged), the KV cache of its rows x (prompt + m +
+               new tokens) (and the prefill's cache while it is copied into it), the float32 logits of one
+               sampling step
   loss pass    one micro-batch with gradient: what autograd keeps (ACTIVATIONS_PER_TOKEN_LAYER per token and
                layer, the attention's keys and values, the float32 logits), and the G-fold repeated prefix cache
   runtime      on CPU, the resident memory of this very process (Python, torch, transformers imported, no model
@@ -39,11 +40,13 @@ import torch
 
 import experts
 from lora import apply_lora, lora_layers
-from support import tiny_models
+from support import shape_models, tiny_models
+from support.shape_models import HUB_CONFIGS
 
 GB = 2 ** 30
 # Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
-# LoRA (their frozen weights need no gradient, so only inputs are kept): the input of each RMSNorm (2 D), the
+# LoRA (their frozen weights need no gradient, so only inputs are kept), at the activations' dtype (lora.LoRALinear
+# computes in it; when it cast its input up to float32, a bfloat16 run kept ~2x this): the input of each RMSNorm (2 D), the
 # inputs of the LoRA-wrapped projections (q/k/v share one: D; o_proj: D; the MLP's: D), the query (D): 6 D;
 # the LoRA branches' rank-r intermediates are negligible. The MLP keeps nothing else: rollout.mlps_recomputed
 # runs it again in the backward pass (before that it kept down_proj's input and SiLU's input, its output and the
@@ -54,39 +57,6 @@ GB = 2 ** 30
 ACTIVATIONS_PER_TOKEN_LAYER = lambda D: 6 * D  # noqa: E731
 DEFAULT_PROMPT_TOKENS = 256
 CUDA_CONTEXT = 0.5 * GB
-
-# The paper's hub models, for --plan without a hub: copied by hand from each model's config.json on the Hugging
-# Face hub (hidden size, layers, attention heads, key/value heads, intermediate size, vocabulary, tied embeddings).
-HUB_CONFIGS = {
-    "Qwen/Qwen2.5-3B-Instruct": ("qwen2", 2048, 36, 16, 2, 11008, 151936, True),
-    "Qwen/Qwen2.5-Math-1.5B-Instruct": ("qwen2", 1536, 28, 12, 2, 8960, 151936, True),
-    "Qwen/Qwen2.5-Coder-7B-Instruct": ("qwen2", 3584, 28, 28, 4, 18944, 152064, False),
-    "meta-llama/Llama-3.2-3B-Instruct": ("llama", 3072, 28, 24, 8, 8192, 128256, True),
-    "microsoft/Phi-3.5-mini-instruct": ("phi3", 3072, 32, 32, 32, 8192, 32064, False),
-    "google/gemma-2-2b-it": ("gemma2", 2304, 26, 8, 4, 9216, 256000, True),      # head_dim 256
-    "mistralai/Mistral-7B-Instruct-v0.3": ("mistral", 4096, 32, 32, 8, 14336, 32768, False),
-    "openai/gpt-oss-20b": ("gpt_oss", 2880, 24, 64, 8, 2880, 201088, False),     # 32 experts, 4 per token
-    "openai-community/gpt2": ("gpt2", 768, 12, 12, 12, 3072, 50257, False),
-    "sentence-transformers/all-MiniLM-L6-v2": ("bert", 384, 6, 12, 12, 1536, 30522, False),
-}
-
-
-def hub_config(spec):
-    import transformers as tf
-    kind, D, L, H, KV, I, V, tied = HUB_CONFIGS[spec]
-    common = dict(vocab_size=V, tie_word_embeddings=tied)
-    if kind == "gpt2":
-        return tf.GPT2Config(n_embd=D, n_layer=L, n_head=H, vocab_size=V)
-    if kind == "bert":
-        return tf.BertConfig(hidden_size=D, num_hidden_layers=L, num_attention_heads=H, intermediate_size=I,
-                             vocab_size=V)
-    cls = {"qwen2": tf.Qwen2Config, "llama": tf.LlamaConfig, "phi3": tf.Phi3Config, "gemma2": tf.Gemma2Config,
-           "mistral": tf.MistralConfig, "gpt_oss": tf.GptOssConfig}[kind]
-    extra = {"head_dim": 256} if kind == "gemma2" else \
-        {"head_dim": 64, "num_local_experts": 32, "num_experts_per_tok": 4} if kind == "gpt_oss" else {}
-    return cls(hidden_size=D, num_hidden_layers=L, num_attention_heads=H, num_key_value_heads=KV,
-               intermediate_size=I, **common, **extra)
-
 
 def model_config(spec):
     """The transformers config of a model spec, without loading weights (see the module docstring)."""
@@ -101,8 +71,10 @@ def model_config(spec):
             return AutoConfig.from_pretrained(folder)
         where, gguf, _ = pocket_models.locate_pocket_model(spec[7:])
         return AutoConfig.from_pretrained(where, gguf_file=gguf) if gguf else AutoConfig.from_pretrained(where)
+    if spec.startswith("shape:"):
+        return shape_models.config(spec[6:])
     if spec in HUB_CONFIGS:
-        return hub_config(spec)
+        return shape_models.config(spec)
     try:
         return AutoConfig.from_pretrained(spec, local_files_only=True)
     except OSError:
@@ -110,12 +82,14 @@ def model_config(spec):
                          "in support/plan.py)") from None
 
 
-def meta_model(spec, device=None, dtype=torch.float32):
-    """(model on the meta device, None): a stand-in for experts.load_model."""
+def meta_model(spec, device=None, dtype=torch.float32, head=True):
+    """(model on the meta device, None): a stand-in for experts.load_model (head=False: an expert that is only
+    read, built without its LM head, as experts.load_model builds it)."""
     import transformers as tf
     config = model_config(spec)
     with torch.device("meta"):
-        cls = tf.AutoModel if config.model_type in experts.ENCODER_TYPES else tf.AutoModelForCausalLM
+        encoder = config.model_type in experts.ENCODER_TYPES
+        cls = tf.AutoModel if encoder or not head else tf.AutoModelForCausalLM
         model = cls.from_config(config, dtype=dtype)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -145,6 +119,8 @@ def prompt_tokens(args, team):
         spec = team["policy"]
         if spec.startswith("tiny:"):
             tok = tiny_models.tiny_tokenizer()
+        elif spec.startswith("shape:"):  # the stand-in: one token per byte, ~4x a real tokenizer's count
+            tok = shape_models.tokenizer(shape_models.config(spec[6:]).vocab_size)
         elif spec.startswith("pocket:"):
             from support import pocket_models
             from transformers import AutoTokenizer
@@ -200,9 +176,12 @@ def estimate(args, world_size=1):
     Pc = P + ctx                                                        # prompt + context tokens
     D, L, H, KV, hd, I, V = shape(policy.config)
     kv_token = L * 2 * KV * hd * nbytes                                 # one token's keys and values, all layers
+    # one decode loop samples --rollout-batch micro-batches (0: all of a process's share of the step)
+    per_process = -(-args.grad_accum // world_size)
+    R = B * G * min(args.rollout_batch or per_process, per_process)      # rows of one decode loop
     rollout = {"merged LoRA weights": merged * nbytes,
-               "KV cache": B * G * (2 * Pc + T) * kv_token,              # the cache, and the prefill's while copied
-               "logits of a step": 3 * B * G * V * 4}                   # float32 logits, softmax, cdf
+               "KV cache": R * (2 * Pc + T) * kv_token,                 # the cache, and the prefill's while copied
+               "logits of a step": 3 * R * V * 4}                       # float32 logits, softmax, cdf
     act = ACTIVATIONS_PER_TOKEN_LAYER(D) * L * nbytes
     kv_saved = L * 2 * H * hd * nbytes                                  # keys and values as attention keeps them
     loss = {"activations": (B * Pc + B * G * T) * act,
@@ -221,7 +200,7 @@ def estimate(args, world_size=1):
     ex = plan.setdefault(str(expert_device), {})
     ex["expert weights"] = ex.get("expert weights", 0) + count(p for m in expert_models for p in m.parameters()) * nbytes
     ex["expert forward"] = ex.get("expert forward", 0) + (max(per_expert) if per_expert else 0)
-    pol["rollout (one micro-batch)"] = sum(rollout.values())
+    pol["rollout (one decode loop)"] = sum(rollout.values())
     pol["loss pass (one micro-batch)"] = sum(loss.values())
     for d in {str(device), str(expert_device)}:
         plan[d]["runtime"] = CUDA_CONTEXT if d.startswith("cuda") else \
@@ -234,7 +213,7 @@ def estimate(args, world_size=1):
 
 def peak(parts):
     """Everything resident at once: the larger of the rollout and the loss pass, not both."""
-    phases = ("rollout (one micro-batch)", "loss pass (one micro-batch)")
+    phases = ("rollout (one decode loop)", "loss pass (one micro-batch)")
     return sum(v for k, v in parts.items() if k not in phases) + max([parts.get(k, 0) for k in phases])
 
 

@@ -13,6 +13,16 @@ torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
 
 def pytest_configure(config):
     config.addinivalue_line("markers", "pocket: needs the pocket team's PyPI packages (README set-up)")
+    config.addinivalue_line("markers", "cuda: needs a CUDA GPU (skipped without one)")
+
+
+def pytest_collection_modifyitems(config, items):
+    if torch.cuda.is_available():
+        return
+    skip = pytest.mark.skip(reason="needs a CUDA GPU")
+    for item in items:
+        if "cuda" in item.keywords:
+            item.add_marker(skip)
 
 
 @pytest.fixture(scope="session")

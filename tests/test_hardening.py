@@ -200,7 +200,6 @@ BAD_INPUT = [
     ("train", "fresh", ["--rollout-dtype", "float16"], "--rollout-dtype", False),
     ("train", "fresh", ["--rollout-dtype", "int8", "--device", "mps"], "--rollout-dtype", False),
     ("train", "fresh", ["--device", "tpu"], "--device", False),
-    ("train", "fresh", ["--device", "cuda"], "--device", False),  # no CUDA on the test machine
     # models and data that are not there
     ("train", "fresh", ["--policy", "/no/such/model"], "--policy", False),
     ("train", "fresh", ["--experts", "tiny:qwen2,./no/such.gguf"], "--experts", False),
@@ -229,7 +228,6 @@ BAD_INPUT = [
     ("evaluate", "fresh", ["--run", "{out}"], "--run", False),
     ("evaluate", "garbage_checkpoint", ["--run", "{out}", "--n", "2"], "--run", False),
     ("evaluate", "garbage_config", ["--run", "{out}", "--n", "2"], "--run", False),
-    ("evaluate", "run", ["--run", "{out}", "--device", "cuda"], "--device", False),
     ("evaluate", "fresh", ["--untrained", "--team", "tiny", "--task", "no_such_task", "--out", "{out}"], "--task",
      False),
     ("evaluate", "fresh", ["--untrained", "--team", "tiny", "--task", "chain_sum", "--policy", "/no/such",
@@ -238,6 +236,10 @@ BAD_INPUT = [
      "hub"),
     ("evaluate", "fresh", ["--summarize", "{out}"], "--summarize", False),
 ]
+# --device cuda is bad input only where there is no CUDA: on a GPU machine these cases do not exist
+if not torch.cuda.is_available():
+    BAD_INPUT += [("train", "fresh", ["--device", "cuda"], "--device", False),
+                  ("evaluate", "run", ["--run", "{out}", "--device", "cuda"], "--device", False)]
 
 
 def case_id(case):
