@@ -44,6 +44,7 @@ Try it on CPU:  python experts.py --team tiny   (--team pocket after the README 
 """
 import hashlib
 import os
+import sys
 import weakref
 
 import torch
@@ -295,19 +296,26 @@ class ExpertPool:
         self.pooling, self.max_length = pooling, max_length
         # train.py --expert-device: experts run on device, states go here
         self.out_device = out_device or device
-        # heads: only output_collab generates from its experts; the others read one state each
-        self.models = [load_model(n, device, dtype, head=heads) for n in self.names]
-        self.oracle = [n.startswith(ORACLE) for n in self.names]
-        self.dims = [m.config.hidden_size for m, _ in self.models]
-        self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
-        self.cache, self.cache_size = {}, cache_size  # (expert index, text) -> pooled vector
         # on disk: one file per (expert, how it is read, text), named by a hash of all three
         self.store = store and [StateStore(store, f"{n}|{device}|{dtype}|{pooling}|{depth}|{max_length}")
                                 for n in self.names]
-        self.calls = [0] * len(self.models)  # forwards run per expert (tests count them)
+        self.load = lambda n: load_model(n, device, dtype, head=heads)
+        # heads: only output_collab generates from its experts; the others read one state each.
+        # An expert whose states are all in the store (train.py --precompute-states wrote them) is
+        # loaded only when a prompt's state is missing: a run on precomputed states never loads it
+        # (the default team's experts are 23 GB of GPU memory in bfloat16)
+        lazy = [bool(self.store) and not heads and self.store[i].dim() is not None
+                and not pooling.startswith("random") for i in range(len(self.names))]
+        self.models = [None if lazy[i] else self.load(n) for i, n in enumerate(self.names)]
+        self.oracle = [n.startswith(ORACLE) for n in self.names]
+        self.dims = [self.store[i].dim() if lazy[i] else self.models[i][0].config.hidden_size
+                     for i in range(len(self.names))]
+        self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
+        self.cache, self.cache_size = {}, cache_size  # (expert index, text) -> pooled vector
+        self.calls = [0] * len(self.names)  # forwards run per expert (tests count them)
 
     def __len__(self):
-        return len(self.models)
+        return len(self.names)
 
     def encode(self, questions, experts=None, answers=None):
         """Pooled states for each question: a list of [B, d_i] on out_device, one per expert.
@@ -336,12 +344,17 @@ class ExpertPool:
                 return torch.stack([fresh[q] for q in questions])
             if self.store:
                 self.store[i].write(fresh)
+                self.store[i].set_dim(self.dims[i])
             if len(self.cache) + len(fresh) > self.cache_size:
                 self.cache.clear()
             self.cache.update({(i, q): v for q, v in fresh.items()})
         return torch.stack([self.cache[k] for k in keys])
 
     def _forward(self, i, questions):
+        if self.models[i] is None:
+            print(f"expert {self.names[i]}: a state is not in --expert-cache, loading the expert",
+                  file=sys.stderr)
+            self.models[i] = self.load(self.names[i])
         model, tok = self.models[i]
         self.calls[i] += 1
         texts = [expert_text(tok, q) for q in questions]
@@ -402,6 +415,19 @@ class StateStore:
     def path(self, text):
         key = hashlib.sha256(f"{self.identity}\0{text}".encode()).hexdigest()[:32]
         return os.path.join(self.folder, key + ".pt")
+
+    def dim(self):
+        """The states' width, once a state was written (else None): what a run that never loads the
+        expert needs to build g_phi."""
+        path = self.path("\0width")[:-3] + ".width"
+        return int(open(path).read()) if os.path.exists(path) else None
+
+    def set_dim(self, d):
+        if self.dim() != d:
+            path = self.path("\0width")[:-3] + ".width"
+            with open(path + f".{os.getpid()}.tmp", "w") as f:
+                f.write(str(d))
+            os.replace(path + f".{os.getpid()}.tmp", path)
 
     def read(self, texts):
         """{text: state} for the texts already on disk."""

@@ -441,6 +441,34 @@ def make_optimizer(policy, method, args):
     return torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
 
 
+def precompute_states(args):
+    """--precompute-states: the experts' pooled states of every prompt the run will read (its
+    steps' training items, its --eval-items validation items, the --state-norm calibration
+    prompts) into --expert-cache, then exit. The run itself, started without this flag, then
+    never loads the experts (experts.ExpertPool reads the store): on a GPU, their memory (23 GB
+    for the default team in bfloat16) goes to the policy's rollout instead."""
+    from experts import pick_device
+    run = build_run(args, pick_device(args.device))
+    pool = run["pool"]
+    if pool is None or not args.expert_cache:
+        fail(f"--precompute-states: --method {args.method} with --expert-cache DIR: a method that reads "
+             "experts, and where to keep their states")
+    items = run["train_items"]
+    picks = sorted({i for step in range(args.steps) for micro in range(args.grad_accum)
+                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                   len(items), args.seed)})
+    questions = [items[i] for i in picks]
+    if args.eval_items:
+        val = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
+                                   args.task_config)
+        questions += [val[i] for i in range(min(args.eval_items, len(val)))]
+    for s in range(0, len(questions), 64):
+        chunk = questions[s:s + 64]
+        pool.encode([it["question"] for it in chunk], answers=[it["answer"] for it in chunk])
+    print(f"--precompute-states: {len(questions)} prompts x {len(pool)} experts in {args.expert_cache}")
+    return args.expert_cache
+
+
 def deterministic_kernels():
     """--deterministic: CUDA's kernels in their deterministic versions (cuBLAS with a fixed
     workspace, no cuDNN autotuning, torch's deterministic algorithms), so that on a GPU --resume
@@ -464,6 +492,8 @@ def main(argv=None, score_batch=None):
         fail(f"torchrun --nproc_per_node {world.size} is more processes than --grad-accum "
              f"{args.grad_accum} micro-batches per step: each process needs one; start fewer "
              "processes or raise --grad-accum")
+    if args.precompute_states:  # --expert-cache filled for every prompt the run reads, then exit
+        return precompute_states(args)
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support import plan
         return plan.main(args, world)

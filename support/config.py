@@ -208,6 +208,8 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--deterministic", action="store_true", help="deterministic CUDA kernels (torch.use_deterministic_algorithms, "
       "CUBLAS_WORKSPACE_CONFIG): on a GPU, --resume and N processes then reach the same numbers as one "
       "uninterrupted process; slower. CPU runs are deterministic without it")
+    a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
+      "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
       "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")

@@ -220,3 +220,31 @@ def test_cuda_smoke_run_is_finite_and_starts_at_the_reference(tmp_path):
     train.main(SMOKE + ["--device", "cuda", "--dtype", "bfloat16", "--steps", "2", "--out", out])
     recs = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert recs[0]["kl"] == 0.0 and not any(r["skipped_update"] for r in recs)
+
+
+def test_precomputed_states_let_a_run_train_without_loading_its_experts(tmp_path, monkeypatch):
+    """--precompute-states writes every state the run will read (its steps' prompts, its validation items) into
+    --expert-cache; the run then never loads an expert (the default team's are 23 GB of GPU memory)."""
+    import experts
+    cache = str(tmp_path / "states")
+    flags = SMOKE + ["--expert-cache", cache, "--steps", "2", "--grad-accum", "2", "--eval-items", "4"]
+    train.main(flags + ["--precompute-states", "--out", str(tmp_path / "pre")])
+    assert not os.path.exists(tmp_path / "pre")  # it writes states, no run folder
+    loaded, real = [], experts.load_model
+    monkeypatch.setattr(experts, "load_model", lambda spec, *a, **kw: loaded.append(spec) or real(spec, *a, **kw))
+    train.main(flags + ["--out", str(tmp_path / "run")])
+    assert loaded == []  # no expert (the policy is loaded by train.py's own import of load_model)
+    recs = [json.loads(line) for line in open(tmp_path / "run" / "metrics.jsonl")]
+    assert len(recs) == 2 and all(len(r["utilization"]) == 3 for r in recs)
+
+
+def test_deterministic_sets_the_cuda_determinism_switches(monkeypatch, tmp_path):
+    """--deterministic: cuBLAS's fixed workspace, no cuDNN autotuning, torch's deterministic algorithms (what makes
+    --resume and torchrun exact on a GPU, as they are on a CPU without it)."""
+    calls = []
+    monkeypatch.setattr(torch, "use_deterministic_algorithms", lambda on, **kw: calls.append((on, kw)))
+    monkeypatch.delenv("CUBLAS_WORKSPACE_CONFIG", raising=False)
+    monkeypatch.setattr(torch.backends.cudnn, "benchmark", True)
+    train.main(SMOKE + ["--steps", "1", "--deterministic", "--out", str(tmp_path / "run")])
+    assert calls and calls[0][0] is True
+    assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
