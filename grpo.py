@@ -60,14 +60,39 @@ Deviations and choices the paper leaves open (numbered):
    (r - mean) to round to 0: in float32 eight rewards of 0.6 give (r - mean) = 6e-8 and std = 6e-8,
    so (r - mean) / (std + eps) = +0.056 for every member, a spurious push that is not even
    mean-zero.
-6. metrics: kl uses the loss's aggregation; clip_fraction and ratio_mean are means over all masked
-   tokens.
+6. metrics: kl uses the loss's aggregation, over every completion passed in (with dynamic sampling
+   too, so every step logs it); clip_fraction and ratio_mean are means over all masked tokens.
 7. Not in the paper, off by default: when the rollout samples from a bfloat16 copy of the policy
    (train.py --rollout-dtype), truncated_is_weights reweights each token's surrogate toward pi_old
    (--tis-cap).
 8. Not in the paper, off by default: channel_forcing_loss (train.py --channel-weight), a
    contrastive term that pays the policy for explaining a rewarded completion better with its own
    prompt's C than with another prompt's; derived in its docstring.
+9. Not in the paper, off by default: DAPO's dynamic sampling (train.py --dynamic-sampling). Groups
+   whose rewards are all equal are drawn again; the surrogate is then averaged over the groups with
+   reward variance only, while the KL term stays on every group (signal_scale; derived below).
+
+Dynamic sampling keeps the KL on flat groups. With mu = 1 (ratio 1, no clip) the per-token
+gradient of GRPO's L (above) is, with w_i the aggregation's weight of completion i (1 / (N |o_i|)
+for "sequence"):
+
+    dL/dlogp_it = -w_i * A_i  +  beta * w_i * (1 - exp(logp_ref_it - logp_it))
+                   surrogate      KL: d/dx [exp(r - x) - (r - x) - 1] = 1 - exp(r - x)
+
+A flat group has A_i = 0, so its surrogate term is 0, but its KL term is not: it is > 0 where
+pi_theta gives the token more mass than pi_ref and < 0 where less, so a descent step moves logp
+toward logp_ref whatever the rewards. Plain GRPO keeps that pull. Leaving flat groups out with
+their KL (what --dynamic-sampling did before) removes it: a policy that stops writing answers gets
+reward 0 in every group, no loss remains, and nothing ever brings it back. So every group is
+trained, and only the surrogate's denominator follows DAPO, counting the groups with signal S:
+
+    L = -1/N_S sum_{i in S} 1/|o_i| sum_t S_it  +  beta/N sum_i 1/|o_i| sum_t KL_it   ("sequence")
+
+(N_S, N: completions in S and in all; "token" uses their token counts). train.py gets this from
+grpo_loss unchanged by multiplying a micro-batch's advantages by c = signal_scale(...) >= 0: the
+surrogate is linear in A for c > 0 (min(rho c A, clip(rho) c A) = c min(rho A, clip(rho) A)) and
+the KL does not see A. With no flat group c = 1 exactly (the loss is the one before); with no group
+with signal L = beta * KL, plain GRPO's loss on the same completions.
 
 Try it on CPU:  python -m pytest tests/test_grpo.py -q
 """
@@ -102,12 +127,36 @@ def flat_groups(r, G):
     return (groups == groups[:, :1]).all(-1)
 
 
-def kept_groups(r, G, dynamic_sampling):
-    """[B] bool: the groups trained on. DAPO's dynamic sampling (train.py's --dynamic-sampling
-    draws flat groups again first) leaves out those still flat; without it, every group."""
-    if dynamic_sampling:
-        return ~flat_groups(r, G)
-    return torch.ones(len(r) // G, dtype=torch.bool, device=r.device)
+def signal_scale(signal, comp_mask, n_signal, n_all, aggregation="sequence"):
+    """The factor c >= 0 on one micro-batch's advantages that makes its surrogate average over the
+    groups with reward variance only (DAPO), while its KL term keeps every completion (module
+    docstring, "Dynamic sampling keeps the KL on flat groups").
+
+    signal    [B] bool: the micro-batch's groups whose G rewards are not all equal
+    comp_mask [B*G, T] bool: its completions' masks
+    n_signal, n_all: completions in groups with signal, and all completions, of the whole step
+                     (every micro-batch of every process)
+
+    Each micro-batch's loss is weighted N / n_all (train.py: 1 / --grad-accum) and divides by U,
+    its aggregation's denominator (N completions for "sequence", its tokens for "token"); DAPO's
+    surrogate weighs it N_S / n_signal and divides by U_S (the same counts over its groups with
+    signal). The ratio of the two:
+
+        c = (n_all / n_signal) * (N_S / N) * (U / U_S)     ("sequence": n_all / n_signal)
+
+    and c = 0 when the micro-batch has no group with signal (its advantages are all 0)."""
+    G = comp_mask.shape[0] // max(signal.numel(), 1)
+    if signal.dim() != 1 or signal.numel() * G != comp_mask.shape[0]:
+        raise ValueError(f"signal [B] must have one entry per group of comp_mask [B*G, T], got "
+                         f"{tuple(signal.shape)} and {tuple(comp_mask.shape)}")
+    rows = signal.repeat_interleave(G)                         # (B*G,) in groups with signal
+    n_sig = int(rows.sum())                                    # N_S
+    if n_sig == 0 or n_signal == 0:
+        return 0.0
+    if aggregation == "sequence":                              # U = N, U_S = N_S
+        return n_all / n_signal
+    units, units_sig = int(comp_mask.sum()), int(comp_mask[rows].sum())  # U, U_S in tokens
+    return (n_all / n_signal) * (n_sig / len(rows)) * (units / units_sig) if units_sig else 0.0
 
 # ----------------------------------------------------------------------------- loss
 

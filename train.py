@@ -80,28 +80,26 @@ def grpo_step(step, run, args, score_batch):
         first = first_draw(drawn, G)  # what the log reports
         if args.dynamic_sampling:  # DAPO: draw the groups whose rewards are all equal again
             redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
-        keep = grpo.kept_groups(drawn["r"], G, args.dynamic_sampling)  # (B,) the groups trained on
-        rows = keep.repeat_interleave(G)                          # (B*G,) their completions
-        comp, comp_mask = completions(drawn, rows, run["eos_ids"])  # (N, T) each
+        comp, comp_mask = completions(drawn, run["eos_ids"])  # (B*G, T) each, every group
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
-        C_kept = rows_of(ctx["C"], keep)                          # (n, m, D) or None
-        logp_ref = reference_logprobs(run, args, ids[keep], mask[keep], C_kept, comp, comp_mask)
+        logp_ref = reference_logprobs(run, args, ids, mask, ctx["C"], comp, comp_mask)
         batches.append(dict(items=items, questions=[it["question"] for it in items], ctx=ctx,
-                            keep=keep, ids=ids[keep], mask=mask[keep], comp=comp,
-                            comp_mask=comp_mask, adv=adv[rows], logp_ref=logp_ref,
-                            logp_mu=rows_of(drawn["logp_mu"], rows), r=drawn["r"],
+                            signal=~grpo.flat_groups(drawn["r"], G), ids=ids, mask=mask, comp=comp,
+                            comp_mask=comp_mask, adv=adv, logp_ref=logp_ref,
+                            logp_mu=drawn["logp_mu"], r=drawn["r"],
                             counts=drawn["counts"], texts=drawn["texts"], **first))
+    if args.dynamic_sampling:  # DAPO: the surrogate averages over groups with signal; KL over all
+        dapo_advantages(batches, G, world, args.loss_aggregation)
 
     # ---- loss and step: mu passes over the rollout, gradient accumulation over micro-batches ----
-    n_trained = sum(distributed.gather(world, [sum(len(b["comp"]) for b in batches)]))  # all ranks
     skipped = False
     for epoch in range(args.inner_epochs):  # mu (paper: 1)
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
-        for b in (b for b in batches if len(b["comp"])):  # a micro-batch may have no group left
-            C = kept_context(run, b)  # the rollout's C again, now with gradient into g_phi
+        for b in batches:
+            C = trained_context(run, b)  # the rollout's C again, now with gradient into g_phi
             logp = policy_logprobs(run, args, b, C)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b["logp_old"] = logp.detach()
@@ -111,7 +109,7 @@ def grpo_step(step, run, args, score_batch):
                                      b["is_weight"])
             if args.channel_weight:  # not the paper's: + lambda * grpo.channel_forcing_loss
                 loss, m = add_channel_forcing(loss, m, logp, b, C, run["policy"], args)
-            accumulation_share(loss, b, args, n_trained).backward()
+            (loss / args.grad_accum).backward()  # each micro-batch holds B*G completions
             losses.append(loss.item())
             stats.append(m)
         losses = distributed.gather(world, losses)  # torchrun: every rank's
@@ -302,17 +300,14 @@ def rows_of(x, rows):
     return None if x is None else x[rows]
 
 
-def completions(drawn, rows, eos_ids):
-    """The completions trained on and their masks (True up to and including EOS): [N, T] each."""
-    comp_mask = grpo.completion_mask(drawn["comp"], eos_ids)
-    return drawn["comp"][rows], comp_mask[rows]
+def completions(drawn, eos_ids):
+    """The completions and their masks (True up to and including EOS): [B*G, T] each."""
+    return drawn["comp"], grpo.completion_mask(drawn["comp"], eos_ids)
 
 
 def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
-    """log pi_ref(y_t) [N, T] of the kept completions: LoRA off, and zero tokens (or the anchor)
-    where C was. None when dynamic sampling kept no group."""
-    if len(ids) == 0:
-        return None
+    """log pi_ref(y_t) [B*G, T] of the completions: LoRA off, and zero tokens (or the anchor) where
+    C was."""
     method, policy = run["method"], run["policy"]
     with torch.no_grad(), lora_disabled(policy):
         C0 = None if C is None else empty_context(method, C)
@@ -320,11 +315,10 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
                                            args.context_position)
 
 
-def kept_context(run, b):
-    """C of the micro-batch's kept prompts [n, m, D] (or None), with gradient: g_phi run again on
-    the rollout's pooled states and routing draw (they come back through `reuse`)."""
-    ctx = run["method"](b["questions"], reuse=b["ctx"])
-    return rows_of(ctx["C"], b["keep"])
+def trained_context(run, b):
+    """C of the micro-batch's prompts [B, m, D] (or None), with gradient: g_phi run again on the
+    rollout's pooled states and routing draw (they come back through `reuse`)."""
+    return run["method"](b["questions"], reuse=b["ctx"])["C"]
 
 
 def policy_logprobs(run, args, b, C):
@@ -341,19 +335,23 @@ def tis_weights(b, args):
     return grpo.truncated_is_weights(b["logp_old"], b["logp_mu"], b["comp_mask"], args.tis_cap)
 
 
-def accumulation_share(loss, b, args, n_trained):
-    """The micro-batch's share of the step's gradient: 1 / --grad-accum, or, with dynamic
-    sampling, its completions' share, so each trained completion weighs the same however many
-    groups are left."""
-    if not args.dynamic_sampling:
-        return loss / args.grad_accum
-    return loss * (len(b["comp"]) / n_trained)
+def dapo_advantages(batches, G, world, aggregation):
+    """--dynamic-sampling: every group keeps its KL term (a flat one has A = 0, so no surrogate),
+    and each micro-batch's advantages are scaled by grpo.signal_scale, so that the surrogate
+    averages over the step's groups with signal only (grpo.py derives it). The counts are the
+    step's, over every process. In place."""
+    counts = distributed.gather(world, [(len(b["comp"]), int(b["signal"].sum()) * G)
+                                        for b in batches])  # (completions, in groups with signal)
+    n_all, n_signal = (sum(c) for c in zip(*counts))
+    for b in batches:
+        b["adv"] = b["adv"] * grpo.signal_scale(b["signal"], b["comp_mask"], n_signal, n_all,
+                                                aggregation)
 
 
 def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
     """--channel-weight lambda: loss + lambda * grpo.channel_forcing_loss, where each prompt's
     mismatched context is the C of the next prompt of the micro-batch (a cyclic shift: no prompt
-    keeps its own). With fewer than two prompts left there is no other prompt: the term is 0."""
+    keeps its own). With fewer than two prompts there is no other prompt: the term is 0."""
     if len(C) < 2:
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
     C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1

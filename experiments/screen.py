@@ -28,19 +28,23 @@ base SmolLM2-135M-Instruct, Gemma-3-270M, all-MiniLM-L6-v2, Qwen2.5-Coder-1.5B-I
       lr 1e-3, 15 steps, the speedrun's levers but a float32 rollout: deviation 5), seed 0, then
       `evaluate.py --run ... --n N_EVAL`: the same first --n-eval validation items of seed 0 as (a).
 
-The RULE that picks the testbed is `pick_testbed` (its docstring); it was committed before the screen ran.
-Among the tasks whose `single` <= 60 % and whose best expert alone (Gemma or Qwen; not the policy's own base) is
-at least `single` + 20 points, the testbed is the one with the largest gap between the best expert probe (any
-expert, any of the three depths) and the policy's probe (SmolLM2, any depth); ties go to the larger alone margin.
-If no task qualifies, the table says "none met the rule".
+The RULE that picks the testbed is `pick_testbed` (its docstring). The first rule, committed before the screen ran,
+took the best probe of any expert at any depth and mean scores (partial credit), and chose lcm for MiniLM's probe,
+an expert the verdict's arms do not read. The corrected rule (2026-11-26, written after the screen's numbers were
+known; it re-reads the stored results, nothing was measured again) reads only the arms' expert (ARMS_EXPERT,
+Qwen2.5-Coder-1.5B) at the arms' depth (ARMS_DEPTH, the final state), on exact solve rates: among the tasks whose
+probe gap (expert - policy, both at that depth) is > 0, whose `single` <= 60 % and whose expert alone is at least
+`single` + 20 points, the largest probe gap wins; ties go to the larger alone margin. A task whose missing parts
+could still make it the testbed is marked open, with the core-hours to measure them (`rerun_seconds`). If no
+task qualifies, the table says "none met the rule".
 
 Order of the work (so that a partial screen is still a useful table): phase 1 runs (a) and (b) for every task,
-task by task in CANDIDATES order; phase 2 runs (c), most promising task first (`single_order`: the
-largest best-expert-alone minus policy-alone margin, or with --single-by gap the largest probe gap, the rule's own
-criterion, so that the first eligible task met is the one the rule picks; the screen used --single-by gap after
-its first single, see the table's notes); a task whose best expert alone is below 20 % cannot meet the rule (single >= 0), so
-its single is not run ("cannot meet the rule"). With --deadline HH:MM (UTC) nothing new starts after it and the
-rows not reached read "not run (time)".
+task by task in CANDIDATES order; phase 2 runs (c), most promising task first (`single_order`: the largest
+expert-alone minus policy-alone margin, or with --single-by gap the largest probe gap, the rule's own criterion, so
+that the first eligible task met is the one the rule picks; the screen's singles ran under the first rule, by its
+gap, see the table's notes); a task the rule rules out without a single (the expert alone below 20 %, or a probe
+gap <= 0) gets no single ("cannot meet the rule"). With --deadline HH:MM (UTC) nothing new starts after it and
+the rows not reached read "not run (time)".
 
 Deviations / choices (numbered):
   1. Alone scores use the "<answer>" pre-fill (a direct answer, no reasoning), so they measure what a model knows
@@ -128,56 +132,86 @@ POCKET_HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "
 POCKET_LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1", "--rollout-dtype", "float32"]
 
 MAX_SINGLE, MIN_MARGIN = 0.60, 0.20
+# the expert the verdict's arms read (experiments/verdict.py --strong-expert) and the depth they read it at
+# (--expert-depth, a fraction of the model's blocks; 1.0 = the final state, after the final norm)
+ARMS_EXPERT, ARMS_DEPTH = "qwen1.5b", 1.0
 
 
 # ----------------------------------------------------------------------------------------------------------
-# The rule (committed before the screen ran)
+# The rule
 
 
-def pick_testbed(rows, policy="smollm2", max_single=MAX_SINGLE, min_margin=MIN_MARGIN):
-    """THE RULE. rows: {task: row} as in results.json (scores are fractions in [0, 1]).
+def exact_rate(part):
+    """The exact solve rate of an alone / single result: the fraction of its items scored 1 (the scorers give
+    partial credit, e.g. for a wrong answer that contains the gold one). None if it did not run."""
+    if not part or not part.get("per_item"):
+        return None
+    return sum(s == 1 for s in part["per_item"]) / len(part["per_item"])
 
-    A task is eligible when all of these hold:
-      - its `single` ran (row["single"]["score"] is a number) and single <= max_single (60 %): the policy does
-        not learn the task alone within the pocket budget, so there is room for help;
-      - best expert alone >= single + min_margin (20 points), where the best expert alone is the largest
-        row["alone"][m]["score"] over the models m other than the policy's own base (a model that is the policy
-        knows nothing the policy does not): an expert answers, without training, far more items than the
-        trained policy;
-      - the probes ran for the policy and at least one other model.
-    Among the eligible tasks, the testbed is the one with the largest probe gap = (best expert probe exact, the
-    maximum over the experts and the three depths) - (the policy's probe exact, the maximum over its three
-    depths): the task whose answer is most readable from an expert's question-only state beyond the policy's
-    own. Ties: the larger alone margin (best expert alone - single), then the task name.
-    Returns (task or None, {task: {"eligible": bool, "why": str, "probe_gap": float|None, ...}}).
+
+def probe_at(row, model, depth):
+    """The model's probe exact rate at hidden-state index max(1, round(depth * L)) (experts.py's --expert-depth),
+    or None if that probe did not run or did not read that index."""
+    p = (row.get("probe") or {}).get(model)
+    if not p or not p.get("exact") or not p.get("layers"):
+        return None
+    return p["exact"].get(str(max(1, round(depth * p["layers"]))))
+
+
+def pick_testbed(rows, expert=ARMS_EXPERT, depth=ARMS_DEPTH, policy="smollm2", max_single=MAX_SINGLE,
+                 min_margin=MIN_MARGIN):
+    """THE RULE, corrected after the first verdict (the first rule took the best probe of any expert at any depth,
+    and partial credit; it chose lcm-2n-to20 for MiniLM's probe, an expert the arms do not read). rows: {task: row}
+    as in results.json (scores are fractions in [0, 1]); `expert` is the expert the arms read, at `depth`.
+
+    Every score is the exact solve rate (the fraction of items scored 1), not the mean score. A task is eligible
+    when all of these hold:
+      - the probe gap = (the expert's probe exact) - (the policy's probe exact), both at `depth` (hidden-state
+        index round(depth * L) of each model), is > 0: the expert's question-only state, where the arms read it,
+        holds the answer more often than the policy's own state at that depth;
+      - the expert alone >= single + min_margin (20 points): the expert answers, without training, far more items
+        than the trained policy (so an expert alone below min_margin cannot qualify whatever single is);
+      - its `single` ran and single <= max_single (60 %): room for help.
+    Among the eligible tasks, the testbed is the one with the largest probe gap; ties: the larger alone margin
+    (expert alone - single), then the task name. A task whose missing parts could still make it the testbed is
+    marked `open` (its gap, where known, is at least the chosen one's).
+    Returns (task or None, {task: {"eligible", "open", "why", "probe_gap", "expert_alone", "single", ...}}).
     """
     verdicts, best = {}, None
     for task, row in sorted(rows.items()):
-        single = (row.get("single") or {}).get("score")
-        alone = {m: a["score"] for m, a in (row.get("alone") or {}).items() if m != policy and a.get("score") is not None}
-        probes = {m: max(p["exact"].values()) for m, p in (row.get("probe") or {}).items() if p.get("exact")}
-        expert_probes = {m: v for m, v in probes.items() if m != policy}
-        best_alone = max(alone.values()) if alone else None
-        gap = (max(expert_probes.values()) - probes[policy]) if policy in probes and expert_probes else None
-        margin = None if best_alone is None or single is None else best_alone - single
-        v = {"single": single, "best_expert_alone": best_alone, "alone_margin": margin, "probe_gap": gap,
-             "eligible": False}
+        single = exact_rate(row.get("single"))
+        alone = exact_rate((row.get("alone") or {}).get(expert))
+        e_probe, p_probe = probe_at(row, expert, depth), probe_at(row, policy, depth)
+        gap = None if e_probe is None or p_probe is None else e_probe - p_probe
+        margin = None if alone is None or single is None else alone - single
+        v = {"single": single, "expert_alone": alone, "alone_margin": margin, "expert_probe": e_probe,
+             "policy_probe": p_probe, "probe_gap": gap, "eligible": False, "missing": []}
+        if gap is None:
+            v["missing"].append("probes")
+        if alone is None:
+            v["missing"].append(f"{expert} alone")
         if single is None:
-            v["why"] = "single did not run"
-        elif single > max_single:
+            v["missing"].append("single")
+        if gap is not None and gap <= 1e-9:  # probe rates are float32 fractions of 100 items
+            v["why"] = f"{expert}'s probe {100 * e_probe:.0f} <= the policy's {100 * p_probe:.0f}"
+        elif alone is not None and alone < min_margin - 1e-9:
+            v["why"] = f"{expert} alone {100 * alone:.1f} < 20: cannot reach single + 20 points"
+        elif v["missing"]:
+            v["why"] = "undecided: " + ", ".join(v["missing"]) + " not run"
+        elif single > max_single + 1e-9:
             v["why"] = f"single {100 * single:.1f} > {100 * max_single:.0f} %"
-        elif margin is None:
-            v["why"] = "no expert alone score"
         elif margin < min_margin - 1e-9:
-            v["why"] = f"best expert alone {100 * best_alone:.1f} < single + {100 * min_margin:.0f} points"
-        elif gap is None:
-            v["why"] = "no probe of the policy and of an expert"
+            v["why"] = f"{expert} alone {100 * alone:.1f} < single {100 * single:.1f} + {100 * min_margin:.0f} points"
         else:
             v.update(eligible=True, why="eligible")
             key = (gap, margin, task)
             if best is None or key > best[0]:
                 best = (key, task)
         verdicts[task] = v
+    chosen_gap = None if best is None else best[0][0]
+    for v in verdicts.values():
+        v["open"] = v["why"].startswith("undecided") and (
+            v["probe_gap"] is None or chosen_gap is None or v["probe_gap"] >= chosen_gap)
     return (None if best is None else best[1]), verdicts
 
 
@@ -440,26 +474,96 @@ def pct(x):
     return "–" if x is None else f"{100 * x:.1f}"
 
 
-def markdown(res, policy="smollm2"):
+def median(xs):
+    xs = sorted(xs)
+    return None if not xs else (xs[len(xs) // 2] if len(xs) % 2 else (xs[len(xs) // 2 - 1] + xs[len(xs) // 2]) / 2)
+
+
+def rerun_seconds(rows, verdicts, expert=ARMS_EXPERT, policy="smollm2"):
+    """{task: (missing parts, estimated seconds)} for the rows the rule lacks data for: each missing part costs the
+    median of that part's stored wall times over the rows where it ran (one core; model loading not included)."""
+    def med(get):
+        return median([x for r in rows.values() if (x := get(r)) is not None])
+    cost = {"alone": med(lambda r: ((r.get("alone") or {}).get(expert) or {}).get("seconds")),
+            "expert probe": med(lambda r: ((r.get("probe") or {}).get(expert) or {}).get("seconds")),
+            "policy probe": med(lambda r: ((r.get("probe") or {}).get(policy) or {}).get("seconds")),
+            "single": med(lambda r: (r.get("single") or {}).get("seconds"))}
+    out = {}
+    for task, row in rows.items():
+        v = verdicts[task]
+        if not v["why"].startswith("undecided"):
+            continue
+        parts = [name for name, missing in (
+            ("alone", v["expert_alone"] is None), ("expert probe", v["expert_probe"] is None),
+            ("policy probe", v["policy_probe"] is None), ("single", v["single"] is None)) if missing]
+        out[task] = (parts, sum(cost[p] or 0 for p in parts))
+    return out, cost
+
+
+def exact_and_mean(part):
+    """'exact (mean score)' in %, or None."""
+    if not part or part.get("score") is None:
+        return None
+    e = exact_rate(part)
+    return f"{pct(e)} ({pct(part['score'])})" if e is not None else pct(part["score"])
+
+
+def markdown(res, policy="smollm2", expert=ARMS_EXPERT, depth=ARMS_DEPTH):
     rows, meta = res["rows"], res.get("meta", {})
     models = meta.get("models", list(POCKET_MODELS))
-    chosen, verdicts = pick_testbed(rows, policy)
+    chosen, verdicts = pick_testbed(rows, expert, depth, policy)
     L = ["# The screen (experiments/screen.py): where does an expert know more than the policy?", "",
-         "Regenerate: `" + meta.get("command", "OMP_NUM_THREADS=1 taskset -c 1 python experiments/screen.py") + "`",
-         "", "## The rule (`pick_testbed`, committed before the screen ran)", "",
+         "Regenerate: `" + meta.get("command", "OMP_NUM_THREADS=1 taskset -c 1 python experiments/screen.py") + "`"
+         + " (`--table-only` rebuilds this table from results.json)",
+         "", "## The rule (`pick_testbed`)", "",
          (pick_testbed.__doc__ or "").strip().replace("\n    ", "\n"), "",
          f"**Chosen testbed: {chosen if chosen else 'none met the rule'}**"
-         + (f" ({json.dumps(CANDIDATES[chosen][1])})" if chosen in CANDIDATES else ""), ""]
+         + (f" ({json.dumps(CANDIDATES[chosen][1])})" if chosen in CANDIDATES else "")
+         + f", by {expert}'s probe at depth {depth} (the arms' expert and depth).", ""]
+    idx = {m: [str(k) for k in depths(p["layers"])]  # each model's three probed hidden-state indices
+           for r in rows.values() for m, p in (r.get("probe") or {}).items() if p.get("layers")}
+    L += [f"## The rule's table (exact solve rates in %; probe = exact answer from the last-token state at depth "
+          f"1/3, 2/3, final; the rule reads depth {depth}; single = pocket protocol, 15 steps, seed 0)", "",
+          f"| task | {expert} alone | single | margin | {expert} probe | {policy} probe | gap at depth {depth} "
+          f"| gap vs {policy}'s best depth | rule |", "|---|---|---|---|---|---|---|---|---|"]
+    for task, row in rows.items():
+        v = verdicts[task]
+        probes = []
+        for m in (expert, policy):
+            p = (row.get("probe") or {}).get(m)
+            probes.append("/".join(pct(p["exact"].get(k)) for k in idx.get(m, [])) if p and p.get("exact") else "–")
+        margin = v["alone_margin"]
+        rule = (("**chosen**, " if task == chosen else "**eligible**, ") + f"gap {pct(v['probe_gap'])}"
+                if v["eligible"] else v["why"] + (" (**open**: could change the choice)" if v["open"] else ""))
+        p_best = (row.get("probe") or {}).get(policy)
+        best_gap = (None if v["expert_probe"] is None or not p_best or not p_best.get("exact")
+                    else v["expert_probe"] - max(p_best["exact"].values()))  # a reading the rule does not use
+        L.append(f"| {task} | {pct(v['expert_alone'])} | {pct(v['single'])} | {pct(margin)} | {probes[0]} | "
+                 f"{probes[1]} | {pct(v['probe_gap'])} | {pct(best_gap)} | {rule} |")
+    need, cost = rerun_seconds(rows, verdicts, expert, policy)
+    L += ["", "## What the stored data cannot decide", "",
+          "Each missing part is costed at the median of its stored wall times on this core ("
+          + ", ".join(f"{k} {v:.0f} s" for k, v in cost.items() if v is not None)
+          + "; model loading not included).", ""]
+    if need:
+        L += ["| task | missing | estimate (core-hours) | could change the choice |", "|---|---|---|---|"]
+        for task, (parts, secs) in need.items():
+            L.append(f"| {task} | {', '.join(parts)} | {secs / 3600:.2f} | {'yes' if verdicts[task]['open'] else 'no'} |")
+        opened = sum(secs for t, (_, secs) in need.items() if verdicts[t]["open"])
+        L += ["", f"To settle the choice: {opened / 3600:.2f} core-hours (the open rows); to complete every row: "
+              f"{sum(secs for _, secs in need.values()) / 3600:.2f} core-hours."]
+    else:
+        L.append("Nothing: every row is decided.")
     decoders = [m for m in models if m not in meta.get("encoders", ["minilm"])]
-    L += ["## Table (scores in %; alone = greedy, \"<answer>\" pre-filled; probe = exact answer at depth 1/3, 2/3,"
-          " final; single = pocket protocol, 15 steps, seed 0)", "",
+    L += ["", "## Every measurement (alone and single: exact % (mean score %); probe = exact answer at depth 1/3, 2/3,"
+          " final)", "",
           "| task | config | " + " | ".join(f"{m} alone" for m in decoders) + " | "
-          + " | ".join(f"{m} probe" for m in models) + " | majority | single | rule |",
-          "|---|---|" + "---|" * (len(decoders) + len(models) + 3)]
+          + " | ".join(f"{m} probe" for m in models) + " | majority | single |",
+          "|---|---|" + "---|" * (len(decoders) + len(models) + 2)]
     for task, row in rows.items():
         cfg = json.dumps(CANDIDATES[task][1]) if task in CANDIDATES else row.get("config", "")
-        al = [pct((row.get("alone") or {}).get(m, {}).get("score")) if m in (row.get("alone") or {})
-              else (row.get("status", {}).get(f"alone:{m}") or "–") for m in decoders]
+        al = [exact_and_mean((row.get("alone") or {}).get(m)) or (row.get("status", {}).get(f"alone:{m}") or "–")
+              for m in decoders]
         pr = []
         for m in models:
             p = (row.get("probe") or {}).get(m)
@@ -467,12 +571,8 @@ def markdown(res, policy="smollm2"):
                       else (row.get("status", {}).get(f"probe:{m}") or "–"))
         base = row.get("baselines") or {}
         maj = pct(base.get("majority_exact")) if base else "–"
-        s = row.get("single")
-        single = pct(s["score"]) if s else (row.get("status", {}).get("single") or "–")
-        v = verdicts.get(task, {})
-        L.append(f"| {task} | `{cfg}` | " + " | ".join(al) + " | " + " | ".join(pr) + f" | {maj} | {single} | "
-                 + (("**eligible**, probe gap " + pct(v.get("probe_gap"))) if v.get("eligible") else v.get("why", ""))
-                 + " |")
+        single = exact_and_mean(row.get("single")) or (row.get("status", {}).get("single") or "–")
+        L.append(f"| {task} | `{cfg}` | " + " | ".join(al) + " | " + " | ".join(pr) + f" | {maj} | {single} |")
     L += ["", "## Wall times (s)", "", "| task | " + " | ".join(f"{m} alone" for m in decoders) + " | "
           + " | ".join(f"{m} probe" for m in models) + " | single |", "|---|" + "---|" * (len(decoders) + len(models) + 1)]
     def secs(part):
@@ -562,20 +662,23 @@ def phase1(a, res, models, names, policy):
                 save(res, a.out)
 
 
-def single_order(rows, policy="smollm2", by="margin"):
-    """Phase 2's order. by="margin": the largest best-expert-alone minus policy-alone margin first; by="gap": the
-    largest probe gap (the rule's criterion) first, so the first eligible task met is the one the rule picks.
-    Tasks whose best expert alone is below MIN_MARGIN cannot meet the rule (single >= 0) and come back apart."""
-    keyed, hopeless = [], []
+def single_order(rows, policy="smollm2", by="margin", expert=ARMS_EXPERT, depth=ARMS_DEPTH):
+    """Phase 2's order. by="margin": the largest expert-alone minus policy-alone margin (exact rates) first;
+    by="gap": the largest probe gap (the rule's) first, so that the first eligible task met is the one the rule
+    picks. Tasks the rule rules out without a single (pick_testbed: expert alone < MIN_MARGIN, or probe gap <= 0)
+    come back apart, as {task: why}."""
+    _, verdicts = pick_testbed(rows, expert, depth, policy)
+    keyed, hopeless = [], {}
     for task, row in rows.items():
-        alone = {m: a["score"] for m, a in (row.get("alone") or {}).items()}
-        best = max([v for m, v in alone.items() if m != policy], default=None)
-        probes = {m: max(p["exact"].values()) for m, p in (row.get("probe") or {}).items() if p.get("exact")}
-        gap = max([v for m, v in probes.items() if m != policy], default=-1.0) - probes.get(policy, 0.0)
-        if best is None or best < MIN_MARGIN - 1e-9:
-            hopeless.append(task)
+        v = verdicts[task]
+        if v["expert_alone"] is None:
+            hopeless[task] = "not run (time): phase 1 did not reach this task"
+        elif not (v["eligible"] or v["why"].startswith("undecided")) and v["single"] is None:
+            hopeless[task] = f"not run: cannot meet the rule ({v['why']})"
         else:
-            keyed.append(((gap if by == "gap" else best - alone.get(policy, 0.0)), task))
+            policy_alone = exact_rate((row.get("alone") or {}).get(policy)) or 0.0
+            gap = v["probe_gap"] if v["probe_gap"] is not None else -1.0
+            keyed.append(((gap if by == "gap" else v["expert_alone"] - policy_alone), task))
     return [t for _, t in sorted(keyed, reverse=True)], hopeless
 
 
@@ -584,13 +687,11 @@ def phase2(a, res):
     os.makedirs(RUNS, exist_ok=True)
     rows = {t: r for t, r in res["rows"].items() if not a.only or t in a.only}
     todo, hopeless = single_order(rows, by=a.single_by)
-    for task in hopeless:
+    for task, why in hopeless.items():
         if not res["rows"][task].get("single") and not a.single_all:
-            res["rows"][task]["status"]["single"] = (
-                "not run: best expert alone < 20 %, cannot meet the rule" if res["rows"][task].get("alone")
-                else "not run (time): phase 1 did not reach this task")
+            res["rows"][task]["status"]["single"] = why
     if a.single_all:
-        todo += hopeless
+        todo += list(hopeless)
     for task in todo:
         row = res["rows"][task]
         if row.get("single"):

@@ -157,7 +157,8 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--format-bonus-strict", action="store_true", help="pay --format-bonus only when the completion ends with "
       "its answer block and, where the gold answer is a number, the answer is one (rewards.answer_shaped)")
     a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
-      "up to N times, then leave out those still equal (DAPO's dynamic sampling; 0: off, the paper)")
+      "up to N times; the surrogate then averages over the groups with reward variance, the KL over every group "
+      "(DAPO's dynamic sampling, grpo.signal_scale; 0: off, the paper)")
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
       help="the rollout's matmuls on a copy of the weights in this dtype "
       "(support/low_precision.py; int8: CPU only); the scoring pass stays as it is")

@@ -146,9 +146,9 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
            "answer_rate": 1 - no_answer / len(r_all),
            "lr": run["optimizer"].param_groups[0]["lr"], "skipped_update": skipped,
            **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
-    if args.dynamic_sampling:
-        kept = torch.cat([b["keep"] for b in batches])
-        rec["trained_group_fraction"] = kept.float().mean().item()
+    if args.dynamic_sampling:  # the groups whose surrogate is trained (every group's KL is)
+        signal = torch.cat([b["signal"] for b in batches])
+        rec["trained_group_fraction"] = signal.float().mean().item()
     # --rollout-dtype: the sampler's gap to pi_old
     if trained and trained[0]["logp_mu"] is not None:
         gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]

@@ -6,7 +6,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import completion_mask, flat_groups, group_advantages, grpo_loss, kept_groups
+from grpo import completion_mask, flat_groups, group_advantages, grpo_loss, signal_scale
 from rollout import draw, token_logprobs
 
 e = math.exp
@@ -43,14 +43,65 @@ def test_equal_rewards_give_exactly_zero_advantage():
             assert torch.equal(adv, torch.zeros(16))
 
 
-def test_flat_and_kept_groups_by_hand():
+def test_flat_groups_by_hand():
     # G = 3: group 0 mixed, group 1 all 0, group 2 all 1 -> groups 1 and 2 are flat (advantage 0)
     r = torch.tensor([1., 0., 1., 0., 0., 0., 1., 1., 1.])
     assert flat_groups(r, 3).tolist() == [False, True, True]
-    assert kept_groups(r, 3, dynamic_sampling=2).tolist() == [True, False, False]  # DAPO: flat groups left out
-    assert kept_groups(r, 3, dynamic_sampling=0).tolist() == [True, True, True]    # off: every group trained
     flat = group_advantages(r, 3).view(3, 3).eq(0).all(-1)  # the same groups as the advantage's zeros
     assert flat.tolist() == flat_groups(r, 3).tolist()
+
+
+def test_signal_scale_by_hand():
+    # one micro-batch, B = 2 groups of G = 2: group 0 has signal, group 1 is flat; completion lengths 3, 1 | 2, 2
+    signal = torch.tensor([True, False])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    # "sequence": n_all / n_signal whatever the micro-batch holds: 8 / 2 = 4, 16 / 4 = 4, 6 / 6 = 1
+    assert signal_scale(signal, mask, n_signal=2, n_all=8) == 4.0
+    assert signal_scale(signal, mask, n_signal=4, n_all=16) == 4.0
+    assert signal_scale(torch.tensor([True, True]), mask, n_signal=6, n_all=6) == 1.0   # no flat group: 1 exactly
+    # "token": (n_all / n_signal) * (N_sig / N) * (U / U_sig) = (8 / 2) * (2 / 4) * (8 tokens / 4 tokens) = 4
+    assert signal_scale(signal, mask, n_signal=2, n_all=8, aggregation="token") == pytest.approx(4.0)
+    # (16 / 6) * (2 / 4) * (8 / 4) = 8 / 3
+    assert signal_scale(signal, mask, n_signal=6, n_all=16, aggregation="token") == pytest.approx(8 / 3)
+    # a micro-batch with no group with signal has advantages 0: its factor is 0, never a division by 0
+    assert signal_scale(torch.tensor([False, False]), mask, n_signal=0, n_all=8) == 0.0
+    assert signal_scale(torch.tensor([False, False]), mask, n_signal=2, n_all=8, aggregation="token") == 0.0
+    with pytest.raises(ValueError, match="group"):
+        signal_scale(torch.tensor([True, False, True]), mask, n_signal=2, n_all=8)
+
+
+@pytest.mark.parametrize("aggregation", ["sequence", "token"])
+def test_dynamic_sampling_gradient_is_dapo_surrogate_plus_kl_on_every_group(aggregation):
+    """The loss of a micro-batch under --dynamic-sampling (train.py: advantages times signal_scale, one micro-batch
+    here) has, per token, the gradient derived in grpo.py's docstring: the surrogate's -A_i / U_sig on the groups
+    with signal (DAPO's normalisation over them alone) plus beta * (1 - exp(logp_ref - logp)) / U on every
+    completion, the flat group's included. Checked against those formulas written out by hand."""
+    torch.manual_seed(0)
+    G, beta = 2, 0.1
+    signal = torch.tensor([True, False])
+    mask = torch.tensor([[1, 1, 1], [1, 0, 0], [1, 1, 0], [1, 1, 0]], dtype=torch.bool)
+    r = torch.tensor([1., 0., 1., 1.])                               # group 1 flat
+    adv = group_advantages(r, G)                                     # (0.707.., -0.707.., 0, 0)
+    logp = (torch.randn(4, 3) - 1).requires_grad_(True)
+    logp_ref = logp.detach() + 0.3 * torch.randn(4, 3)               # the policy has moved away from pi_ref
+    c = signal_scale(signal, mask, n_signal=2, n_all=4, aggregation=aggregation)
+    loss, _ = grpo_loss(logp, logp.detach(), logp_ref, adv * c, mask, beta=beta, aggregation=aggregation)
+    loss.backward()
+    n_tok = mask.sum(1, keepdim=True).float()                        # |o_i|
+    if aggregation == "sequence":   # DAPO: 1 / (N_sig |o_i|); KL: 1 / (N |o_i|)
+        w_pg, w_kl = 1 / (2 * n_tok), 1 / (4 * n_tok)
+    else:                           # DAPO: 1 / (tokens of the groups with signal) = 1 / 4; KL: 1 / (all 8 tokens)
+        w_pg, w_kl = torch.full_like(n_tok, 1 / 4), torch.full_like(n_tok, 1 / 8)
+    rows_signal = signal.repeat_interleave(G)[:, None]
+    pg = torch.where(rows_signal, -adv[:, None] * w_pg, torch.zeros(4, 1))
+    kl = beta * (1 - torch.exp(logp_ref - logp.detach())) * w_kl
+    expected = torch.where(mask, pg + kl, torch.zeros(4, 3))
+    assert torch.allclose(logp.grad, expected, atol=1e-6)
+    # the flat group's gradient is the KL's alone, non-zero, and a descent step moves logp toward logp_ref
+    flat = ~rows_signal.squeeze(1)
+    step = -logp.grad[flat][mask[flat]]
+    toward = (logp_ref - logp.detach())[flat][mask[flat]]
+    assert step.abs().min() > 0 and (torch.sign(step) == torch.sign(toward)).all()
 
 
 @pytest.mark.parametrize("rewards, group_size", [

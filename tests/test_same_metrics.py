@@ -4,12 +4,14 @@ bit-identical to those recorded before it (wall time aside), by tests/fixtures/r
 
 Bit for bit holds on one kind of CPU only: torch's kernels sum in another order on another instruction set
 (AVX2 and AVX-512 differ from the first step's gradient norm on). So there is one fixture per instruction set
-(torch.backends.cpu.get_cpu_capability()): metrics_tiny.json, recorded on AVX2 at commit a358f1f, and
+(torch.backends.cpu.get_cpu_capability()): metrics_tiny.json, recorded on AVX2 at commit a358f1f (its two
+--dynamic-sampling runs again on 2026-11-26, when flat groups came to keep their KL term), and
 metrics_tiny_avx512.json, recorded on AVX-512 at commit d7377e0 (2026-11-25: there the AVX2 fixture differed in
 32 of 39 steps, 12 of 13 runs, and main's run matched the new one bit for bit). On a CPU with no fixture the test
 is skipped and says how to record one from a trusted commit. The pocket team's twin (recorded on AVX2) is run by
 hand:
     python tests/fixtures/record_metrics.py --pocket --check tests/fixtures/metrics_pocket.json"""
+import json
 import os
 import subprocess
 import sys
@@ -19,6 +21,9 @@ import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 FIXTURES = {"AVX2": "metrics_tiny.json", "AVX512": "metrics_tiny_avx512.json"}
+# Runs a fixture does not hold: they changed on purpose and no CPU of that kind was at hand to record them again
+# (2026-11-26: --dynamic-sampling keeps the KL term of flat groups; record_metrics.py says how to add them back).
+NOT_RECORDED = {"AVX512": {"ours_levers", "single_levers"}}
 
 
 def test_every_method_gives_the_recorded_metrics_bit_for_bit():
@@ -29,7 +34,10 @@ def test_every_method_gives_the_recorded_metrics_bit_for_bit():
     script = os.path.join(ROOT, "tests", "fixtures", "record_metrics.py")
     fixture = os.path.join(ROOT, "tests", "fixtures", FIXTURES[cpu])
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    with open(fixture) as f:
+        recorded = set(json.load(f))
+    assert len(recorded) == 13 - len(NOT_RECORDED.get(cpu, ())) and not recorded & NOT_RECORDED.get(cpu, set())
     done = subprocess.run([sys.executable, script, "--check", fixture], capture_output=True, text=True, env=env,
                           timeout=600)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
-    assert "bit-identical: 13 runs" in done.stdout
+    assert f"bit-identical: {len(recorded)} runs" in done.stdout

@@ -10,45 +10,76 @@ sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(
 import screen  # noqa: E402
 
 
-def row(single, alone, probe):
-    """alone: {model: score}; probe: {model: [exact at the three depths]}."""
-    return {"single": None if single is None else {"score": single},
-            "alone": {m: {"score": s} for m, s in alone.items()},
-            "probe": {m: {"exact": {str(k): v for k, v in zip((1, 2, 3), ex)}} for m, ex in probe.items()}}
+def row(single, alone, probe, layers=3):
+    """single / alone: lists of per-item scores (alone: {model: list}); probe: {model: [exact at the three depths]},
+    stored as results.json does, under hidden-state indices 1, 2, 3 of a model with `layers` = 3."""
+    return {"single": None if single is None else {"score": sum(single) / len(single), "per_item": single},
+            "alone": {m: {"score": sum(s) / len(s), "per_item": s} for m, s in alone.items()},
+            "probe": {m: {"exact": {str(k): v for k, v in zip((1, 2, 3), ex)}, "layers": layers}
+                      for m, ex in probe.items()}}
 
 
-def test_rule_picks_the_largest_probe_gap_among_eligible_tasks():
+def scores(exact, partial=0, n=10):
+    """n per-item scores: `exact` items scored 1, `partial` scored 0.5, the rest 0."""
+    return [1.0] * exact + [0.5] * partial + [0.0] * (n - exact - partial)
+
+
+def test_rule_reads_the_arms_expert_at_the_arms_depth_with_exact_scores():
+    """The corrected rule. Under the first rule (best probe of any expert at any depth, mean scores) the traps c, d
+    and f could win (it picked f here) and e, eligible on exact rates only, could not; here e wins."""
     rows = {
-        # eligible, gap 0.30 - 0.10 = 0.20
-        "a": row(0.30, {"smollm2": 0.2, "qwen1.5b": 0.60}, {"smollm2": [0.05, 0.10, 0.0], "qwen1.5b": [0.1, 0.3, 0.2]}),
-        # eligible, gap 0.40 - 0.05 = 0.35: the winner
-        "b": row(0.10, {"smollm2": 0.1, "gemma3": 0.35}, {"smollm2": [0.05, 0.0, 0.0], "minilm": [0.4, 0.1, 0.0]}),
-        # larger gap, but single > 60 %
-        "c": row(0.70, {"smollm2": 0.5, "qwen1.5b": 0.99}, {"smollm2": [0.0, 0.0, 0.0], "qwen1.5b": [0.9, 0.9, 0.9]}),
-        # larger gap, but the best expert is only 19 points above single
-        "d": row(0.20, {"smollm2": 0.1, "qwen1.5b": 0.39}, {"smollm2": [0.0, 0.0, 0.0], "qwen1.5b": [0.8, 0.8, 0.8]}),
-        # the policy's own base alone does not count as an expert
-        "e": row(0.10, {"smollm2": 0.90, "qwen1.5b": 0.2}, {"smollm2": [0.0, 0.0, 0.0], "qwen1.5b": [0.7, 0.7, 0.7]}),
-        # single not run
-        "f": row(None, {"smollm2": 0.1, "qwen1.5b": 0.9}, {"smollm2": [0.0, 0.0, 0.0], "qwen1.5b": [0.9, 0.9, 0.9]}),
+        # eligible: qwen 8/10 alone vs single 2/10; gap at the final state 0.50 - 0.20 = 0.30
+        "a": row(scores(2), {"qwen1.5b": scores(8)}, {"smollm2": [0.3, 0.1, 0.2], "qwen1.5b": [0.1, 0.2, 0.5]}),
+        # eligible with a smaller gap: 0.30 - 0.10 = 0.20
+        "b": row(scores(1), {"qwen1.5b": scores(9)}, {"smollm2": [0.0, 0.0, 0.1], "qwen1.5b": [0.0, 0.0, 0.3]}),
+        # trap 1: MiniLM's probe is far above the policy's, Qwen's is not (the first verdict's lcm)
+        "c": row(scores(1), {"qwen1.5b": scores(9)}, {"smollm2": [0.0, 0.0, 0.1], "qwen1.5b": [0.0, 0.0, 0.1],
+                                                       "minilm": [0.9, 0.9, 0.9]}),
+        # trap 2: Qwen's probe is high only at depth 1/3, which the arms do not read
+        "d": row(scores(1), {"qwen1.5b": scores(9)}, {"smollm2": [0.0, 0.0, 0.1], "qwen1.5b": [0.9, 0.0, 0.1]}),
+        # single's partial credit: 1 exact + 8 halves, mean 0.5 but exact 0.1; qwen 0.6 exact is >= 0.1 + 0.2
+        # (on mean scores 0.6 < 0.5 + 0.2 would rule it out): eligible, and the largest gap, 0.9: the testbed
+        "e": row(scores(1, 8), {"qwen1.5b": scores(6)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.9]}),
+        # trap 4: qwen's mean score passes (2 exact + 8 halves = 0.6) but its exact rate 0.2 < single 0.1 + 0.2
+        "f": row(scores(1), {"qwen1.5b": scores(2, 8)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.9]}),
+        # single > 60 % exact
+        "g": row(scores(7), {"qwen1.5b": scores(10)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.9]}),
+        # single not run, gap larger than the chosen one's: open (it could still become the testbed)
+        "h": row(None, {"qwen1.5b": scores(9)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.95]}),
+        # single not run, gap smaller: undecided, but it cannot change the choice
+        "i": row(None, {"qwen1.5b": scores(9)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.1]}),
+        # qwen alone below 20 %: ruled out without a single
+        "j": row(None, {"qwen1.5b": scores(1)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.9]}),
     }
     chosen, v = screen.pick_testbed(rows)
-    assert chosen == "b"
-    assert v["a"]["eligible"] and v["b"]["eligible"]
-    assert v["a"]["probe_gap"] == pytest.approx(0.20) and v["b"]["probe_gap"] == pytest.approx(0.35)
-    assert [v[t]["eligible"] for t in "cdef"] == [False] * 4
-    assert "single 70.0 > 60" in v["c"]["why"] and "< single + 20" in v["d"]["why"] and "< single + 20" in v["e"]["why"]
-    assert v["f"]["why"] == "single did not run"
-    # exactly at the thresholds: eligible
-    edge = {"g": row(0.60, {"smollm2": 0.0, "qwen1.5b": 0.80}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.1] * 3})}
-    assert screen.pick_testbed(edge)[0] == "g"
+    assert chosen == "e" and v["e"]["single"] == 0.1 and v["e"]["probe_gap"] == pytest.approx(0.9)
+    assert v["a"]["eligible"] and v["b"]["eligible"] and v["a"]["probe_gap"] == pytest.approx(0.30)
+    assert v["a"]["single"] == 0.2 and v["a"]["expert_alone"] == 0.8
+    assert [v[t]["eligible"] for t in "cdfghij"] == [False] * 7
+    assert "<=" in v["c"]["why"] and "<=" in v["d"]["why"]
+    assert v["f"]["expert_alone"] == 0.2 and "< single" in v["f"]["why"]
+    assert "single 70.0 > 60" in v["g"]["why"]
+    assert v["h"]["open"] and v["h"]["why"].startswith("undecided") and not v["i"]["open"]
+    assert "cannot reach" in v["j"]["why"] and not v["j"]["open"]
+    # without e, a wins over b (gap 0.30 against 0.20)
+    assert screen.pick_testbed({t: r for t, r in rows.items() if t != "e"})[0] == "a"
+    # the arms read another depth: then trap 2 is the one with the largest gap there
+    assert screen.pick_testbed(rows, depth=1 / 3)[0] == "d"
+    # exactly at the thresholds: eligible (single 60 %, qwen alone = single + 20 points)
+    edge = {"k": row(scores(6), {"qwen1.5b": scores(8)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.1] * 3})}
+    assert screen.pick_testbed(edge)[0] == "k"
 
 
-def test_rule_says_none_when_nothing_qualifies():
-    rows = {"c": row(0.70, {"smollm2": 0.5, "qwen1.5b": 0.99}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.9] * 3})}
-    chosen, _ = screen.pick_testbed(rows)
-    assert chosen is None
-    assert "none met the rule" in screen.markdown({"rows": rows, "meta": {"models": ["smollm2", "qwen1.5b"]}})
+def test_rule_says_none_when_nothing_qualifies_and_costs_what_is_missing():
+    rows = {"g": row(scores(7), {"qwen1.5b": scores(10)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.9] * 3}),
+            "h": row(None, {"qwen1.5b": scores(9)}, {"smollm2": [0.0] * 3, "qwen1.5b": [0.0, 0.0, 0.8]})}
+    rows["g"]["single"]["seconds"], rows["g"]["alone"]["qwen1.5b"]["seconds"] = 600.0, 90.0
+    chosen, v = screen.pick_testbed(rows)
+    assert chosen is None and v["h"]["open"]
+    need, cost = screen.rerun_seconds(rows, v)
+    assert need == {"h": (["single"], 600.0)} and cost["alone"] == 90.0
+    table = screen.markdown({"rows": rows, "meta": {"models": ["smollm2", "qwen1.5b"]}})
+    assert "none met the rule" in table and "| h | single | 0.17 | yes |" in table
 
 
 @pytest.mark.parametrize("name", ["tiny:llama", "tiny:qwen2"])

@@ -94,7 +94,10 @@ def build_run(tmp_path, *flags):
     return args, train.build_run(args, torch.device("cpu"))
 
 
-def test_dynamic_sampling_never_trains_on_a_flat_group(tmp_path):
+def test_dynamic_sampling_trains_the_surrogate_on_groups_with_signal_and_the_kl_on_every_group(tmp_path):
+    """Every group is trained; b["signal"] marks the groups whose rewards vary after the re-draws, and only they
+    carry advantages, scaled by grpo.signal_scale so that the surrogate averages over them alone (here the
+    "sequence" aggregation: n_all / n_signal, the step's completions over those in groups with signal)."""
     args, run = build_run(tmp_path, "--dynamic-sampling", "2")
     calls = []
 
@@ -103,22 +106,55 @@ def test_dynamic_sampling_never_trains_on_a_flat_group(tmp_path):
         return every_other_prompt_is_flat(items, completions)
     rec, batches = train.grpo_step(0, run, args, score)
     G = args.group_size
+    n_all = sum(len(b["comp"]) for b in batches)
+    n_signal = sum(int(b["signal"].sum()) * G for b in batches)
+    assert n_all == args.grad_accum * args.batch_size * G and 0 < n_signal < n_all   # flat groups are trained too
     for b in batches:
-        flat = grpo.flat_groups(b["r"], G)
-        assert torch.equal(b["keep"], ~flat)                        # only groups with a signal are kept ...
-        assert len(b["comp"]) == int(b["keep"].sum()) * G == len(b["adv"]) == b["ids"].shape[0] * G
-        assert (b["adv"].view(-1, G) != 0).any(-1).all()            # ... and every kept group has advantages
+        assert torch.equal(b["signal"], ~grpo.flat_groups(b["r"], G))
+        assert len(b["comp"]) == len(b["adv"]) == len(b["logp_ref"]) == b["ids"].shape[0] * G
+        raw = grpo.group_advantages(b["r"], G)
+        assert torch.equal(b["adv"].view(-1, G)[~b["signal"]], torch.zeros(int((~b["signal"]).sum()), G))
+        assert torch.allclose(b["adv"], raw * (n_all / n_signal))
     assert len(calls) > args.grad_accum                             # flat groups were drawn again
-    assert rec["trained_group_fraction"] == torch.cat([b["keep"] for b in batches]).float().mean().item() < 1
+    assert rec["trained_group_fraction"] == n_signal / n_all < 1
 
 
-def test_dynamic_sampling_with_no_signal_anywhere_leaves_the_weights_alone(tmp_path):
-    args, run = build_run(tmp_path, "--dynamic-sampling", "1")
-    before = {k: v.clone() for k, v in run["policy"].state_dict().items() if "lora" in k}
+def exact_kl_to_reference(run, args, items):
+    """KL(pi_theta || pi_ref) of the next-token distributions, summed over the whole vocabulary, averaged over
+    every position of the items' prompts: an exact measure, independent of grpo.py's sampled k3 estimate."""
+    _, ids, mask = train.context_and_prompts(run, args, items)
+    pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
+    policy = run["policy"]
+    with torch.no_grad():
+        logp = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float().log_softmax(-1)
+        with train.lora_disabled(policy):
+            logp_ref = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float().log_softmax(-1)
+    kl = (logp.exp() * (logp - logp_ref)).sum(-1)                  # (B, P)
+    return kl[mask.bool()].mean().item()
+
+
+@pytest.mark.parametrize("seed", [0, 1])
+def test_dynamic_sampling_pulls_a_moved_policy_back_to_the_reference_when_every_group_is_flat(tmp_path, seed):
+    """Regression (the collapse trap): --dynamic-sampling used to leave out flat groups together with their KL
+    term, so a policy that had stopped writing answers (every reward 0, every group flat) had no loss at all:
+    no update, nothing pulled it back to pi_ref, and the step logged no kl. Plain GRPO keeps the KL there. Here
+    LoRA B is moved off 0 (pi_theta != pi_ref), every reward is 0, weight decay is off (it alone would shrink B):
+    the step must have a gradient, log a finite kl > 0, and lower the exact KL to the reference."""
+    args, run = build_run(tmp_path, "--dynamic-sampling", "1", "--method", "single", "--weight-decay", "0",
+                          "--lr", "1e-3", "--seed", str(seed))
+    g = torch.Generator().manual_seed(seed)
+    for name, p in run["policy"].named_parameters():
+        if name.endswith("lora_B"):
+            p.data = 0.05 * torch.randn(p.shape, generator=g)
+    items = [it for micro in range(args.grad_accum) for it in train.micro_batch_items(run, args, 0, micro)]
+    kl_before = exact_kl_to_reference(run, args, items)
     rec, batches = train.grpo_step(0, run, args, lambda items, c: ([0.0] * len(c), {}))
-    assert rec["trained_group_fraction"] == 0 and all(len(b["comp"]) == 0 for b in batches)
-    after = {k: v for k, v in run["policy"].state_dict().items() if "lora" in k}
-    assert all(torch.equal(before[k], after[k]) for k in before)
+    kl_after = exact_kl_to_reference(run, args, items)
+    assert rec["zero_std_fraction"] == 1 and rec["trained_group_fraction"] == 0   # every group flat
+    assert kl_after < 0.99 * kl_before, (kl_before, kl_after)       # a step toward pi_ref
+    assert math.isfinite(rec["kl"]) and rec["kl"] > 0.01, rec["kl"]  # kl is logged on an all-flat step
+    assert rec["grad_norm"] > 0 and not rec["skipped_update"]
+    assert rec["pg_loss"] == 0                                      # no advantage anywhere: the surrogate is 0
 
 
 # ---- the format bonus ------------------------------------------------------------------------------------------
