@@ -36,10 +36,11 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
 Conductor and RLAE, two other systems, are scripts of their own with their own loop: neighbours/.
 
 Failure modes (support/run.py, tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
-anything in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the
-checkpoint holding the last good weights; a killed run continues exactly with --resume
-(support/checkpoint.py); under torchrun, a rank that dies stops the job with exit code 3
-(support/distributed.py).
+any model loads and anything in --out is written; one run writes in a folder at a time (support/lock.py);
+--max-bad-steps non-finite steps in a row exit with code 3, the checkpoint holding the last good
+weights; Ctrl-C and SIGTERM end in one line with exit code 130 / 143; a killed run continues exactly
+with --resume (support/checkpoint.py); under torchrun, a rank that dies stops the job with exit
+code 3 (support/distributed.py).
 """
 import math
 import random

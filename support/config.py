@@ -222,8 +222,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
-    a("--eval-items", type=number(int, 0, high=rewards.MAX_DATASET_SIZE), default=0, help="score N validation items (greedy, the task's scorer) "
-      "before the first step and after the last, and print both on one line (0: off)")
+    a("--eval-items", type=number(int, 0, high=rewards.MAX_DATASET_SIZE), default=0, help="score N validation "
+      "items (greedy, the task's scorer) before the first step and after the last, and print both on one line "
+      "(0: off)")
     return p
 
 
@@ -360,6 +361,8 @@ def check_run(args, world, config_path):
         fail(msg)
     elif not args.resume and holds_a_run(args.out):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    if args.task == "gsm8k" and args.data_path and args.eval_items:  # read test.jsonl before the models load
+        rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, args.data_path)
     team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
     models = [(team["policy"], "--policy" if args.policy else by_team)]
     if args.method not in WITHOUT_TEAM_EXPERTS:

@@ -329,8 +329,8 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
         save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
-        msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss, gradient or update; stopped. The "
-               f"last good weights are in {run['paths']['checkpoint']}; try a lower --lr / --router-lr")
+        msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss, gradient or update; stopped. "
+               f"The last good weights are in {run['paths']['checkpoint']}; try a lower --lr / --router-lr")
         if run["world"].size > 1:  # the others stop with rank 0, not while it saves
             distributed.stop_together(run["world"], msg, code=3)
         fail(msg, code=3)
