@@ -36,8 +36,8 @@ from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import check_models, frozen_dtype, load_model, pick_device, team_models
 from lora import apply_lora, load_lora_state_dict
 from rollout import encode_prompts, eos_token_ids
-from support.checkpoint import write_json
-from support.config import ArgumentParser, fail, parse_args
+from support.checkpoint import read_checkpoint, write_json
+from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, parse_args, remove_created
 from support.gold import gold_logprobs, greedy_and_gold
 from support.report import plot_runs, summarize
 from support.stats import paired_comparison
@@ -237,21 +237,29 @@ def paired_table(result):
 
 def read_run(folder):
     """(config, checkpoint) of a train.py run; exits with one line naming --run if either is
-    missing or corrupt."""
+    missing or corrupt, or if the run has no validation split of its own. The checkpoint is read
+    with weights_only=True (support/checkpoint.py): a shared run folder cannot run code."""
     cfg_path, ckpt = os.path.join(folder, "config.json"), os.path.join(folder, "checkpoint.pt")
+    if not os.path.isdir(folder):
+        fail(f"--run {folder} is not a folder (a run folder written by train.py)")
     if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
         fail(f"--run {folder} has no config.json and checkpoint.pt (is it a finished train.py "
              "run?)")
     try:  # a corrupt or foreign file: say so in one line
         with open(cfg_path) as f:
             cfg = json.load(f)
-        state = torch.load(ckpt, map_location="cpu", weights_only=False)
-        if "team_models" not in cfg or any(k not in state for k in ("lora", "method", "step")):
-            raise KeyError("config.json needs team_models; checkpoint.pt needs lora, method and "
-                           "step")
-    except Exception as e:
-        fail(f"--run {folder}: unreadable config.json or checkpoint.pt ({type(e).__name__}: "
-             f"{(str(e).splitlines() or [''])[0][:160]})")
+        state = read_checkpoint(ckpt, f"--run {folder}")
+    except (OSError, ValueError) as e:  # read_checkpoint's ValueError names --run already
+        fail(str(e) if str(e).startswith("--run") else f"--run {folder}: unreadable config.json "
+             f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})")
+    if not (isinstance(cfg, dict) and "team_models" in cfg and isinstance(state, dict)
+            and all(k in state for k in ("lora", "method", "step"))):
+        fail(f"--run {folder}: config.json needs team_models; checkpoint.pt needs lora, method and "
+             "step")
+    data = cfg.get("data_path")
+    if cfg.get("task") == "gsm8k" and data and not os.path.isdir(data):  # one file: the training split
+        fail(f"--run {folder} trained on the one file --data-path {data}, which has no test split: its "
+             "validation items would be training items")
     return cfg, state
 
 
@@ -266,9 +274,9 @@ def main(argv=None, build=None):
     p.add_argument("--untrained", action="store_true", help="score the policy before training, as "
                    "train.py's flags describe it (e.g. --task chain_sum --team pocket "
                    "--worked-example)")
-    p.add_argument("--n", type=int, default=4000,
+    p.add_argument("--n", type=SPLIT_SIZE, default=4000,
                    help="validation items (paper: 4000; GSM8K: its 1319 test items)")
-    p.add_argument("--batch-size", type=int, default=50, help="prompts per generation batch (on a "
+    p.add_argument("--batch-size", type=COUNT, default=50, help="prompts per generation batch (on a "
                    "CPU, 50 decode a third faster per item than 16: one read of the weights serves "
                    "more rows)")
     p.add_argument("--no-context", action="store_true",
@@ -294,14 +302,12 @@ def main(argv=None, build=None):
     if train_flags and not a.untrained:
         p.error(f"unrecognized arguments: {' '.join(train_flags)} (train.py flags go with "
                 "--untrained only)")
-    for flag in ("n", "batch_size"):
-        if getattr(a, flag) < 1:
-            p.error(f"--{flag.replace('_', '-')} must be >= 1, got {getattr(a, flag)}")
     if a.summarize:
         missing = [d for d in a.summarize if not os.path.isdir(d)]
         if missing:
             p.error(f"--summarize: no such folder {missing[0]}")
         out = a.out or "results"
+        create_folder(out, "--out")
         table, rho = summarize(a.summarize, out)
         print(table + f"\nSpearman rho(reward, entropy): mean {rho['mean']} over "
               f"{len(rho['per_run'])} runs")
@@ -325,6 +331,11 @@ def main(argv=None, build=None):
         name = "eval_paired.json" if a.paired else \
             "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)
+    # where the result goes, checked (and made) before the evaluation runs, so that none is lost
+    flag = "--run" if a.run and not a.out else "--out"
+    made = create_folder(os.path.dirname(path), flag)
+    if os.path.isdir(path):
+        fail(f"{flag}: {path} is a folder; the result is written to that file name")
     try:
         check_models(models)
         result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"),
@@ -333,6 +344,7 @@ def main(argv=None, build=None):
                           conditions=CONDITIONS if a.paired else None, build=build,
                           share_prefix=not a.no_shared_prefix)
     except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA
+        remove_created(made)
         fail(str(e))
     if "step" in state:
         result["step"] = int(state["step"])

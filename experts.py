@@ -218,9 +218,32 @@ def check_models(specs):
         spec = spec.removeprefix(ORACLE)
         if spec.startswith("shape:"):
             from support.shape_models import split_name
-            split_name(spec[6:])  # a ValueError for a model without published dimensions
+            try:  # a model without published dimensions
+                split_name(spec[6:])
+            except ValueError as e:
+                raise ValueError(f"{flag}: {e}") from None
             continue
-        if spec.startswith(("tiny:", "pocket:")) or os.path.exists(spec):
+        if spec.startswith("tiny:"):
+            from support.tiny_models import NAMES
+            if spec[5:] not in NAMES:
+                raise ValueError(f"{flag}: unknown tiny model {spec!r}; choose from "
+                                 f"{', '.join('tiny:' + n for n in NAMES)}")
+            continue
+        if spec.startswith("pocket:"):
+            from support import pocket_models
+            if spec[7:] not in pocket_models.POCKET_MODELS:
+                raise ValueError(f"{flag}: unknown pocket model {spec!r}; choose from "
+                                 f"{', '.join('pocket:' + n for n in pocket_models.POCKET_MODELS)}")
+            try:  # not installed: the pip command
+                pocket_models.converted_dir(spec[7:])
+            except (FileNotFoundError, ValueError) as e:
+                raise ValueError(f"{flag}: {e}") from None
+            continue
+        if os.path.isfile(spec) and not spec.endswith(".gguf"):
+            raise ValueError(f"{flag}: {spec!r} is a file, not a model folder or a .gguf file")
+        if os.path.isdir(spec) and not os.path.isfile(os.path.join(spec, "config.json")):
+            raise ValueError(f"{flag}: folder {spec!r} holds no config.json: it is not a model folder")
+        if os.path.exists(spec):
             continue
         if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
             raise ValueError(f"{flag}: no such file or folder {spec!r}")

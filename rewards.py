@@ -71,6 +71,9 @@ FAMILIES = {
 }
 SPLITS = ("train", "val")
 _SEED_SPAN = 10**9  # reasoning-gym seeds one split may use: [split_seed, split_seed + _SEED_SPAN)
+# a split of `size` items draws up to 20 * size + 1000 seeds (half the questions belong to the other split),
+# which must stay inside its _SEED_SPAN, with a factor 2 to spare
+MAX_DATASET_SIZE = _SEED_SPAN // 40 - 1
 
 
 def dataset_config(name):
@@ -119,8 +122,8 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
         except (ValueError, TypeError, AssertionError) as err:
             raise ValueError(f"--task-config {config!r} is not a valid {task} config: "
                              f"{err}") from None
-    assert isinstance(size, int) and 0 < size < _SEED_SPAN // 40, \
-        f"size must be a positive int, got {size!r}"
+    if not (isinstance(size, int) and 0 < size <= MAX_DATASET_SIZE):
+        raise ValueError(f"a split holds 1 to {MAX_DATASET_SIZE} items, asked for {size!r}")
     from reasoning_gym.composite import CompositeConfig, CompositeDataset, DatasetSpec
 
     # we expect 2 per kept entry: half the questions belong to the other split
@@ -173,8 +176,7 @@ def _load_gsm8k(split, size, seed, data_path):
         if not path.is_file():
             raise ValueError(f"--data-path {data_path}: expected a .jsonl or a folder with "
                              f"{hub_split}.jsonl")
-        with open(path, encoding="utf-8") as f:
-            rows = [json.loads(line) for line in f if line.strip()]
+        rows = _read_gsm8k_file(path, data_path)
     else:
         try:
             import datasets
@@ -197,6 +199,28 @@ def _load_gsm8k(split, size, seed, data_path):
              "metadata": {"source_dataset": "gsm8k", "source_index": i, "solution": row["answer"]}}
             for i, row in rows[:size]]
 
+
+
+def _read_gsm8k_file(path, data_path):
+    """The rows of a GSM8K jsonl; ValueError naming --data-path and the line for one that is not a
+    {"question": str, "answer": str} object."""
+    rows = []
+    with open(path, encoding="utf-8", errors="replace") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError:
+                row = None
+            if not (isinstance(row, dict) and isinstance(row.get("question"), str)
+                    and isinstance(row.get("answer"), str)):
+                raise ValueError(f"--data-path {data_path}: line {n} of {path} is not a JSON object with "
+                                 "a question and an answer (strings)")
+            rows.append(row)
+    if not rows:
+        raise ValueError(f"--data-path {data_path}: {path} holds no rows")
+    return rows
 
 
 def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):

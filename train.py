@@ -31,14 +31,16 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      with --tis-cap, --lr-schedule / --warmup-steps, --clip-per-group, torchrun
      (support/distributed.py);
      --eval-items scores the policy before and after training.
-  4. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted.
+  4. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted, and so is
+     one whose update leaves a weight non-finite (undone: support/run.py step_if_finite).
 Conductor and RLAE, two other systems, are scripts of their own with their own loop: neighbours/.
 
 Failure modes (support/run.py, tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
-anything in --out is written; --max-bad-steps non-finite steps in a row exit with code 3, the
-checkpoint holding the last good weights; a killed run continues exactly with --resume
-(support/checkpoint.py); under torchrun, a rank that dies stops the job with exit code 3
-(support/distributed.py).
+any model loads and anything in --out is written; one run writes in a folder at a time (support/lock.py);
+--max-bad-steps non-finite steps in a row exit with code 3, the checkpoint holding the last good
+weights; Ctrl-C and SIGTERM end in one line with exit code 130 / 143; a killed run continues exactly
+with --resume (support/checkpoint.py); under torchrun, a rank that dies stops the job with exit
+code 3 (support/distributed.py).
 """
 import math
 import random
@@ -56,7 +58,7 @@ from experts import frozen_dtype, load_model, team_models
 from lora import apply_lora, lora_disabled
 from support import distributed
 from support.config import fail, parse_args
-from support.run import run_steps, start_run, step_metrics
+from support.run import run_steps, start_run, step_if_finite, step_metrics
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -119,7 +121,7 @@ def grpo_step(step, run, args, score_batch):
                                                 args.clip_per_group)
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
         if finite and losses:  # a non-finite loss or gradient skips the update
-            optimizer.step()
+            finite = step_if_finite(optimizer)  # and an update that makes a weight non-finite is undone
         skipped = skipped or not finite
 
     # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------

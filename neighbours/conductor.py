@@ -90,7 +90,7 @@ from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support import distributed  # noqa: E402
 from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.run import run_steps, start_run  # noqa: E402
+from support.run import run_steps, start_run, step_if_finite  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -524,8 +524,8 @@ def grpo_step(step, run, args, score_batch):
         losses.append(loss.item()), stats.append(m)
     grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
     finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-    if finite:
-        optimizer.step()
+    if finite:  # and an update that makes a weight non-finite is undone
+        finite = step_if_finite(optimizer)
     # ---- log ----------------------------------------------------------------------------------------------------
     r_all = torch.cat([b["r"] for b in batches])
     plans = [p for b in batches for p in b["plans"]]

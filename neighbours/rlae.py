@@ -79,7 +79,7 @@ from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import cache_kwargs, cache_of, draw  # noqa: E402
 from support import distributed  # noqa: E402
 from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.run import run_steps, start_run  # noqa: E402
+from support.run import run_steps, start_run, step_if_finite  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -384,8 +384,8 @@ def grpo_step(step, run, args, score_batch):
         sources += [rows[n] for n in mask.nonzero()[:, 0].tolist()]                     # one per span of W
     grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
     finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-    if finite:
-        optimizer.step()
+    if finite:  # and an update that makes a weight non-finite is undone
+        finite = step_if_finite(optimizer)
     r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
     same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
     W, M = torch.cat(W), torch.cat(M)

@@ -6,9 +6,17 @@ holds: the step, LoRA's tensors, g_phi's state, the optimiser's state and every 
 python, CUDA, the experts' draws for random pooling). Together with the data order, which is a pure function of
 (seed, step) (rewards.batch_indices), that is all a step depends on.
 
+A checkpoint holds tensors, numbers, strings, lists, tuples and dicts only (numpy's generator state is stored as
+a tensor and numbers), and every file is read with torch.load(weights_only=True), which builds nothing else: a
+run folder someone shared cannot run code when it is loaded. A checkpoint written before that (numpy arrays
+pickled) is refused in one line that names the command converting it, for a file one trusts:
+`python -m support.checkpoint PATH`.
+
   save_checkpoint    one file, written to a temporary name and renamed: it is the old one or the new one
   load_checkpoint    refuses a file that does not fit the run, in one line that says why
+  read_checkpoint    torch.load(weights_only=True), a refusal in one line (evaluate.py reads runs with it)
   check_resume       --resume refuses flags that would change the maths of the run it continues
+  read_log           a JSONL log's records; a line that is not JSON is an error (a torn last line is not)
   keep_metrics_upto  drops the log lines written after the checkpoint
   write_json         a JSON file written the same way (config.json, validation.json, evaluate.py's results)
 
@@ -18,6 +26,7 @@ import json
 import os
 import random
 import signal
+import sys
 
 import numpy as np
 import torch
@@ -39,10 +48,7 @@ def sigkill_hook(point, step):
 
 def save_checkpoint(path, step, policy, method, optimizer, pool):
     state = {"step": step, "lora": lora_state_dict(policy), "method": method.state_dict(),
-             "optimizer": optimizer.state_dict(),
-             "rng": {"torch": torch.get_rng_state(), "numpy": np.random.get_state(), "python": random.getstate(),
-                     "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
-                     "experts": pool.generator.get_state() if pool is not None else None}}
+             "optimizer": optimizer.state_dict(), "rng": rng_state(pool)}
     tmp = f"{path}.tmp{os.getpid()}"
     torch.save(state, tmp)
     with open(tmp, "rb") as f:
@@ -51,24 +57,72 @@ def save_checkpoint(path, step, policy, method, optimizer, pool):
     os.replace(tmp, path)
 
 
-def load_checkpoint(path, policy, method, optimizer, pool):
-    """Load everything save_checkpoint wrote; returns the step. ValueError (one line) if it does not fit."""
-    try:
-        state = torch.load(path, map_location="cpu", weights_only=False)
-        load_lora_state_dict(policy, state["lora"])
-        method.load_state_dict(state["method"])
-        optimizer.load_state_dict(state["optimizer"])
-        rng, step = state["rng"], int(state["step"])
-    except Exception as e:  # corrupt file, other model, other method: refuse, say which
-        why = (str(e).splitlines() or [""])[0][:160]
-        raise ValueError(f"--resume: checkpoint {path} is unreadable or does not fit this run "
-                         f"({type(e).__name__}: {why})") from None
-    torch.set_rng_state(rng["torch"]), np.random.set_state(rng["numpy"]), random.setstate(rng["python"])
+def rng_state(pool):
+    """Every random generator's state as tensors, numbers, strings and lists (what weights_only loads)."""
+    name, key, pos, has_gauss, gauss = np.random.get_state()
+    version, internal, gauss_next = random.getstate()
+    return {"torch": torch.get_rng_state(),
+            "numpy": {"name": name, "key": torch.from_numpy(key.astype(np.int64)), "pos": int(pos),
+                      "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)},
+            "python": [version, list(internal), gauss_next],
+            "cuda": torch.cuda.get_rng_state_all() if torch.cuda.is_available() else None,
+            "experts": pool.generator.get_state() if pool is not None else None}
+
+
+def set_rng_state(rng, pool):
+    n = rng["numpy"]
+    np.random.set_state((n["name"], n["key"].numpy().astype(np.uint32), n["pos"], n["has_gauss"],
+                         n["cached_gaussian"]))
+    version, internal, gauss_next = rng["python"]
+    random.setstate((version, tuple(internal), gauss_next))
+    torch.set_rng_state(rng["torch"])
     if rng["cuda"] is not None and torch.cuda.is_available():
         torch.cuda.set_rng_state_all(rng["cuda"])
     if pool is not None and rng["experts"] is not None:
         pool.generator.set_state(rng["experts"])
-    return step
+
+
+def read_checkpoint(path, flag):
+    """torch.load(path, weights_only=True). ValueError (one line, naming `flag`) for a file that is not a
+    checkpoint, or one that holds other Python objects (an older checkpoint, or a crafted file), which are not
+    built: unpickling them could run code."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except Exception as e:
+        if "Weights only load failed" in str(e) and "Unsupported global" in str(e):
+            raise ValueError(f"{flag}: {path} holds Python objects other than tensors, numbers, strings, lists "
+                             "and dicts (a checkpoint from before they were refused, or a crafted file); they are "
+                             "not loaded, as they could run code. If you trust the file, convert it: python -m "
+                             f"support.checkpoint {path}") from None
+        why = (str(e).splitlines() or [""])[0][:160]
+        raise ValueError(f"{flag}: checkpoint {path} is unreadable ({type(e).__name__}: {why})") from None
+
+
+def load_checkpoint(path, policy, method, optimizer, pool):
+    """Load everything save_checkpoint wrote; returns the step. ValueError (one line) if it does not fit."""
+    state = read_checkpoint(path, "--resume")
+    try:
+        bad = [k for k, v in {**state["lora"], **state["method"]}.items()
+               if torch.is_tensor(v) and v.is_floating_point() and not torch.isfinite(v).all()]
+        if bad:  # it would train nothing: every step would be skipped
+            raise ValueError(f"non-finite weights in {bad[0]} and {len(bad) - 1} other tensors")
+        load_lora_state_dict(policy, state["lora"])
+        method.load_state_dict(state["method"])
+        optimizer.load_state_dict(state["optimizer"])
+        set_rng_state(state["rng"], pool)
+        return int(state["step"])
+    except Exception as e:  # other model, other method: refuse, say which
+        why = (str(e).splitlines() or [""])[0][:160]
+        raise ValueError(f"--resume: checkpoint {path} does not fit this run "
+                         f"({type(e).__name__}: {why})") from None
+
+
+def checkpoint_step(path):
+    """The step a checkpoint holds, or None when there is none (or it cannot be read)."""
+    try:
+        return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
+    except Exception:
+        return None
 
 
 def check_resume(args, config_path, default=lambda flag: None):
@@ -90,21 +144,44 @@ def check_resume(args, config_path, default=lambda flag: None):
     return None
 
 
-def keep_metrics_upto(path, step):
-    """On resume: drop log lines after the checkpoint's step (and any torn last line), atomically."""
+def read_log(path):
+    """The records of a JSONL log (metrics.jsonl, samples.jsonl), [] when there is none. A last line without its
+    newline is the torn write of a killed run and is left out; any other line that is not a JSON record with a
+    step raises ValueError naming it: --resume drops nothing quietly."""
     if not os.path.exists(path):
-        return
-    kept = []
+        return []
     with open(path) as f:
-        for line in f:
-            try:
-                if json.loads(line)["step"] <= step:
-                    kept.append(line if line.endswith("\n") else line + "\n")
-            except (ValueError, KeyError):
+        lines = f.readlines()
+    records = []
+    for n, line in enumerate(lines, 1):
+        try:
+            record = json.loads(line)
+            ok = isinstance(record, dict) and isinstance(record.get("step"), int)
+        except ValueError:
+            ok = False
+        if not ok:
+            if n == len(lines) and not line.endswith("\n"):
                 break
+            raise ValueError(f"--resume: line {n} of {path} is not a JSON record with a step: {line.strip()[:40]!r}; "
+                             "repair or delete that line, then resume again")
+        records.append((record, line if line.endswith("\n") else line + "\n"))
+    return records
+
+
+def keep_metrics_upto(path, step):
+    """On resume: keep the log lines up to the checkpoint's step, atomically (read_log's checks first). Returns
+    how many lines went (the torn last one included): their steps run again."""
+    if not os.path.exists(path):
+        return 0
+    records = read_log(path)
+    with open(path) as f:
+        total = sum(1 for _ in f)
+    kept = [line for record, line in records if record["step"] <= step]
     with open(path + ".tmp", "w") as f:
         f.writelines(kept)
     os.replace(path + ".tmp", path)
+    return total - len(kept)
+
 
 def write_json(path, obj):
     """Atomically: a reader (or a kill) sees the old file or the new one, never half of one."""
@@ -113,3 +190,25 @@ def write_json(path, obj):
         json.dump(obj, f, indent=2)
     os.replace(path + ".tmp", path)
 
+
+
+def upgrade_checkpoint(path):
+    """Rewrite an older checkpoint (numpy's generator state pickled as an array) in the form read_checkpoint
+    loads. It unpickles the file with weights_only=False, which can run code: only for a file one trusts."""
+    state = torch.load(path, map_location="cpu", weights_only=False)
+    numpy_state, python_state = state["rng"]["numpy"], state["rng"]["python"]
+    if not isinstance(numpy_state, dict):
+        name, key, pos, has_gauss, gauss = numpy_state
+        state["rng"]["numpy"] = {"name": name, "key": torch.from_numpy(np.asarray(key).astype(np.int64)),
+                                 "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
+    state["rng"]["python"] = [python_state[0], list(python_state[1]), python_state[2]]
+    torch.save(state, path + ".tmp")
+    os.replace(path + ".tmp", path)
+    read_checkpoint(path, "the converted file")  # it now loads with weights_only=True
+
+
+if __name__ == "__main__":  # python -m support.checkpoint PATH: convert an older checkpoint one trusts
+    if len(sys.argv) != 2:
+        sys.exit("usage: python -m support.checkpoint PATH/checkpoint.pt  (a file you trust: it is unpickled)")
+    upgrade_checkpoint(sys.argv[1])
+    print(f"converted {sys.argv[1]}: it loads with weights_only=True")

@@ -33,8 +33,14 @@ from support.checkpoint import check_resume
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
 
 
-def number(kind, low, low_ok=True):
-    """An argparse type: a finite `kind` (int or float) >= low (> low when not low_ok)."""
+FLOAT32_TINY, FLOAT32_MAX = 1.1754943508222875e-38, 3.4028234663852886e38  # float32's smallest normal, largest
+
+
+def number(kind, low, low_ok=True, high=None, why_high=""):
+    """An argparse type: a finite `kind` (int or float) >= low (> low when not low_ok) and <= high. A float must
+    also be a float32 number other than a tiny one: what trains and its AdamW state are float32, and there a
+    value below float32's smallest normal number (an --adam-eps of 1e-50) acts as 0 and one above its largest
+    (an --lr of 1e39) as infinity."""
     def parse(text):
         try:
             v = kind(text)
@@ -42,11 +48,21 @@ def number(kind, low, low_ok=True):
             raise argparse.ArgumentTypeError(f"not {'an integer' if kind is int else 'a number'}: {text!r}") from None
         if not (math.isfinite(v) and (v >= low if low_ok else v > low)):  # `not`, so that NaN fails too
             raise argparse.ArgumentTypeError(f"must be {'>=' if low_ok else '>'} {low}, got {text}")
+        if high is not None and v > high:
+            raise argparse.ArgumentTypeError(f"must be <= {high}{why_high}, got {text}")
+        if kind is float and abs(v) > FLOAT32_MAX:
+            raise argparse.ArgumentTypeError(f"{text} is infinite in float32 (the trainable weights' dtype; its "
+                                             f"largest number is {FLOAT32_MAX:.3g})")
+        if kind is float and 0 < abs(v) < FLOAT32_TINY:
+            raise argparse.ArgumentTypeError(f"{text} is below float32's smallest normal number {FLOAT32_TINY:.3g} "
+                                             "(the trainable weights' dtype): it would act as 0")
         return v
     return parse
 
 
 COUNT, NONNEG, POSITIVE = number(int, 1), number(float, 0), number(float, 0, low_ok=False)
+# items of one split: their reasoning-gym seeds must fit in the split's range (rewards.MAX_DATASET_SIZE)
+SPLIT_SIZE = number(int, 1, high=rewards.MAX_DATASET_SIZE, why_high=" (the most items a split holds)")
 
 # The README's first run: the pocket team on 2-term sums, 6 steps with the speedrun's levers, scored on 100
 # validation items before and after (about 9 minutes on a 2-core CPU). `smoke`: the tiny random-init team,
@@ -192,11 +208,12 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       help="reasoning-gym system prompt")
     a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
     a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")
-    a("--dataset-size", type=COUNT, default=20000, help="reasoning-gym items per split (paper: 20000)")
+    a("--dataset-size", type=SPLIT_SIZE, default=20000, help="reasoning-gym items per split (paper: 20000)")
     a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
       "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
     a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
-    a("--seed", type=number(int, 0), default=0, help="seed for data order, sampling and initialisation")
+    a("--seed", type=number(int, 0, high=2**32 - 1, why_high=" (numpy's seeds are 32-bit)"), default=0,
+      help="seed for data order, sampling and initialisation")
     a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
       "process takes cuda:LOCAL_RANK)")
     a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
@@ -218,8 +235,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
-    a("--eval-items", type=number(int, 0), default=0, help="score N validation items (greedy, the task's scorer) "
-      "before the first step and after the last, and print both on one line (0: off)")
+    a("--eval-items", type=number(int, 0, high=rewards.MAX_DATASET_SIZE), default=0, help="score N validation "
+      "items (greedy, the task's scorer) before the first step and after the last, and print both on one line "
+      "(0: off)")
     return p
 
 
@@ -253,6 +271,17 @@ def check_args(p, args):
               (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
+              (args.data_path is None or not os.path.isdir(args.data_path)
+               or os.path.isfile(os.path.join(args.data_path, "train.jsonl")),
+               f"--data-path {args.data_path}: a folder must hold train.jsonl (and test.jsonl to validate on)"),
+              # one file is the training split: validating on it would score training items
+              (args.data_path is None or not args.eval_items or (
+                  os.path.isdir(args.data_path) and os.path.isfile(os.path.join(args.data_path, "test.jsonl"))),
+               f"--data-path {args.data_path} holds no test.jsonl, and --eval-items would score training items; "
+               "pass a folder with train.jsonl and test.jsonl, or --eval-items 0"),
+              (args.experts is None or all(name.strip() for name in args.experts.split(",")),
+               f"--experts {args.experts!r} has an empty model name (a stray comma?)"),
+              (args.out != "" and args.expert_cache != "", "--out and --expert-cache need a folder, got ''"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
               (args.context_anchor == "zero" or args.method not in ("single", "output_collab", "conductor", "rlae"),
                f"--context-anchor newline: --method {args.method} has no context tokens to anchor")]
@@ -268,6 +297,50 @@ def check_args(p, args):
 def low_precision_frozen(args):
     """The frozen weights will be below float32: --dtype bfloat16, or auto on a CUDA machine."""
     return args.dtype == "bfloat16" or (args.dtype == "auto" and args.device != "cpu" and torch.cuda.is_available())
+
+
+def folder_problem(path, flag):
+    """Why `path` cannot be the folder `flag` writes into (a file is there, or in its way, or its nearest
+    existing folder is not writable), or None. Reads only; create_folder makes it."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            return f"{flag} {path} is a file, not a folder"
+        return None if os.access(path, os.W_OK | os.X_OK) else f"{flag} {path} is not writable"
+    parent = os.path.dirname(os.path.abspath(path))
+    while not os.path.exists(parent):
+        parent = os.path.dirname(parent)
+    if not os.path.isdir(parent):
+        return f"{flag} {path} cannot be created: {parent} is a file, not a folder"
+    if not os.access(parent, os.W_OK | os.X_OK):
+        return f"{flag} {path} cannot be created: {parent} is not writable"
+    return None
+
+
+def create_folder(path, flag):
+    """Make `path` and the folders above it that are missing; returns those it made, deepest first (for
+    remove_created). Fails (code 2) in one line naming the flag when the system refuses, as it does in places
+    that look writable (a read-only file system, /proc, /sys)."""
+    if msg := folder_problem(path, flag):
+        fail(msg)
+    made, p = [], os.path.abspath(path)
+    while not os.path.exists(p):
+        made.append(p)
+        p = os.path.dirname(p)
+    try:
+        os.makedirs(path, exist_ok=True)
+    except OSError as e:
+        remove_created(made)
+        fail(f"{flag} {path} cannot be created ({type(e).__name__}: {e.strerror})")
+    return made
+
+
+def remove_created(made):
+    """Remove the folders create_folder made, if they are still empty."""
+    for p in made:
+        try:
+            os.rmdir(p)
+        except OSError:
+            pass
 
 
 def refuse_train_levers(p, args, rewards=("task",)):
@@ -291,17 +364,25 @@ def fail(msg, code=2):
     sys.exit(code)
 
 
+def holds_a_run(out):
+    """Whether `out` holds a run that finished a step: a checkpoint or a line in metrics.jsonl."""
+    metrics = os.path.join(out, "metrics.jsonl")
+    return os.path.exists(os.path.join(out, "checkpoint.pt")) or (
+        os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
+
+
 def check_run(args, world, config_path):
     """What parse_args cannot see: the --out folder (a new run, or one that --resume can continue), every model
     the run will load (present, or one line saying how to get it) and --expert-device. Fails with exit code 2,
-    or raises ValueError / FileNotFoundError with a one-line message; writes nothing."""
-    if os.path.exists(args.out) and not os.path.isdir(args.out):
-        fail(f"--out {args.out} is a file, not a folder")
+    or raises ValueError / FileNotFoundError with a one-line message; writes nothing. A folder whose run never
+    finished a step (it failed while loading, or ran out of memory in its first step: a config.json, no
+    checkpoint, no metrics) is no run to keep: the same command may start it again."""
     if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
         fail(msg)
-    elif not args.resume and any(os.path.exists(os.path.join(args.out, n))
-                                 for n in ("config.json", "metrics.jsonl", "checkpoint.pt")):
+    elif not args.resume and holds_a_run(args.out):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    if args.task == "gsm8k" and args.data_path and args.eval_items:  # read test.jsonl before the models load
+        rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, args.data_path)
     team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
     models = [(team["policy"], "--policy" if args.policy else by_team)]
     if args.method not in WITHOUT_TEAM_EXPERTS:

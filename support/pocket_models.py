@@ -218,15 +218,22 @@ def _convert_apart(final: Path, folder: Path, gguf_file: str, source: dict) -> P
     always hand freed memory back to the system: the README's first command peaked at 7.1 GB of
     RSS when it converted the pocket models and at 5.6 GB when it loaded converted copies. In a
     child process whatever the conversion leaves behind goes when the child ends.
+
+    The child is a fresh `python -c` that imports this module by name, so it does not depend on
+    how the parent was started: a multiprocessing spawn re-imports the parent's __main__ from its
+    path, which fails for a script read from stdin (`python -`) and runs again the top of a
+    script without an `if __name__ == "__main__"` guard.
     """
-    import multiprocessing
-    child = multiprocessing.get_context("spawn").Process(
-        target=_convert, args=(final, folder, gguf_file, source))
-    child.start()
-    child.join()
-    if child.exitcode != 0 or not final.is_dir():
+    import subprocess
+    root = str(Path(__file__).resolve().parent.parent)  # the repository: `support` is importable
+    code = ("import json, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+            "from support.pocket_models import _convert; "
+            "_convert(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))")
+    child = subprocess.run([sys.executable, "-c", code, root, os.path.abspath(final),
+                            os.path.abspath(folder), gguf_file, json.dumps(source)])
+    if child.returncode != 0 or not final.is_dir():
         raise RuntimeError(f"converting {gguf_file} failed in its process (exit code "
-                           f"{child.exitcode}); its error is printed above")
+                           f"{child.returncode}); its error is printed above")
     return final
 
 

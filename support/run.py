@@ -16,18 +16,25 @@ where run_steps is
 
 and train.py's grpo_step ends with step_metrics: the step's record for metrics.jsonl.
 
-Nothing here is in the paper. What it guarantees (tests/test_hardening.py): bad input exits with code 2 and one
-line on stderr before anything in --out is written; rank 0 alone writes; --max-bad-steps non-finite steps in a
-row exit with code 3, the checkpoint holding the last good weights; --resume continues to the very numbers of a
-run never killed (support/checkpoint.py); --eval-items scores the policy before and after training on the
-items evaluate.py scores for the seed.
+Nothing here is in the paper. What it guarantees (tests/test_hardening.py, tests/test_run_safety.py): bad input
+exits with code 2 and one line on stderr before any model loads and before anything in --out is written; one
+run at a time writes in a folder (support/lock.py), rank 0 alone; an update that leaves a trainable tensor
+non-finite is undone and skipped (step_if_finite); --max-bad-steps skipped steps in a row exit with code 3, the
+checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (143) end in one line that names
+the checkpoint's step and the command that resumes; --resume continues to the very numbers of a run never
+killed (support/checkpoint.py); --eval-items scores the policy before and after training on the items
+evaluate.py scores for the seed.
 
-Try it on CPU:  python -m pytest tests/test_hardening.py -q
+Try it on CPU:  python -m pytest tests/test_hardening.py tests/test_run_safety.py -q
 """
 import ctypes
 import glob
 import json
 import os
+import shlex
+import signal
+import sys
+import threading
 
 import numpy as np
 import torch
@@ -37,9 +44,11 @@ from adapter import context_probes
 from experts import pick_device
 from lora import save_peft
 from support import distributed
-from support.checkpoint import keep_metrics_upto, load_checkpoint, save_checkpoint, sigkill_hook
+from support.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
+from support.checkpoint import sigkill_hook
 from support.checkpoint import write_json
-from support.config import check_run, fail
+from support.config import check_run, create_folder, fail, folder_problem, holds_a_run, remove_created
+from support.lock import LockHeld, release_lock, take_lock
 
 
 def hand_back_freed_memory():
@@ -59,55 +68,185 @@ def hand_back_freed_memory():
 
 
 def start_run(args, world, make):
-    """Check everything, build the run (`make(args, device)`: train.build_run, or a neighbour's
-    build), load its checkpoint with --resume; then (rank 0) write config.json and, with
+    """Check everything, take --out (support/lock.py), build the run (`make(args, device)`: train.build_run, or a
+    neighbour's build), load its checkpoint with --resume; then (rank 0) write config.json and, with
     --eval-items, the validation score before training. Returns (run, first step)."""
-    paths = run_paths(args.out)
     hand_back_freed_memory()
-    try:  # check everything before writing anything into --out
+    run = {"paths": run_paths(args.out), "claim": claim_folders(args, world)}
+    stop_on_signals(run, args)
+    try:  # however start_run ends early (bad input, a signal, an error), --out is let go of
+        start = build_and_load(run, args, world, make)
+        paths = run["paths"]
+        # every process has checked everything; joining waits for all, so rank 0 writes only after that
+        distributed.init(world, run["device"])
+        run.update(world=world, writer=world.rank == 0, start=start)  # only rank 0 writes
+        if not run["writer"]:
+            return run, start
+        # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
+        if args.resume:
+            for name in ("metrics", "samples"):
+                dropped = keep_metrics_upto(paths[name], start)
+                if dropped and name == "metrics":
+                    print(f"resume: from step {start}; {dropped} log line(s) after it dropped (those steps run "
+                          "again)", file=sys.stderr, flush=True)
+            for tmp in glob.glob(paths["checkpoint"] + ".tmp*"):  # left by a run killed while saving
+                os.remove(tmp)
+        else:  # what a run that failed before its first step may have left (check_run let it start again)
+            for name in ("metrics", "samples", "validation"):
+                if os.path.exists(paths[name]):
+                    os.remove(paths[name])
+        write_json(paths["config"], {**vars(args), "team_models": run["team"],
+                                     "device_used": str(run["device"]), "processes": world.size})
+        if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
+            before = validation_scores(run, args)
+            write_json(paths["validation"], {"items": args.eval_items, "before": before})
+        return run, start
+    except BaseException:
+        release_folders(run)
+        raise
+
+
+def build_and_load(run, args, world, make):
+    """Every check that reads only, the run built into `run` and, with --resume, its checkpoint loaded and its
+    log lines read (a line that is not JSON fails here). Returns the first step. Bad input exits with code 2
+    and one line, and nothing is written."""
+    paths = run["paths"]
+    try:
         check_run(args, world, paths["config"])
         device = distributed.rank_device(pick_device(args.device), world)
-        run = make(args, device)
+        run.update(make(args, device))
         # killed before its first: step 0
         resuming = args.resume and os.path.exists(paths["checkpoint"])
         parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
         start = load_checkpoint(paths["checkpoint"], *parts) if resuming else 0
+        if args.resume and world.rank == 0:
+            for name in ("metrics", "samples"):
+                read_log(paths[name])
     except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
         fail(str(e))
     if start > args.steps:
-        fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out "
-             f"{args.out}")
-    # every process has checked everything; joining waits for all, so rank 0 writes only after that
-    distributed.init(world, run["device"])
-    run.update(world=world, writer=world.rank == 0, paths=paths, start=start)  # only rank 0 writes
-    if not run["writer"]:
-        return run, start
-    # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
-    if args.resume:
-        for name in ("metrics", "samples"):
-            keep_metrics_upto(paths[name], start)
-        for tmp in glob.glob(paths["checkpoint"] + ".tmp*"):  # left by a run killed while saving
-            os.remove(tmp)
-    os.makedirs(args.out, exist_ok=True)
-    write_json(paths["config"], {**vars(args), "team_models": run["team"],
-                                 "device_used": str(run["device"]), "processes": world.size})
-    if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
-        before = validation_scores(run, args)
-        write_json(paths["validation"], {"items": args.eval_items, "before": before})
-    return run, start
+        fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out {args.out}")
+    return start
+
+
+def claim_folders(args, world):
+    """--out made if missing and locked by this process (rank 0; another run there: exit code 2 at once), and
+    --expert-cache made and written to, before any model loads. Returns what release_folders undoes."""
+    if world.rank != 0:
+        return {"lock": None, "made": []}
+    made = create_folder(args.out, "--out")
+    try:
+        lock = take_lock(args.out)
+    except LockHeld as e:
+        fail(f"--out {args.out} is in use by process {e} (another run writes there; one run per folder). If no "
+             f"such process runs, delete {os.path.join(args.out, '.lock')}")
+    except OSError as e:
+        remove_created(made)
+        fail(f"--out {args.out} cannot be written ({type(e).__name__}: {e.strerror})")
+    claim = {"lock": lock, "made": made}
+    if args.expert_cache:
+        try:
+            if msg := folder_problem(args.expert_cache, "--expert-cache"):
+                raise ValueError(msg)
+            os.makedirs(args.expert_cache, exist_ok=True)
+            probe = os.path.join(args.expert_cache, f".probe{os.getpid()}")
+            open(probe, "w").close()
+            os.remove(probe)
+        except (OSError, ValueError) as e:
+            release_folders({"claim": claim})
+            fail(str(e) if isinstance(e, ValueError) else
+                 f"--expert-cache {args.expert_cache} cannot be written ({type(e).__name__}: {e.strerror})")
+    return claim
+
+
+def release_folders(run):
+    """Let go of --out: the lock removed, and the folders claim_folders made removed again if still empty."""
+    claim = run.get("claim")
+    if claim:
+        release_lock(claim["lock"])
+        remove_created(claim["made"])
+        run["claim"] = None
+    restore = run.pop("signal_handlers", {})
+    if threading.current_thread() is threading.main_thread():
+        for sig, handler in restore.items():
+            signal.signal(sig, handler)
+
+
+def stop_on_signals(run, args):
+    """Ctrl-C (SIGINT) and SIGTERM end the run with one line: the step the checkpoint on disk holds (it is
+    written whole or not at all, so it is safe at any moment) and the command that continues from it; exit
+    code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. Nothing is
+    saved on the way out: what ran after the checkpoint is lost, and --resume runs it again. Under torchrun
+    support/distributed.py turns SIGTERM (another rank failed) into its own line."""
+    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
+        return
+
+    def stop(signum, frame):
+        fail(stopped_message(signal.Signals(signum).name, run, args), code=128 + signum)
+
+    run["signal_handlers"] = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+
+
+def stopped_message(name, run, args):
+    paths = run["paths"]
+    if not os.path.exists(paths["config"]):
+        return f"stopped by {name} before the run wrote anything; to start it, run the same command again"
+    step, command = checkpoint_step(paths["checkpoint"]), resume_command(args)
+    if step is None and not holds_a_run(args.out):
+        return f"stopped by {name} before its first step ended: nothing to keep; run the same command again"
+    if step is None:
+        return (f"stopped by {name} before the first checkpoint (--save-every {args.save_every}): the steps "
+                f"that ran are lost; start again from step 0 with: {command}")
+    return (f"stopped by {name}: {paths['checkpoint']} is safe and holds step {step} of {args.steps} (any step "
+            f"after it is lost and runs again); continue with: {command}")
+
+
+def resume_command(args):
+    """This process's command line with --resume: exact for a script started as `python SCRIPT.py ...`; for a
+    run started another way (python -c, a notebook, a script that calls main) a description."""
+    argv = sys.argv
+    if os.path.basename(argv[0]) not in ("train.py", "conductor.py", "rlae.py"):
+        return f"the same flags and --resume (--out {args.out})"
+    return shlex.join(["python", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
 def run_steps(run, start, args, grpo_step, score_batch):
     """The loop from step `start` to --steps: each step (`grpo_step(step, run, args, score_batch)
     -> (metrics, batches)`, the script's own algorithm), then its log line and checkpoint
-    (after_step); then the end of the run (finish_run). Returns the run folder."""
-    bar, bad_steps = progress_bar(start, args, run["writer"]), 0
-    for step in bar:
-        rec, batches = grpo_step(step, run, args, score_batch)
-        # tests: a kill after the update, before its log and checkpoint
-        sigkill_hook("step", step + 1)
-        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
-    return finish_run(run, args)
+    (after_step); then the end of the run (finish_run). Returns the run folder. However it ends, the
+    lock on --out goes with it."""
+    try:
+        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
+        for step in bar:
+            rec, batches = grpo_step(step, run, args, score_batch)
+            # tests: a kill after the update, before its log and checkpoint
+            sigkill_hook("step", step + 1)
+            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
+        return finish_run(run, args)
+    finally:
+        release_folders(run)
+
+
+def step_if_finite(optimizer):
+    """optimizer.step(), undone when it leaves any trainable tensor non-finite: the weights and the optimiser's
+    state (AdamW's moments and step counts) go back to copies taken before the step. Returns whether the update
+    stayed. A finite loss and gradient can still make one (an Adam denominator that underflows, an overflow in
+    the update): without this the run would go on from, and save, NaN weights."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    weights = [p.detach().clone() for p in params]
+    states = [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+              if p in optimizer.state else None for p in params]
+    optimizer.step()
+    if bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        return True
+    with torch.no_grad():
+        for p, w, state in zip(params, weights, states):
+            p.copy_(w)
+            if state is None:
+                optimizer.state.pop(p, None)
+            else:
+                optimizer.state[p] = state
+    return False
 
 
 def run_paths(out):
@@ -190,8 +329,8 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
         save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
-        msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss or gradient; stopped. The "
-               f"last good weights are in {run['paths']['checkpoint']}; try a lower --lr / --router-lr")
+        msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss, gradient or update; stopped. "
+               f"The last good weights are in {run['paths']['checkpoint']}; try a lower --lr / --router-lr")
         if run["world"].size > 1:  # the others stop with rank 0, not while it saves
             distributed.stop_together(run["world"], msg, code=3)
         fail(msg, code=3)
@@ -206,7 +345,7 @@ def log_line(rec, steps):
         parts.append(f"H {rec['entropy']:.3f}")
     parts.append(f"{rec['seconds']:.1f} s")
     if rec["skipped_update"]:
-        parts.append("update skipped: non-finite loss or gradient")
+        parts.append("update skipped: non-finite loss, gradient or weights")
     return " | ".join(parts)
 
 

@@ -35,6 +35,9 @@ def tiny_tokenizer(chat=True):
     return tok
 
 
+NAMES = ("llama", "qwen2", "gpt2", "bert")  # load's configs
+
+
 def load(name):
     """Random-init few-layer models of different families and widths; the same name gives the
     same weights."""
@@ -57,6 +60,7 @@ def load(name):
         "bert": tf.BertConfig(**ids, hidden_size=40, intermediate_size=80, num_hidden_layers=2,
                               num_attention_heads=2, max_position_embeddings=4096),
     }
+    assert set(configs) == set(NAMES), "NAMES lists load's configs"
     if name not in configs:
         raise ValueError(f"unknown tiny model {name!r}; choose from {sorted(configs)}")
     config = configs[name]

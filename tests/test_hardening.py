@@ -145,6 +145,10 @@ def prepare(kind, reference, tmp_path):
         open(out, "w").write("not a folder\n")
     elif kind != "fresh":
         shutil.copytree(reference, out)
+    (tmp_path / "a_file").write_text("not a folder\n")  # {file} in a case's arguments
+    rows = "".join(json.dumps({"question": f"{i} + 1?", "answer": f"#### {i + 1}"}) + "\n" for i in range(8))
+    (tmp_path / "gsm8k.jsonl").write_text(rows)  # {gsm8k}: one file, no test split
+    (tmp_path / "gsm8k_bad.jsonl").write_text(rows + "{not json\n" + rows)  # {gsm8k_bad}: line 9 is not JSON
     ckpt = os.path.join(out, "checkpoint.pt")
     if kind == "garbage_checkpoint":
         open(ckpt, "wb").write(b"\x80\x02 not a checkpoint " * 200)
@@ -157,6 +161,9 @@ def prepare(kind, reference, tmp_path):
         torch.save(state, ckpt)
     elif kind == "garbage_config":
         open(os.path.join(out, "config.json"), "w").write('{"task": "chain_s')
+    elif kind == "garbage_metrics_line":  # not the torn last line of a kill: line 2 of 4
+        lines = open(os.path.join(out, "metrics.jsonl")).readlines()
+        open(os.path.join(out, "metrics.jsonl"), "w").writelines(lines[:1] + ['{"step": 2, "rew\n'] + lines[2:])
     return out
 
 
@@ -207,9 +214,23 @@ BAD_INPUT = [
     ("train", "fresh", ["--team", "default"], "--team", "hub"),
     ("train", "fresh", ["--task", "gsm8k", "--data-path", "/no/such.jsonl"], "--data-path", False),
     ("train", "fresh", ["--data-path", ROOT], "--data-path", False),  # chain_sum does not read it
+    ("train", "fresh", ["--task", "gsm8k", "--data-path", "{gsm8k}", "--eval-items", "2"], "--data-path",
+     False),  # one file: validation would score training items
+    ("train", "fresh", ["--task", "gsm8k", "--data-path", "{gsm8k_bad}"], "--data-path", False),
+    ("train", "fresh", ["--task", "gsm8k", "--data-path", ROOT], "--data-path", False),  # no train.jsonl
+    ("train", "fresh", ["--dataset-size", "100000000"], "--dataset-size", False),
+    ("train", "fresh", ["--seed", "99999999999"], "--seed", False),  # numpy's seeds are 32-bit
+    ("train", "fresh", ["--experts", "tiny:qwen2,"], "--experts", False),
+    ("train", "fresh", ["--expert-cache", "{file}"], "--expert-cache", False),
+    # numbers that cannot work in float32, where LoRA, g_phi and AdamW's state live
+    ("train", "fresh", ["--adam-eps", "1e-50"], "--adam-eps", False),
+    ("train", "fresh", ["--lr", "1e39"], "--lr", False),
     ("train", "fresh", ["--method", "single", "--experts", "tiny:gpt2"], "--experts", False),  # has none
     # the output folder
     ("train", "file", [], "--out", False),
+    ("train", "fresh", ["--out", "{file}/out"], "--out", False),  # inside a file
+    ("train", "fresh", ["--out", "/proc/no-such-folder/out"], "--out", False),  # looks writable, is not
+    ("train", "fresh", ["--out", ""], "--out", False),
     ("train", "run", [], "--out", False),  # holds a run, no --resume: nothing overwritten
     ("train", "fresh", ["--resume"], "--resume", False),
     ("train", "garbage_checkpoint", ["--resume"], "--resume", "cli"),
@@ -221,6 +242,7 @@ BAD_INPUT = [
     ("train", "run", ["--resume", "--method", "no_xattn"], "--method", False),
     ("train", "run", ["--resume", "--group-size", "8"], "--group-size", False),
     ("train", "run", ["--resume", "--steps", "3"], "--steps", False),  # below the checkpoint's step 4
+    ("train", "garbage_metrics_line", ["--resume", "--steps", "5"], "line 2 of", False),  # not dropped quietly
     # evaluate.py
     ("evaluate", "run", ["--run", "{out}", "--n", "0"], "--n", False),
     ("evaluate", "run", ["--run", "{out}", "--batch-size", "0"], "--batch-size", False),
@@ -228,6 +250,8 @@ BAD_INPUT = [
     ("evaluate", "fresh", ["--run", "{out}"], "--run", False),
     ("evaluate", "garbage_checkpoint", ["--run", "{out}", "--n", "2"], "--run", False),
     ("evaluate", "garbage_config", ["--run", "{out}", "--n", "2"], "--run", False),
+    ("evaluate", "run", ["--run", "{out}", "--n", "2", "--out", "{file}"], "--out", False),  # before evaluating
+    ("evaluate", "run", ["--run", "{out}", "--n", "2", "--out", "{file}/x"], "--out", False),
     ("evaluate", "fresh", ["--untrained", "--team", "tiny", "--task", "no_such_task", "--out", "{out}"], "--task",
      False),
     ("evaluate", "fresh", ["--untrained", "--team", "tiny", "--task", "chain_sum", "--policy", "/no/such",
@@ -249,8 +273,13 @@ def case_id(case):
 
 
 def argv_of(script, args, out):
-    """train.py gets the reference run's flags, then the case's (argparse: the last one wins)."""
-    return [a.replace("{out}", out) for a in (TRAIN if script == "train" else []) + args]
+    """train.py gets the reference run's flags, then the case's (argparse: the last one wins). {file},
+    {gsm8k} and {gsm8k_bad} are prepare's files beside OUT."""
+    here = os.path.dirname(out)
+    return [a.replace("{out}", out).replace("{file}", os.path.join(here, "a_file"))
+            .replace("{gsm8k}", os.path.join(here, "gsm8k.jsonl"))
+            .replace("{gsm8k_bad}", os.path.join(here, "gsm8k_bad.jsonl"))
+            for a in (TRAIN if script == "train" else []) + args]
 
 
 def finished(started, key):
@@ -388,7 +417,7 @@ def test_a_non_finite_step_is_skipped_counted_and_logged(monkeypatch, tmp_path, 
     assert [r["skipped_update"] for r in rows] == [False, True, True, False]
     assert same_weights(saved[1], saved[2]) and same_weights(saved[2], saved[3])  # bit-identical
     assert not same_weights(saved[3], saved[4])  # and training goes on
-    assert capfd.readouterr().out.count("update skipped: non-finite loss or gradient") == 2  # the step lines
+    assert capfd.readouterr().out.count("update skipped: non-finite loss, gradient or weights") == 2  # step lines
     assert all(r["scorer_failures"] == 1 for r in rows)  # the timeout, not the two missing answers
     with open(os.path.join(out, "metrics.jsonl")) as f:  # strict JSON: the NaN loss is written as null
         assert all(json.loads(line, parse_constant=lambda c: pytest.fail(f"{c} in metrics.jsonl")) for line in f)
