@@ -3,12 +3,13 @@ and rlae, every speedrun lever, the random-reward control and the task's own sco
 bit-identical to those recorded before it (wall time aside), by tests/fixtures/record_metrics.py.
 
 Bit for bit holds on one kind of CPU only: torch's kernels sum in another order on another instruction set
-(AVX2 and AVX-512 differ from the first step's gradient norm on). So there is one fixture per instruction set
-(torch.backends.cpu.get_cpu_capability()): metrics_tiny.json, recorded on AVX2 at commit a358f1f (its two
---dynamic-sampling runs again on 2026-11-26, when flat groups came to keep their KL term), and
-metrics_tiny_avx512.json, recorded on AVX-512 at commit d7377e0 (2026-11-25: there the AVX2 fixture differed in
-32 of 39 steps, 12 of 13 runs, and main's run matched the new one bit for bit). On a CPU with no fixture the test
-is skipped and says how to record one from a trusted commit. The pocket team's twin (recorded on AVX2) is run by
+(AVX2 and AVX-512 differed from the first step's gradient norm on). So a fixture is per instruction set
+(torch.backends.cpu.get_cpu_capability()): metrics_tiny.json, recorded on AVX2, last re-recorded whole on 2026-11-26
+when every run changed on purpose (the rollout samples the whole step in one decode loop, each micro-batch's rows
+drawing from uniforms seeded by that micro-batch, train.row_uniforms; and prompts keep their padding behind their
+first token, rollout.padding_behind_first_token; before that, the two --dynamic-sampling runs when flat groups came
+to keep their KL term). The AVX-512 fixture recorded at d7377e0 could not be re-recorded (no AVX-512 CPU at hand)
+and was removed: on a CPU with no fixture the test is skipped and says how to record one from a trusted commit. The pocket team's twin (recorded on AVX2) is run by
 hand:
     python tests/fixtures/record_metrics.py --pocket --check tests/fixtures/metrics_pocket.json"""
 import json
@@ -20,10 +21,8 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = {"AVX2": "metrics_tiny.json", "AVX512": "metrics_tiny_avx512.json"}
-# Runs a fixture does not hold: they changed on purpose and no CPU of that kind was at hand to record them again
-# (2026-11-26: --dynamic-sampling keeps the KL term of flat groups; record_metrics.py says how to add them back).
-NOT_RECORDED = {"AVX512": {"ours_levers", "single_levers"}}
+FIXTURES = {"AVX2": "metrics_tiny.json"}
+NOT_RECORDED = {}  # runs a fixture does not hold (changed on purpose where no CPU of its kind was at hand)
 
 
 def test_every_method_gives_the_recorded_metrics_bit_for_bit():
