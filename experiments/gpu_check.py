@@ -21,7 +21,9 @@ finished, and a phase that fails records its error and the next one runs:
                 32 prompts x G 8, 128 new tokens): seconds and peak allocated / reserved memory per phase of the
                 step (each phase timed with torch.cuda.synchronize), against --plan's figures     (~1-2 min)
   default_step_per_micro  the same for 1 step with --rollout-batch 1: a decode loop per micro-batch, as the
-                rollout ran before it sampled the whole step in one loop                           (~2 min)
+                rollout ran before it sampled the whole step in one loop                           (~1.5 min)
+  default_step_cached  1 step on precomputed expert states (--precompute-states, then --expert-cache): the
+                experts are never loaded, the peak is the policy's                                 (~1.5 min)
 The estimates are on paper (no run has timed them yet); results/gpu.md holds what a run measured.
 
 A GPU machine of this project has no network: reasoning-gym and its pure-Python dependencies travel as wheels
@@ -308,6 +310,17 @@ def phase_clock(device, times):
             setattr(owner, name, real)
 
 
+def default_step_cached(device, argv):
+    """default_step on precomputed expert states (--precompute-states, then --expert-cache): the experts are
+    never loaded, so the peak is the policy's alone."""
+    import train
+    t0 = time.perf_counter()
+    train.main(argv + ["--precompute-states"])
+    precompute = round(time.perf_counter() - t0, 2)
+    _free(device)
+    return {"precompute_seconds": precompute, **default_step(device, argv)}
+
+
 def default_step(device, argv):
     import train
     from support import plan
@@ -355,7 +368,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="gpu_check.json", help="the JSON file (rewritten after every phase)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny models, a few seconds: what the test suite runs")
-    ap.add_argument("--phases", default="env,tiny_parity,padded_rows,decode,default_step,default_step_per_micro",
+    ap.add_argument("--phases", default="env,tiny_parity,padded_rows,decode,default_step,default_step_per_micro,"
+                    "default_step_cached",
                     help="comma-separated phases to run, in order")
     ap.add_argument("--steps", type=int, default=2, help="default_step: optimiser steps to run")
     args = ap.parse_args(argv)
@@ -368,18 +382,19 @@ def main(argv=None):
     spec = "tiny:llama" if args.tiny else POLICY_3B
     run_dir = tempfile.mkdtemp(prefix="gpu_check_run_")
     if args.tiny:
-        step_argv = ["--preset", "smoke", "--steps", str(args.steps), "--eval-items", "0", "--device", "cpu"]
+        base = ["--preset", "smoke", "--eval-items", "0", "--device", "cpu"]
     else:
-        step_argv = ["--task", "arithmetic", "--team", "default", "--random-weights", "--steps", str(args.steps),
-                     "--eval-items", "0", "--save-every", "1000", "--device", "cuda"]
-    step_argv += ["--out", os.path.join(run_dir, "run")]
-    per_micro = step_argv[:step_argv.index("--steps")] + ["--steps", "1", "--rollout-batch", "1"] + \
-        step_argv[step_argv.index("--steps") + 2:-1] + [os.path.join(run_dir, "per_micro")]
+        base = ["--task", "arithmetic", "--team", "default", "--random-weights", "--eval-items", "0",
+                "--save-every", "1000", "--device", "cuda"]
+    out = lambda name: ["--out", os.path.join(run_dir, name)]  # noqa: E731
     phases = {"env": (env, device), "tiny_parity": (tiny_parity, device),
               "padded_rows": (padded_rows, device, spec),
               "decode": (decode, device, spec, (32, 256) if not args.tiny else (8, 16), 64 if not args.tiny else 8),
-              "default_step": (default_step, device, step_argv),
-              "default_step_per_micro": (default_step, device, per_micro)}
+              "default_step": (default_step, device, base + ["--steps", str(args.steps)] + out("run")),
+              "default_step_per_micro": (default_step, device,
+                                         base + ["--steps", "1", "--rollout-batch", "1"] + out("per_micro")),
+              "default_step_cached": (default_step_cached, device, base + [
+                  "--steps", "1", "--expert-cache", os.path.join(run_dir, "states")] + out("cached"))}
     report = Report(args.out)
     for name in args.phases.split(","):
         fn, *fn_args = phases[name]
