@@ -165,6 +165,8 @@ def share_frozen_weights(model, key):
     for name, p in names.items():
         if name in first.frozen_weights:
             p.data = first.frozen_weights[name].data
+        else:  # the first copy had no LM head: this one's is the copy later loads share
+            first.frozen_weights[name] = p
 
 
 def frozen_dtype(name, device):
