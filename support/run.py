@@ -184,7 +184,9 @@ def stop_on_signals(run, args):
     def stop(signum, frame):
         fail(stopped_message(signal.Signals(signum).name, run, args), code=128 + signum)
 
-    run["signal_handlers"] = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # a signal the process was started ignoring stays ignored (a shell's background job ignores Ctrl-C)
+    run["signal_handlers"] = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
+                              if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 def stopped_message(name, run, args):

@@ -42,7 +42,13 @@ def start(out, *extra, steps=4):
     """train.main in a subprocess (test_hardening's RUN_SCRIPT), its log lines unbuffered."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NMUSK_TEST_SIGKILL": ""}
     return subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(steps), "--out", out, *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=at_a_terminal)
+
+
+def at_a_terminal():
+    """Ctrl-C's default, as at a terminal: pytest started as a shell's background job passes on SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def error_lines(stderr):
