@@ -266,7 +266,8 @@ def check_args(p, args):
                "pass a folder with train.jsonl and test.jsonl, or --eval-items 0"),
               (args.experts is None or all(name.strip() for name in args.experts.split(",")),
                f"--experts {args.experts!r} has an empty model name (a stray comma?)"),
-              (args.out != "" and args.expert_cache != "", "--out and --expert-cache need a folder, got ''"),
+              (args.out != "", "--out needs a folder, got ''"),
+              (args.expert_cache != "", "--expert-cache needs a folder, got ''"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
               (args.context_anchor == "zero" or args.method not in ("single", "output_collab", "conductor", "rlae"),
                f"--context-anchor newline: --method {args.method} has no context tokens to anchor")]
