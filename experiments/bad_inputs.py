@@ -122,13 +122,12 @@ def cases(p, work):
          "--out", out, 2),
         ("evaluate.py --run with a code-running pickle", ["evaluate.py", "--run", copy_run(p, "pickle2", "pickle"),
                                                           "--n", "2"], "--run", os.path.join(work, "pickle2"), 2),
-        ("conductor: --out inside a file", ["neighbours/conductor.py", "--team", "tiny", "--task", "chain_sum",
-                                            "--steps", "1", "--out", p["file"] + "/x"], "--out", p["file"] + "/x", 2),
-        ("rlae: --expert-cache is a file", ["neighbours/rlae.py", "--team", "tiny", "--task", "chain_sum",
-                                            "--steps", "1", "--out", out, "--expert-cache", p["file"]],
+        ("conductor: --out inside a file", ["neighbours/conductor.py", *SMOKE, "--out", p["file"] + "/x"], "--out",
+         p["file"] + "/x", 2),
+        ("rlae: --expert-cache is a file", ["neighbours/rlae.py", *SMOKE, "--out", out, "--expert-cache", p["file"]],
          "--expert-cache", out, 2),
-        ("conductor evaluate: --out is a file", ["neighbours/conductor.py", "evaluate", "--run", p["run"], "--n", "2",
-                                                 "--out", p["file"]], "--out", p["run"], 2),
+        ("conductor evaluate: --run of a train.py run", ["neighbours/conductor.py", "evaluate", "--run", p["run"],
+                                                         "--n", "2"], "--run", p["run"], 2),
         ("SIGINT (Ctrl-C) during training", T + ["--steps", "40", "--save-every", "2", "--out",
                                                  os.path.join(work, "sigint")], "--resume", None, 130),
         ("SIGTERM during training", T + ["--steps", "40", "--save-every", "2", "--out", os.path.join(work, "sigterm")],
@@ -159,13 +158,19 @@ def run_case(name, argv, watch, work):
         holder.stdout.readline()
     t0 = time.time()
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+                            stderr=subprocess.PIPE, text=True,  # Ctrl-C's default, as at a terminal
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     if name.startswith("SIG"):
         for line in proc.stdout:
             if line.startswith("step 2/"):
                 proc.send_signal(signal.SIGINT if name.startswith("SIGINT") else signal.SIGTERM)
                 break
-    stdout, stderr = proc.communicate(timeout=600)
+    try:
+        stdout, stderr = proc.communicate(timeout=600)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        stdout, stderr = proc.communicate()
+        stderr += "\nerror: (bad_inputs.py) still running after 600 s, killed"
     if holder is not None:
         holder.kill()
         holder.wait()

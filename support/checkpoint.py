@@ -41,9 +41,11 @@ RESUME_MAY_CHANGE = {"steps", "keep_activations", "device", "expert_device", "ex
 
 def sigkill_hook(point, step):
     """Inert unless NMUSK_TEST_SIGKILL=POINT:STEP is set (tests/test_hardening.py): die here, as a power cut
-    or the OOM killer would, to show that --resume continues exactly."""
-    if os.environ.get("NMUSK_TEST_SIGKILL") == f"{point}:{step}":
-        os.kill(os.getpid(), signal.SIGKILL)
+    or the OOM killer would, to show that --resume continues exactly. POINT:STEP:SIGTERM (or SIGINT) sends
+    that signal here instead (tests/test_run_safety.py)."""
+    point_step, _, name = os.environ.get("NMUSK_TEST_SIGKILL", "").partition(":SIG")
+    if point_step == f"{point}:{step}":
+        os.kill(os.getpid(), getattr(signal, "SIG" + name) if name else signal.SIGKILL)
 
 
 def save_checkpoint(path, step, policy, method, optimizer, pool):

@@ -271,9 +271,6 @@ def check_args(p, args):
               (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
-              (args.data_path is None or not os.path.isdir(args.data_path)
-               or os.path.isfile(os.path.join(args.data_path, "train.jsonl")),
-               f"--data-path {args.data_path}: a folder must hold train.jsonl (and test.jsonl to validate on)"),
               # one file is the training split: validating on it would score training items
               (args.data_path is None or not args.eval_items or (
                   os.path.isdir(args.data_path) and os.path.isfile(os.path.join(args.data_path, "test.jsonl"))),
@@ -281,7 +278,8 @@ def check_args(p, args):
                "pass a folder with train.jsonl and test.jsonl, or --eval-items 0"),
               (args.experts is None or all(name.strip() for name in args.experts.split(",")),
                f"--experts {args.experts!r} has an empty model name (a stray comma?)"),
-              (args.out != "" and args.expert_cache != "", "--out and --expert-cache need a folder, got ''"),
+              (args.out != "", "--out needs a folder, got ''"),
+              (args.expert_cache != "", "--expert-cache needs a folder, got ''"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
               (args.context_anchor == "zero" or args.method not in ("single", "output_collab", "conductor", "rlae"),
                f"--context-anchor newline: --method {args.method} has no context tokens to anchor")]
@@ -381,6 +379,9 @@ def check_run(args, world, config_path):
         fail(msg)
     elif not args.resume and holds_a_run(args.out):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    if args.data_path and os.path.isdir(args.data_path) and not os.path.isfile(os.path.join(args.data_path,
+                                                                                              "train.jsonl")):
+        fail(f"--data-path {args.data_path}: a folder to train on must hold train.jsonl")
     if args.task == "gsm8k" and args.data_path and args.eval_items:  # read test.jsonl before the models load
         rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, args.data_path)
     team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it

@@ -175,16 +175,25 @@ def release_folders(run):
 def stop_on_signals(run, args):
     """Ctrl-C (SIGINT) and SIGTERM end the run with one line: the step the checkpoint on disk holds (it is
     written whole or not at all, so it is safe at any moment) and the command that continues from it; exit
-    code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. Nothing is
-    saved on the way out: what ran after the checkpoint is lost, and --resume runs it again. Under torchrun
-    support/distributed.py turns SIGTERM (another rank failed) into its own line."""
+    code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. A step's log
+    line, samples and checkpoint being written are finished first; nothing else is saved on the way out: what
+    ran after the checkpoint is lost, and --resume runs it again. Under torchrun support/distributed.py turns
+    SIGTERM (another rank failed) into its own line."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return
 
     def stop(signum, frame):
+        if run.get("writing"):  # a step's log line and checkpoint are written first (after_step)
+            run["signal"] = signum
+            return
+        from tqdm import tqdm
+        if any(not bar.disable for bar in tqdm._instances):  # a progress bar (training, validation) keeps its line
+            print(file=sys.stderr)
         fail(stopped_message(signal.Signals(signum).name, run, args), code=128 + signum)
 
-    run["signal_handlers"] = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)}
+    # a signal the process was started ignoring stays ignored (a shell's background job ignores Ctrl-C)
+    run["signal_handlers"] = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
+                              if signal.getsignal(sig) is not signal.SIG_IGN}
 
 
 def stopped_message(name, run, args):
@@ -318,15 +327,21 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
         if stop:  # rank 0 saves the checkpoint, says why, and every rank stops together
             distributed.stop_together(run["world"], "", code=3)
         return bad_steps
-    with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
-        f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
-                            for k, v in rec.items()}) + "\n")
-    bar.write(log_line(rec, args.steps))
-    if (step + 1) % args.sample_every == 0 or step == run["start"]:
-        write_samples(run["paths"]["samples"], step, batches[0], args.group_size)
-    if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
-        parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
-        save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
+    run["writing"] = True  # the step's line, samples and checkpoint are written whole: signals wait
+    try:
+        with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
+            f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
+                                for k, v in rec.items()}) + "\n")
+        bar.write(log_line(rec, args.steps))
+        if (step + 1) % args.sample_every == 0 or step == run["start"]:
+            write_samples(run["paths"]["samples"], step, batches[0], args.group_size)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
+            parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
+            save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
+    finally:
+        run["writing"] = False
+    if run.get("signal"):  # Ctrl-C or SIGTERM came while writing: now it stops the run
+        signal.raise_signal(run.pop("signal"))
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
         msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss, gradient or update; stopped. "

@@ -161,6 +161,10 @@ def prepare(kind, reference, tmp_path):
         torch.save(state, ckpt)
     elif kind == "garbage_config":
         open(os.path.join(out, "config.json"), "w").write('{"task": "chain_s')
+    elif kind == "gsm8k_file_run":  # a run trained on one GSM8K file: it has no validation split
+        config = json.load(open(os.path.join(out, "config.json")))
+        config.update(task="gsm8k", data_path=str(tmp_path / "gsm8k.jsonl"))
+        json.dump(config, open(os.path.join(out, "config.json"), "w"))
     elif kind == "garbage_metrics_line":  # not the torn last line of a kill: line 2 of 4
         lines = open(os.path.join(out, "metrics.jsonl")).readlines()
         open(os.path.join(out, "metrics.jsonl"), "w").writelines(lines[:1] + ['{"step": 2, "rew\n'] + lines[2:])
@@ -251,6 +255,7 @@ BAD_INPUT = [
     ("evaluate", "garbage_checkpoint", ["--run", "{out}", "--n", "2"], "--run", False),
     ("evaluate", "garbage_config", ["--run", "{out}", "--n", "2"], "--run", False),
     ("evaluate", "run", ["--run", "{out}", "--n", "2", "--out", "{file}"], "--out", False),  # before evaluating
+    ("evaluate", "gsm8k_file_run", ["--run", "{out}", "--n", "2"], "--run", False),  # would score training items
     ("evaluate", "run", ["--run", "{out}", "--n", "2", "--out", "{file}/x"], "--out", False),
     ("evaluate", "fresh", ["--untrained", "--team", "tiny", "--task", "no_such_task", "--out", "{out}"], "--task",
      False),

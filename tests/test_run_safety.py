@@ -5,7 +5,8 @@
      step (before: the run went on from NaN weights and exited 0);
   3. a run that failed in its first step does not block its own retry (before: "already holds a run");
   4. Ctrl-C and SIGTERM end in one line naming the checkpoint's step and the command that resumes, with exit
-     codes 130 and 143 (before: an 85-line traceback, or nothing, and death by the signal);
+     codes 130 and 143, a checkpoint being written finished first (before: an 85-line traceback, or nothing,
+     and death by the signal);
   5. checkpoints are read with weights_only=True: a crafted pickle in a run folder runs no code (before: it
      ran), and an older checkpoint is refused in one line until it is converted on purpose.
 Bad input in one line, exit code 2, is tests/test_hardening.py's table."""
@@ -38,11 +39,18 @@ def one_thread():
     torch.set_num_threads(threads)
 
 
-def start(out, *extra, steps=4):
-    """train.main in a subprocess (test_hardening's RUN_SCRIPT), its log lines unbuffered."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NMUSK_TEST_SIGKILL": ""}
+def start(out, *extra, steps=4, signal_at=""):
+    """train.main in a subprocess (test_hardening's RUN_SCRIPT), its log lines unbuffered; signal_at:
+    "POINT:STEP:SIGNAL" sends the run that signal there (support/checkpoint.py sigkill_hook)."""
+    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NMUSK_TEST_SIGKILL": signal_at}
     return subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(steps), "--out", out, *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                            preexec_fn=at_a_terminal)
+
+
+def at_a_terminal():
+    """Ctrl-C's default, as at a terminal: pytest started as a shell's background job passes on SIGINT ignored."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
 
 
 def error_lines(stderr):
@@ -164,22 +172,38 @@ def test_a_run_that_failed_in_its_first_step_can_run_again(monkeypatch, tmp_path
 # 4. Ctrl-C and SIGTERM
 
 
-@pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
-def test_a_signal_ends_the_run_in_one_line_that_says_how_to_resume(sig, code, tmp_path):
-    out = str(tmp_path / "stopped")
-    proc = start(out, steps=200)
-    for line in proc.stdout:  # stopped after step 3's log line: in step 4, or saving step 3's checkpoint
-        if line.startswith("step 3/"):
-            proc.send_signal(sig)
-            break
+def stopped(proc):
+    """(exit code, stderr, the step the one error line says the checkpoint holds) of a stopped run."""
     _, stderr = proc.communicate(timeout=600)
     err = error_lines(stderr)
-    assert proc.returncode == code and "Traceback" not in stderr, stderr[-3000:]
-    assert len(err) == 1 and "--resume" in err[0], err
-    step = int(re.search(r"holds step (\d+) of 200", err[0]).group(1))
+    assert "Traceback" not in stderr and len(err) == 1 and "--resume" in err[0], stderr[-3000:]
+    found = re.search(r"holds step (\d+) of 200", err[0])
+    assert found, err[0]
+    return proc.returncode, stderr, int(found.group(1))
+
+
+def test_ctrl_c_ends_the_run_in_one_line_that_says_how_to_resume(tmp_path):
+    out = str(tmp_path / "stopped")
+    proc = start(out, steps=200)
+    for line in proc.stdout:  # Ctrl-C after step 3's log line: in step 4 (--save-every 2: no checkpoint at 3)
+        if line.startswith("step 3/"):
+            proc.send_signal(signal.SIGINT)
+            break
+    code, stderr, step = stopped(proc)
+    assert code == 130, stderr[-3000:]
+    assert step in (2, 4)  # 2, or 4 if step 4 ended before the signal came
     assert checkpoint.read_checkpoint(os.path.join(out, "checkpoint.pt"), "test")["step"] == step
-    assert step in (2, 4)  # --save-every 2: step 2, or step 4 if it ran before the signal came
     assert LOCK_NAME not in os.listdir(out)
+
+
+def test_sigterm_while_a_checkpoint_is_written_waits_for_it(tmp_path):
+    """SIGTERM arrives inside save_checkpoint of step 2, its temporary file written and not yet renamed: the
+    checkpoint is finished first, and the line names it."""
+    out = str(tmp_path / "stopped")
+    code, stderr, step = stopped(start(out, steps=200, signal_at="checkpoint:2:SIGTERM"))
+    assert code == 143 and step == 2, stderr[-3000:]
+    assert checkpoint.read_checkpoint(os.path.join(out, "checkpoint.pt"), "test")["step"] == 2
+    assert not [n for n in os.listdir(out) if ".tmp" in n or n == LOCK_NAME]
 
 
 # ----------------------------------------------------------------------------------------------------------
