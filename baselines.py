@@ -4,7 +4,8 @@ baselines (§4.1) and three controls that tell the experts apart from the traina
 
 Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward
 maps (questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
-"hints": list of str or None, ...}. `--method NAME` picks one from METHODS; only what a method
+"hints": list of str or None, ...}, and whose attribute `context_tokens` is m, the number of context
+tokens C holds per prompt (0 when C is None; support/plan.py reads it). `--method NAME` picks one from METHODS; only what a method
 returns differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle
 experts (a diagnostic, experts.py). `reuse` is the rollout's output for the same questions: the loss
 pass passes it back so that the gradient is taken under the C the completions were sampled with
@@ -80,6 +81,7 @@ class ExpertContext(nn.Module):
         super().__init__()
         # pool is not an nn.Module: experts are never trained or saved
         self.pool, self.adapter = pool, adapter
+        self.context_tokens = adapter.latents.shape[0]  # m = --num-latents
         # the identity until fit_state_norm (--state-norm standardize)
         self.norm = StateNorm(pool.dims)
 
@@ -117,6 +119,7 @@ class SoftPrompt(nn.Module):
         super().__init__()
         self.latents = nn.Parameter(torch.randn(m, d) * d ** -0.5)  # as ours' Q_lat
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
+        self.context_tokens = m
 
     def forward(self, questions, answers=None, reuse=None):
         C = self.out(self.ffn(self.latents))  # (m, out_dim)
@@ -136,6 +139,8 @@ def bare_anchor(team, out_dim, args, device, dtype):
 
 
 class NoContext(nn.Module):
+    context_tokens = 0
+
     def forward(self, questions, answers=None, reuse=None):
         return {"C": None, "A": None, "hints": [None] * len(questions)}
 
@@ -152,6 +157,7 @@ class StackedFFN(nn.Module):
         self.proj = nn.ModuleList([nn.Linear(d_i, d, bias=False) for d_i in pool.dims])
         self.ffn, self.out = FFN(d), OutputProjection(d, out_dim)
         self.norm = StateNorm(pool.dims)
+        self.context_tokens = len(pool.dims)  # n: one token per expert
 
     def fit_state_norm(self, questions, answers):
         self.norm.fit(self.pool.encode(questions, answers=answers))
@@ -178,6 +184,8 @@ def straight_through_gumbel(logits, noise, tau=1.0):
 
 
 class HardRouter(nn.Module):
+    context_tokens = 1  # one memory token
+
     def __init__(self, pool, encoder, out_dim, d):
         super().__init__()
         self.pool, self.encoder = pool, encoder
@@ -220,6 +228,8 @@ def hard_routing(team, out_dim, args, device, dtype):
 
 
 class TextHints(nn.Module):
+    context_tokens = 0  # the hints are text in the prompt
+
     def __init__(self, pool, max_new_tokens):
         super().__init__()
         self.pool, self.max_new_tokens, self.cache = pool, max_new_tokens, {}

@@ -22,135 +22,43 @@ Choices the paper leaves open:
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
-import json
 import os
 from types import SimpleNamespace
 
 import numpy as np
 import torch
-from tqdm import tqdm
 
-import rewards
-from adapter import anchor_context, empty_context
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import check_models, frozen_dtype, load_model, pick_device, team_models
-from lora import apply_lora, load_lora_state_dict
-from rollout import encode_prompts, eos_token_ids
-from support.checkpoint import read_checkpoint, write_json
+from support.checkpoint import write_json
 from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, parse_args, remove_created
-from support.gold import gold_logprobs, greedy_and_gold
 from support.report import plot_runs, summarize
 from support.stats import paired_comparison
+from support.validation import read_run, restore_trained, score_items, scored, summary, validation_items
 
 # --------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split
 
 
-def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu",
-                build=None):
-    """The policy and the context builder g of a run (its config `args`; `build` makes g, default
-    the --method's of baselines.py: a neighbour script passes its own), with the trained weights
-    loaded, in eval mode. Returns (policy, tokenizer, method, eos_ids)."""
+def load_policy(args, lora_state=None, method_state=None, untrained=False, device="cpu"):
+    """The policy and the context builder g of a run (its config `args`: g is the --method's of
+    baselines.py; a neighbour script loads its own run), with the trained weights loaded, in eval
+    mode. Returns (policy, tokenizer, method, eos_ids)."""
     device = torch.device(device)
     dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
     team = args.team_models
     policy, tok = load_model(team["policy"], device, dtype)
-    build = METHODS["single"] if untrained else build or METHODS[args.method]
-    method = build(team, policy.config.hidden_size, args, device, dtype)
-    if not untrained:
-        anchor_context(method, policy, tok, args)
-    if lora_state is not None:
-        apply_lora(policy, args.lora_rank, args.lora_alpha)
-        load_lora_state_dict(policy, lora_state)
-    if method_state is not None:
-        method.load_state_dict(method_state)
-    policy.eval(), method.eval()
-    return policy, tok, method, eos_token_ids(policy, tok)  # the same stop tokens as in training
-
-
-def derangement(n, seed=0):
-    """A seeded permutation with no fixed point (n >= 2): item k gets another item's C."""
-    rng = np.random.default_rng(seed)
-    while True:
-        perm = rng.permutation(n)
-        if n < 2 or not (perm == np.arange(n)).any():
-            return perm
+    method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args,
+                                                             device, dtype)
+    return restore_trained(policy, tok, method, args, lora_state, method_state, anchor=not untrained)
 
 
 CONDITIONS = ("with_C", "zero_C", "shuffled_C")
-SHUFFLE_NA = ("n/a: C is the same for every prompt (e.g. soft_prompt), so shuffled C equals C "
-              "by construction")
-
-
-def context_depends_on_prompt(C_all):
-    """Whether the n items' context tokens [n, m, D] differ at all. When they do not (a soft
-    prompt, the adapter on constant states), shuffling C across items changes nothing: with C -
-    shuffled C is 0 by construction, not by measurement, and evaluate() reports it as n/a."""
-    return len(C_all) > 1 and bool((C_all != C_all[:1]).any())
-
-
-@torch.no_grad()
-def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",), batch_size=50,
-                share_prefix=True):
-    """Greedy validation of a live policy and its context builder `method` on `items`, under each
-    condition (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per
-    item]}}, scorer status counts). evaluate() scores a saved run with it; train.py --eval-items
-    the policy before and after training. The task's own scorer only: training-only reward
-    shaping (--format-bonus) never reaches it. share_prefix: see support.gold.greedy_and_gold."""
-    device = next(policy.parameters()).device
-    # g(x) for every item first (shuffled C needs another item's), then the same items under each
-    # condition
-    ctxs = []
-    for s in range(0, len(items), batch_size):
-        chunk = items[s:s + batch_size]
-        ctxs.append(method([it["question"] for it in chunk], [it["answer"] for it in chunk]))
-    hints = [h for c in ctxs for h in c["hints"]]
-    C_all = None if ctxs[0]["C"] is None else torch.cat([c["C"] for c in ctxs])         # (n, m, D)
-    perm = torch.as_tensor(derangement(len(items), args.seed), device=device)
-    per_item, status = {}, {}
-    for cond in conditions:
-        if C_all is None and cond != "with_C":
-            continue  # no context tokens: nothing to zero or shuffle
-        if cond == "shuffled_C" and not context_depends_on_prompt(C_all):
-            per_item[cond] = {"n/a": SHUFFLE_NA}  # shuffled C = C: a 0 would test nothing
-            continue
-        C_cond = None
-        if C_all is not None:
-            C_cond = {"with_C": C_all, "zero_C": empty_context(method, C_all),
-                      "shuffled_C": C_all[perm]}[cond]
-        scores, logps = [], []
-        bar = tqdm(total=len(items), desc=f"validation ({cond})", unit="item", leave=False,
-                   dynamic_ncols=True)  # 100 items take minutes on a CPU
-        for s in range(0, len(items), batch_size):
-            batch = items[s:s + batch_size]
-            C = None if C_cond is None else C_cond[s:s + len(batch)]
-            questions = [it["question"] for it in batch]
-            prompts = rewards.policy_prompts(tok, questions, hints[s:s + len(batch)], args)
-            ids, mask = encode_prompts(tok, prompts, device)
-            # neighbours/conductor.py, neighbours/rlae.py write the answer their own way (greedy)
-            golds = [it["answer"] for it in batch] if len(conditions) > 1 else None
-            if hasattr(method, "answer"):
-                texts = method.answer(policy, tok, questions, args)
-            else:
-                comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args,
-                                             eos_ids, share_prefix)
-                texts = tok.batch_decode(comp, skip_special_tokens=True)
-                logps += gold or []
-            if golds and hasattr(method, "answer"):
-                logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)
-            r, counts = rewards.score_batch(batch, texts)
-            scores += r
-            for k, v in counts.items():
-                status[k] = status.get(k, 0) + v
-            bar.update(len(batch))
-        bar.close()
-        per_item[cond] = {"score": scores, "gold_logprob": logps}
-    return per_item, status
 
 
 @torch.no_grad()
 def evaluate(args, n, batch_size=50, lora_state=None, method_state=None, no_context=False,
-             untrained=False, device="cpu", conditions=None, build=None, share_prefix=True):
+             untrained=False, device="cpu", conditions=None, share_prefix=True):
     """Score the policy described by `args` (a run's config) on n validation items, greedy. Returns
     a dict.
 
@@ -159,39 +67,20 @@ def evaluate(args, n, batch_size=50, lora_state=None, method_state=None, no_cont
     (zero tokens at C's positions, what the reference policy sees) and shuffled_C (each item gets
     the C of another item, a seeded derangement over the n items: the same distribution of C, no
     information about this item)."""
-    device = torch.device(device)
-    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path,
-                                 getattr(args, "task_config", None))
-    items = [items[i] for i in range(min(n, len(items)))]
-    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device,
-                                               build)
+    items = validation_items(args, n)
+    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device)
     conditions = conditions or ("zero_C" if no_context else "with_C",)
     per_item, status = score_items(policy, tok, method, eos_ids, items, args, conditions,
                                    batch_size, share_prefix)
-    first = per_item[conditions[0]]["score"]
+    result = scored(per_item, status, items, args, "untrained" if untrained else args.method,
+                    conditions[0], no_context)
     sources = [it.get("metadata", {}).get("source_dataset", args.task) for it in items]
-    result = summary(np.array(first), sources)
-    result.update({"task": args.task, "method": "untrained" if untrained else args.method,
-                   "n": len(items), "no_context": no_context, "scorer_status": status})
-    # every item's score, in item order: runs of one seed share items (paired)
-    result["per_item"] = per_item
     if len(conditions) > 1:
         result["conditions"] = {c: {**summary(np.array(v["score"]), sources, per_dataset=False),
                                     "gold_logprob": float(np.mean(v["gold_logprob"]))}
                                 for c, v in per_item.items() if "n/a" not in v}
         result["paired"] = paired_comparisons(per_item)
     return result
-
-
-def summary(scores, sources, per_dataset=True):
-    out = {"score": float(scores.mean()), "solve_rate": float((scores == 1).mean())}
-    if per_dataset:
-        out["per_dataset"] = {}
-        for s in sorted(set(sources)):
-            mine = scores[[x == s for x in sources]]
-            out["per_dataset"][s] = {"score": float(mine.mean()),
-                                     "solve_rate": float((mine == 1).mean()), "n": sources.count(s)}
-    return out
 
 
 # --------------------------------------------------------------------------------------------------
@@ -235,37 +124,8 @@ def paired_table(result):
 # --------------------------------------------------------------------------------------------------
 
 
-def read_run(folder):
-    """(config, checkpoint) of a train.py run; exits with one line naming --run if either is
-    missing or corrupt, or if the run has no validation split of its own. The checkpoint is read
-    with weights_only=True (support/checkpoint.py): a shared run folder cannot run code."""
-    cfg_path, ckpt = os.path.join(folder, "config.json"), os.path.join(folder, "checkpoint.pt")
-    if not os.path.isdir(folder):
-        fail(f"--run {folder} is not a folder (a run folder written by train.py)")
-    if not (os.path.exists(cfg_path) and os.path.exists(ckpt)):
-        fail(f"--run {folder} has no config.json and checkpoint.pt (is it a finished train.py "
-             "run?)")
-    try:  # a corrupt or foreign file: say so in one line
-        with open(cfg_path) as f:
-            cfg = json.load(f)
-        state = read_checkpoint(ckpt, f"--run {folder}")
-    except (OSError, ValueError) as e:  # read_checkpoint's ValueError names --run already
-        fail(str(e) if str(e).startswith("--run") else f"--run {folder}: unreadable config.json "
-             f"({type(e).__name__}: {(str(e).splitlines() or [''])[0][:160]})")
-    if not (isinstance(cfg, dict) and "team_models" in cfg and isinstance(state, dict)
-            and all(k in state for k in ("lora", "method", "step"))):
-        fail(f"--run {folder}: config.json needs team_models; checkpoint.pt needs lora, method and "
-             "step")
-    data = cfg.get("data_path")
-    if cfg.get("task") == "gsm8k" and data and not os.path.isdir(data):  # one file: the training split
-        fail(f"--run {folder} trained on the one file --data-path {data}, which has no test split: its "
-             "validation items would be training items")
-    return cfg, state
-
-
-def main(argv=None, build=None):
-    """evaluate.py's command line; `build`: a neighbour script's context builder (neighbours/*.py
-    evaluate)."""
+def main(argv=None):
+    """evaluate.py's command line (a neighbour's run: its own script's `evaluate`)."""
     p = ArgumentParser(description="Score runs on the validation split; summarise and plot "
                        "folders of runs. With --untrained, any train.py flag (--task, --team, "
                        "--policy, --task-config, prompt and generation flags) describes the policy "
@@ -323,7 +183,7 @@ def main(argv=None, build=None):
     else:
         cfg, state = read_run(a.run)
         # a neighbour's run: its own script builds it
-        if build is None and cfg["method"] not in METHODS:
+        if cfg["method"] not in METHODS:
             fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py "
                  f"evaluate --run {a.run}")
         if build is not None and cfg["method"] in METHODS:  # a neighbour's script, train.py's run
@@ -344,7 +204,7 @@ def main(argv=None, build=None):
         result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"),
                           state.get("method"), a.no_context, untrained=a.untrained,
                           device=pick_device(a.device),
-                          conditions=CONDITIONS if a.paired else None, build=build,
+                          conditions=CONDITIONS if a.paired else None,
                           share_prefix=not a.no_shared_prefix)
     except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA
         remove_created(made)

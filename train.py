@@ -42,8 +42,6 @@ weights; Ctrl-C and SIGTERM end in one line with exit code 130 / 143; a killed r
 with --resume (support/checkpoint.py); under torchrun, a rank that dies stops the job with exit
 code 3 (support/distributed.py).
 """
-import math
-import random
 import time
 
 import numpy as np
@@ -52,13 +50,17 @@ import torch
 import grpo
 import rewards
 import rollout
-from adapter import anchor_context, empty_context
+from adapter import empty_context
 from baselines import METHODS
-from experts import frozen_dtype, load_model, team_models
-from lora import apply_lora, lora_disabled
+from lora import lora_disabled
 from support import distributed
+from support.batch import MicroBatch
+from support.build import attach_lora, load_policy_and_data
+from support.checkpoint import sigkill_hook
 from support.config import fail, parse_args
-from support.run import run_steps, start_run, step_if_finite, step_metrics
+from support.optim import clip_gradients, set_learning_rates
+from support.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run
+from support.run import step_if_finite, step_metrics, write_samples
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -66,9 +68,10 @@ from support.run import run_steps, start_run, step_if_finite, step_metrics
 
 def grpo_step(step, run, args, score_batch):
     """rollout -> reward -> advantage -> reference -> loss -> step -> log.
-    Returns (the step's metrics, its micro-batches)."""
+    Returns (the step's metrics, its micro-batches: support/batch.MicroBatch). A line marked
+    `# lever:` is not the paper's (a flag, off by default); skipping them reads the paper's step."""
     G, world, optimizer, t0 = args.group_size, run["world"], run["optimizer"], time.time()
-    set_learning_rates(optimizer, step, args)  # --lr-schedule, --warmup-steps
+    set_learning_rates(optimizer, step, args)  # lever: --lr-schedule, --warmup-steps (paper: constant)
     micros = list(distributed.my_micro_batches(world, args.grad_accum))  # torchrun: a rank's share
     # ---- rollout: C = g(x) per micro-batch, then every micro-batch's G samples per prompt, all in
     # one decode loop (--rollout-batch splits it), each conditioned on its prompt's C ------------
@@ -80,36 +83,37 @@ def grpo_step(step, run, args, score_batch):
         key = (step, micro, 0)  # seeds the random-reward control's coins
         drawn = score_draw(run, args, items, comp, logp_mu, key, score_batch)
         first = first_draw(drawn, G)  # what the log reports
-        if args.dynamic_sampling:  # DAPO: draw the groups whose rewards are all equal again
+        if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
             redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
         comp, comp_mask = completions(drawn, run["eos_ids"])  # (B*G, T) each, every group
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
         logp_ref = reference_logprobs(run, args, ids, mask, ctx["C"], comp, comp_mask)
-        batches.append(dict(items=items, questions=[it["question"] for it in items], ctx=ctx,
-                            signal=~grpo.flat_groups(drawn["r"], G), ids=ids, mask=mask, comp=comp,
-                            comp_mask=comp_mask, adv=adv, logp_ref=logp_ref,
-                            logp_mu=drawn["logp_mu"], r=drawn["r"],
-                            counts=drawn["counts"], texts=drawn["texts"], **first))
-    if args.dynamic_sampling:  # DAPO: the surrogate averages over groups with signal; KL over all
+        batches.append(MicroBatch(items=items, questions=[it["question"] for it in items], ctx=ctx,
+                                  ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, r=drawn["r"],
+                                  adv=adv, logp_ref=logp_ref, logp_mu=drawn["logp_mu"],
+                                  counts=drawn["counts"], texts=drawn["texts"],
+                                  signal=~grpo.flat_groups(drawn["r"], G), **first))
+    if args.dynamic_sampling:  # lever: DAPO, the surrogate averages over groups with signal; KL over all
         dapo_advantages(batches, G, world, args.loss_aggregation)
 
     # ---- loss and step: mu passes over the rollout, gradient accumulation over micro-batches ----
     skipped = False
-    for epoch in range(args.inner_epochs):  # mu (paper: 1)
+    for epoch in range(args.inner_epochs):  # lever: --inner-epochs mu (paper: 1)
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
         for b in batches:
             C = trained_context(run, b)  # the rollout's C again, now with gradient into g_phi
             logp = policy_logprobs(run, args, b, C)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
-                b["logp_old"] = logp.detach()
-                b["is_weight"] = tis_weights(b, args)  # --tis-cap
-            loss, m = grpo.grpo_loss(logp, b["logp_old"], b["logp_ref"], b["adv"], b["comp_mask"],
-                                     args.clip_eps, args.beta, args.loss_aggregation,
-                                     b["is_weight"])
-            if args.channel_weight:  # not the paper's: + lambda * grpo.channel_forcing_loss
+                b.logp_old = logp.detach()
+                b.is_weight = tis_weights(b, args)  # lever: --tis-cap
+            loss, m = grpo.grpo_loss(logp=logp, logp_old=b.logp_old, logp_ref=b.logp_ref,
+                                     advantages=b.adv, mask=b.comp_mask, clip_eps=args.clip_eps,
+                                     beta=args.beta, aggregation=args.loss_aggregation,
+                                     is_weight=b.is_weight)  # is_weight: None without --tis-cap
+            if args.channel_weight:  # lever: + lambda * grpo.channel_forcing_loss
                 loss, m = add_channel_forcing(loss, m, logp, b, C, run["policy"], args)
             (loss / args.grad_accum).backward()  # each micro-batch holds B*G completions
             losses.append(loss.item())
@@ -118,7 +122,7 @@ def grpo_step(step, run, args, score_batch):
         stats = distributed.gather(world, stats)
         distributed.all_reduce_grads(world, optimizer.param_groups)  # torchrun: all ranks' sum
         grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip,
-                                                args.clip_per_group)
+                                                args.clip_per_group)  # lever: --clip-per-group
         finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
         if finite and losses:  # a non-finite loss or gradient skips the update
             finite = step_if_finite(optimizer)  # and an update that makes a weight non-finite is undone
@@ -133,21 +137,6 @@ def grpo_step(step, run, args, score_batch):
 
 # --------------------------------------------------------------------------------------------------
 # The step's parts, in the order grpo_step calls them
-
-
-def set_learning_rates(optimizer, step, args):
-    """A pure function of the step, so --resume needs no scheduler state."""
-    for g in optimizer.param_groups:
-        g["lr"] = g["base_lr"] * lr_factor(step, args.steps, args.lr_schedule, args.warmup_steps)
-
-
-def lr_factor(step, steps, schedule, warmup):
-    """The learning rate of optimiser step `step` (0-based), as a fraction of --lr / --router-lr."""
-    if step < warmup:
-        return (step + 1) / warmup
-    if schedule == "cosine":
-        return 0.5 * (1 + math.cos(math.pi * (step - warmup) / max(1, steps - warmup)))
-    return 1.0
 
 
 def micro_batch_inputs(run, args, step, micro):
@@ -320,21 +309,21 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
 def trained_context(run, b):
     """C of the micro-batch's prompts [B, m, D] (or None), with gradient: g_phi run again on the
     rollout's pooled states and routing draw (they come back through `reuse`)."""
-    return run["method"](b["questions"], reuse=b["ctx"])["C"]
+    return run["method"](b.questions, reuse=b.ctx)["C"]
 
 
 def policy_logprobs(run, args, b, C):
     """log pi_theta(y_t) [N, T], with gradient, under the C the completions were sampled with."""
-    return rollout.completion_logprobs(run["policy"], b["ids"], b["mask"], C, b["comp"],
-                                       b["comp_mask"], args.temperature, args.context_position)
+    return rollout.completion_logprobs(run["policy"], b.ids, b.mask, C, b.comp, b.comp_mask,
+                                       args.temperature, args.context_position)
 
 
 def tis_weights(b, args):
     """--tis-cap with --rollout-dtype bfloat16 or int8: min(pi_old / pi_sampler, cap) per token,
     else None."""
-    if not args.tis_cap or b["logp_mu"] is None:
+    if not args.tis_cap or b.logp_mu is None:
         return None
-    return grpo.truncated_is_weights(b["logp_old"], b["logp_mu"], b["comp_mask"], args.tis_cap)
+    return grpo.truncated_is_weights(b.logp_old, b.logp_mu, b.comp_mask, args.tis_cap)
 
 
 def dapo_advantages(batches, G, world, aggregation):
@@ -342,12 +331,11 @@ def dapo_advantages(batches, G, world, aggregation):
     and each micro-batch's advantages are scaled by grpo.signal_scale, so that the surrogate
     averages over the step's groups with signal only (grpo.py derives it). The counts are the
     step's, over every process. In place."""
-    counts = distributed.gather(world, [(len(b["comp"]), int(b["signal"].sum()) * G)
+    counts = distributed.gather(world, [(len(b.comp), int(b.signal.sum()) * G)
                                         for b in batches])  # (completions, in groups with signal)
     n_all, n_signal = (sum(c) for c in zip(*counts))
     for b in batches:
-        b["adv"] = b["adv"] * grpo.signal_scale(b["signal"], b["comp_mask"], n_signal, n_all,
-                                                aggregation)
+        b.adv = b.adv * grpo.signal_scale(b.signal, b.comp_mask, n_signal, n_all, aggregation)
 
 
 def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
@@ -357,57 +345,28 @@ def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
     if len(C) < 2:
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
     C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
-    logp_mismatched = rollout.completion_logprobs(policy, b["ids"], b["mask"], C_mismatched,
-                                                  b["comp"], b["comp_mask"], args.temperature,
+    logp_mismatched = rollout.completion_logprobs(policy, b.ids, b.mask, C_mismatched, b.comp,
+                                                  b.comp_mask, args.temperature,
                                                   args.context_position)
-    cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b["adv"], b["comp_mask"])
+    cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b.adv, b.comp_mask)
     return loss + args.channel_weight * cf, {**metrics, **m}
 
 
-def clip_gradients(param_groups, max_norm, per_group=False):
-    """Clip to max_norm, jointly (one global norm, the usual) or per group (--clip-per-group).
-    Returns the global norm and each group's norm, both before clipping."""
-    norms = {g["name"]: torch.nn.utils.clip_grad_norm_(g["params"], float("inf")).item()
-             for g in param_groups}
-    if per_group:
-        for g in param_groups:
-            torch.nn.utils.clip_grad_norm_(g["params"], max_norm)
-        return float(np.sqrt(sum(v ** 2 for v in norms.values()))), norms
-    params = [p for g in param_groups for p in g["params"]]
-    return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), norms
-
-
 # --------------------------------------------------------------------------------------------------
-# Building the run: the policy with LoRA, g, the data and the optimiser. The rest of a run's life
-# (checks, config.json, resume, log lines, checkpoints, the end) is support/run.py's.
+# Building the run: the frozen policy and the data, g = the --method's builder of baselines.py, LoRA
+# and the optimiser (support/build.py holds the two halves a neighbour script shares). The rest of a
+# run's life (checks, config.json, resume, log lines, checkpoints, the end) is support/run.py's.
 
 
-def build_run(args, device, build=None):
-    """The policy (frozen + LoRA), the context builder g (`build`, default the --method's of
-    baselines.py), the data and the optimiser. Raises ValueError with a one-line message on bad
-    input."""
-    build = build or METHODS[args.method]
-    team = team_models(args)
-    train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed,
-                                       args.data_path, args.task_config)
-    dtype = frozen_dtype(args.dtype, device)
-    torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
-    policy, tok = load_model(team["policy"], device, dtype)
-    method = build(team, policy.config.hidden_size, args, device, dtype)
+def build_run(args, device):
+    """The policy (frozen + LoRA), the context builder g of --method, the data and the optimiser: the
+    run dict. Raises ValueError with a one-line message on bad input."""
+    parts = load_policy_and_data(args, device)
+    method = METHODS[args.method](parts["team"], parts["policy"].config.hidden_size, args, device,
+                                  parts["dtype"])
     if args.state_norm == "standardize":
-        fit_state_norm(method, train_items, args)
-    anchor_context(method, policy, tok, args)
-    apply_lora(policy, args.lora_rank, args.lora_alpha)
-    if args.freeze_policy:
-        for p in policy.parameters():
-            p.requires_grad_(False)
-    policy.train()  # no dropout in these models; train() only marks intent
-    policy.recompute_mlps = not args.keep_activations  # read by rollout.mlps_recomputed
-    optimizer = make_optimizer(policy, method, args)
-    embed_rms = policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
-    return dict(team=team, policy=policy, tok=tok, method=method, optimizer=optimizer,
-                train_items=train_items, eos_ids=rollout.eos_token_ids(policy, tok), device=device,
-                pool=getattr(method, "pool", None), embed_rms=embed_rms, world=distributed.ONE)
+        fit_state_norm(method, parts["train_items"], args)
+    return attach_lora(parts, method, args)
 
 
 def fit_state_norm(method, train_items, args):
@@ -418,27 +377,6 @@ def fit_state_norm(method, train_items, args):
     calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
     method.fit_state_norm([it["question"] for it in calibration],
                           [it["answer"] for it in calibration])
-
-
-def make_optimizer(policy, method, args):
-    """AdamW over two named groups (the probes and --clip-per-group tell them apart): LoRA at --lr,
-    g_phi at --router-lr."""
-    groups = []
-    if not args.freeze_policy:
-        lora_params = [p for p in policy.parameters() if p.requires_grad]
-        groups.append({"name": "lora", "params": lora_params, "lr": args.lr, "base_lr": args.lr})
-    if any(p.requires_grad for p in method.parameters()):
-        g_params = [p for p in method.parameters() if p.requires_grad]
-        groups.append({"name": "g_phi", "params": g_params, "lr": args.router_lr,
-                       "base_lr": args.router_lr})
-    if not groups:
-        raise ValueError(f"--freeze-policy with --method {args.method}: nothing left to train")
-    # An Adam step of 3e-5 on a weight of 0.02 rounds to nothing in bfloat16 (8 bits of mantissa):
-    # whatever the frozen weights are, what trains, and so its AdamW state, is float32
-    # (test_collaboration.py).
-    fp32 = all(p.dtype == torch.float32 for g in groups for p in g["params"])
-    assert fp32, "trainable parameters must be fp32"
-    return torch.optim.AdamW(groups, eps=args.adam_eps, weight_decay=args.weight_decay)
 
 
 def precompute_states(args):
@@ -497,8 +435,27 @@ def main(argv=None, score_batch=None):
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support import plan
         return plan.main(args, world)
-    run, start = start_run(args, world, build_run)
-    return run_steps(run, start, args, grpo_step, score_batch or rewards.score_batch)
+    score_batch = score_batch or rewards.score_batch
+    run = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled (support/run.py)
+    try:  # however the run ends, the lock on --out goes with it
+        try:
+            run.update(build_run(args, run["device"]))
+        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+            fail(str(e))
+        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)
+            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
+            b = batches[0]  # a few completions of the step's first prompt, with their rewards
+            write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
+            # the log line, metrics.jsonl and the checkpoint; --max-bad-steps
+            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, the plot, validation after training
+    finally:
+        release_folders(run)
 
 
 if __name__ == "__main__":

@@ -39,7 +39,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 # the row "processes it started".
 PHASES = [
     ("experts", "load_model", "load {0}"),
-    ("train", "load_model", "load {0}"),
+    ("support.build", "load_model", "load {0}"),
     ("train", "fit_state_norm", "state-norm fit (experts on the calibration prompts)"),
     ("adapter", "anchor_context", "anchor of C"),
     ("support.run", "validation_scores", "validation"),

@@ -46,7 +46,7 @@ from neighbours import conductor, rlae  # noqa: E402
 from support.checkpoint import write_json  # noqa: E402
 from support.config import COUNT, ArgumentParser, fail  # noqa: E402
 
-NEIGHBOURS = {"conductor": (conductor, conductor.conductor), "rlae": (rlae, rlae.rlae)}  # (module, its builder)
+NEIGHBOURS = {"conductor": conductor, "rlae": rlae}  # each script loads its own runs (load_trained)
 
 
 def slug(spec):
@@ -82,7 +82,7 @@ def main(argv=None):
     p.add_argument("--eval-batch-size", type=COUNT, default=16, help="items per batch (evaluate.py's default); "
                    "not --batch-size, which is the neighbour's training flag and stays in its config")
     a, flags = p.parse_known_args(sys.argv[1:] if argv is None else argv)
-    module, build = NEIGHBOURS[a.method]
+    module = NEIGHBOURS[a.method]
     args = module.parse_args(flags)                      # the neighbour's flags, checked: one line, exit 2
     args.team_models = team_models(args)
     team = args.team_models
@@ -91,8 +91,8 @@ def main(argv=None):
         check_models([(m, f"--team {args.team}") for m in [team["policy"], *team["experts"], team["router"]]])
         items = rewards.load_entries(args.task, "val", a.n, args.seed, args.data_path, args.task_config)
         items = [items[i] for i in range(min(a.n, len(items)))]
-        policy, tok, method, eos_ids = evaluate.load_policy(SimpleNamespace(**vars(args)),
-                                                            device=pick_device(args.device), build=build)
+        policy, tok, method, eos_ids = module.load_trained(SimpleNamespace(**vars(args)),
+                                                           device=pick_device(args.device))
         make, attr = CONTROLS[a.method]
         controls = make(method)
     except (ValueError, FileNotFoundError) as e:

@@ -55,8 +55,7 @@ def main():
     device = pick_device("auto")
     items = rewards.load_entries(args.task, "val", a.n, args.seed, args.data_path, args.task_config)
     items = [items[i] for i in range(min(a.n, len(items)))]
-    policy, tok, method, eos_ids = evaluate.load_policy(SimpleNamespace(**vars(args)), device=device,
-                                                        build=rlae.rlae)
+    policy, tok, method, eos_ids = rlae.load_trained(SimpleNamespace(**vars(args)), device=device)
     if len(method.members) != len(w):
         config.fail(f"--weights: the team has {len(method.members)} members ({', '.join(method.names)}), got {len(w)}")
     method.fixed_weights = w

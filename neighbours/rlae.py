@@ -3,7 +3,7 @@ RLAE: a small trained agent picks the ensemble weights of frozen language models
 
     python neighbours/rlae.py --task chain_sum --team tiny --steps 2 --batch-size 2 --grad-accum 1 \
         --group-size 2 --max-new-tokens 16 --out runs/try-rlae            # seconds, on any CPU
-    python neighbours/rlae.py evaluate --run runs/try-rlae --n 20       # evaluate.py's flags
+    python neighbours/rlae.py evaluate --run runs/try-rlae --n 20       # eval.json
 
 RLAE (Fu et al., EMNLP 2025) casts ensembling as a Markov decision process. The state s_j is the question and
 the text generated so far; every L tokens (a span j) the agent takes an action, the weights w_j over the K
@@ -56,30 +56,33 @@ agent_weights_by_source (the same per item type: the reasoning-gym source datase
 drawn weights) and concentration (mean sum of alpha at the first span).
 
 This file is a script with its own loop, as cleanrl keeps one file per algorithm: grpo_step below is GRPO on
-the agent's span decisions, and main runs it in support/run.py's loop (run_steps: the plumbing, checkpoints,
---resume and --eval-items). No torchrun: one process. evaluate.py calls RLAE.answer.
+the agent's span decisions, and main runs its own loop (support/run.py's helpers around it: checkpoints,
+--resume and --eval-items). No torchrun: one process. Its `evaluate` (evaluate_main) scores a run with RLAE.answer.
 """
 import math
 import os
 import sys
 import time
-from functools import partial
 
 import torch
 import torch.nn as nn
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # the repository's core
 
-import evaluate  # noqa: E402
 import grpo  # noqa: E402
 import rewards  # noqa: E402
-import train  # noqa: E402
 from adapter import entropy  # noqa: E402
-from experts import ExpertPool, is_encoder, load_model  # noqa: E402
+from experts import ExpertPool, frozen_dtype, is_encoder, load_model, pick_device  # noqa: E402
 from rollout import cache_kwargs, cache_of, draw  # noqa: E402
 from support import distributed  # noqa: E402
-from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.run import run_steps, start_run, step_if_finite  # noqa: E402
+from support.config import COUNT, build_parser, fail, parse, refuse_train_levers, remove_created  # noqa: E402
+from support.build import attach_lora, load_policy_and_data  # noqa: E402
+from support.checkpoint import sigkill_hook  # noqa: E402
+from support.optim import clip_gradients, set_learning_rates  # noqa: E402
+from support.run import after_step, finish_run, open_run, progress_bar, release_folders  # noqa: E402
+from support.run import resume_run, step_if_finite, write_samples  # noqa: E402
+from support.validation import neighbour_eval_args, restore_trained, save_eval, scored  # noqa: E402
+from support.validation import score_items, validation_items  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -260,6 +263,7 @@ class Member:
 class RLAE(nn.Module):
     """The frozen members, their union vocabulary, the frozen encoder and the trainable Agent (its only
     parameters, so its state_dict is what a checkpoint keeps)."""
+    context_tokens = 0  # no C: the policy reads no context tokens
 
     def __init__(self, members, names, encoder, span, max_new_tokens, prompt_args):
         super().__init__()
@@ -354,7 +358,7 @@ def rlae(team, out_dim, args, device, dtype):
 def grpo_step(step, run, args, score_batch):
     """rollout (G weight trajectories per question) -> reward -> advantage -> loss on the agent -> step -> log."""
     ens, optimizer, G, device, t0 = run["method"], run["optimizer"], args.group_size, run["device"], time.time()
-    train.set_learning_rates(optimizer, step, args)                                    # --lr-schedule
+    set_learning_rates(optimizer, step, args)                                    # --lr-schedule
     batches = []
     for micro in range(args.grad_accum):
         items = [run["train_items"][i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
@@ -382,7 +386,7 @@ def grpo_step(step, run, args, score_batch):
         M.append((alpha / alpha.sum(-1, keepdim=True)).detach()[mask])                  # (spans, K) their means
         rows = [item_source(it, args.task) for it in b["items"] for _ in range(G)]      # (N,) one per row
         sources += [rows[n] for n in mask.nonzero()[:, 0].tolist()]                     # one per span of W
-    grad_norm, group_norms = train.clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
+    grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
     finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
     if finite:  # and an update that makes a weight non-finite is undone
         finite = step_if_finite(optimizer)
@@ -425,13 +429,76 @@ def parse_args(argv=None):
 
 
 def main(argv=None, score_batch=None):
-    """Train the agent (train.py's flags), or `evaluate ...` a run of it (evaluate.py's flags)."""
+    """Train the agent (train.py's flags), or `evaluate --run DIR --n N` a run of it (evaluate_main)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["evaluate"]:
-        return evaluate.main(argv[1:], build=rlae)
+        return evaluate_main(argv[1:])
     args = parse_args(argv)
-    run, start = start_run(args, distributed.ONE, partial(train.build_run, build=rlae))
-    return run_steps(run, start, args, grpo_step, score_batch or rewards.score_batch)
+    score_batch, world = score_batch or rewards.score_batch, distributed.ONE
+    run = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled (support/run.py)
+    try:  # however the run ends, the lock on --out goes with it
+        try:
+            run.update(build_run(args, run["device"]))
+        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+            fail(str(e))
+        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)
+            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
+            b = batches[0]  # a few completions of the step's first prompt, with their rewards
+            write_samples(run, args, step, b["questions"][0], b["items"][0].get("answer"), b["texts"], b["r"])
+            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, the plot, validation after training
+    finally:
+        release_folders(run)
+
+
+def build_run(args, device):
+    """The frozen policy and the data, this script's g, then LoRA and the optimiser (support/build.py)."""
+    if args.state_norm == "standardize":
+        raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to standardise")
+    parts = load_policy_and_data(args, device)
+    method = rlae(parts["team"], parts["policy"].config.hidden_size, args, device, parts["dtype"])
+    return attach_lora(parts, method, args)
+
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Evaluation: a run of this script, loaded and scored greedy on the validation split
+
+
+def load_trained(args, lora_state=None, method_state=None, device="cpu"):
+    """The frozen policy and this script's g of a run (its config `args`), with the checkpoint's weights, in
+    eval mode: (policy, tokenizer, method, eos_ids)."""
+    device = torch.device(device)
+    dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
+    policy, tok = load_model(args.team_models["policy"], device, dtype)
+    method = rlae(args.team_models, policy.config.hidden_size, args, device, dtype)
+    return restore_trained(policy, tok, method, args, lora_state, method_state)
+
+
+@torch.no_grad()
+def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
+    """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
+    items = validation_items(args, n)
+    policy, tok, method, eos_ids = load_trained(args, lora_state, method_state, device)
+    per_item, status = score_items(policy, tok, method, eos_ids, items, args, batch_size=batch_size)
+    return scored(per_item, status, items, args, args.method)
+
+
+def evaluate_main(argv):
+    """`python neighbours/rlae.py evaluate --run DIR --n N`: eval.json in the run folder."""
+    a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/rlae.py")
+    try:
+        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"], pick_device(a.device))
+    except (ValueError, FileNotFoundError) as e:  # unknown task, missing data, no CUDA
+        remove_created(made)
+        fail(str(e))
+    save_eval(path, result, state)
+
 
 if __name__ == "__main__":
     main()

@@ -38,6 +38,7 @@ processes: N does not change the maths.
 
 Try it on CPU:  python -m pytest tests/test_distributed.py -q
 """
+import dataclasses
 import os
 import signal
 import sys
@@ -187,9 +188,12 @@ def gather(world, items, device=None):
 
 
 def _to(obj, device):
-    """Tensors inside nested dicts / lists / tuples moved to device."""
+    """Tensors inside nested dicts / lists / tuples / dataclasses moved to device."""
     if torch.is_tensor(obj):
         return obj.to(device)
+    if dataclasses.is_dataclass(obj):  # support/batch.MicroBatch
+        return dataclasses.replace(obj, **{f.name: _to(getattr(obj, f.name), device)
+                                           for f in dataclasses.fields(obj)})
     if isinstance(obj, dict):
         return {k: _to(v, device) for k, v in obj.items()}
     if isinstance(obj, (list, tuple)):

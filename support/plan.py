@@ -170,7 +170,7 @@ def estimate(args, world_size=1):
     P, measured = prompt_tokens(args, team)
     B, G, T = args.batch_size, args.group_size, args.max_new_tokens
     n = len(pools[0].models) if pools else 0
-    ctx = {"hard_routing": 1, "no_xattn": n, "single": 0, "output_collab": 0}.get(args.method, args.num_latents)
+    ctx = method.context_tokens  # m: each method says how many context tokens it makes (baselines.py)
     if args.method == "output_collab":  # the hints are text in the prompt: up to --max-new-tokens per expert
         P += n * args.max_new_tokens
     Pc = P + ctx                                                        # prompt + context tokens

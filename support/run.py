@@ -1,20 +1,20 @@
 """
 A run's life around its steps: check and build, write config.json, resume, log each step, save, finish.
 
-train.py's main, and the two neighbours' (neighbours/conductor.py, neighbours/rlae.py), are the same loop:
+train.py's main, and the two neighbours' (neighbours/conductor.py, neighbours/rlae.py), each hold their own loop
+and call these helpers around it; each helper takes values, none takes the algorithm:
 
-    run, start = start_run(args, world, make)      # make(args, device) -> the run dict (train.build_run)
-    run_steps(run, start, args, grpo_step, score_batch)  # grpo_step: the algorithm, each script's own
-
-where run_steps is
-
-    bar = progress_bar(start, args, run["writer"])
-    for step in bar:
-        rec, batches = grpo_step(step, run, args, score_batch)
-        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
-    finish_run(run, args)
-
-and train.py's grpo_step ends with step_metrics: the step's record for metrics.jsonl.
+    run = open_run(args, world)                 # checks, --out locked, Ctrl-C / SIGTERM handled, the device
+    try:
+        run.update(build_run(args, run["device"]))   # the script's own build
+        start = resume_run(run, args, world)    # --resume's checkpoint, config.json, validation before
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)    # the script's own algorithm
+            write_samples(run, args, step, question, answer, texts, rewards)  # of its first prompt
+            bad_steps = after_step(run, args, step, rec, bar, bad_steps)   # log line, metrics, checkpoint
+        return finish_run(run, args)            # the PEFT export, the plot, validation after
+    finally:
+        release_folders(run)
 
 Nothing here is in the paper. What it guarantees (tests/test_hardening.py, tests/test_run_safety.py): bad input
 exits with code 2 and one line on stderr before any model loads and before anything in --out is written; one
@@ -39,16 +39,15 @@ import threading
 import numpy as np
 import torch
 
-import rewards
 from adapter import context_probes
 from experts import pick_device
-from lora import save_peft
 from support import distributed
 from support.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
-from support.checkpoint import sigkill_hook
 from support.checkpoint import write_json
 from support.config import check_run, create_folder, fail, folder_problem, holds_a_run, remove_created
+from support.export import export_run
 from support.lock import LockHeld, release_lock, take_lock
+from support.validation import validation_scores
 
 
 def hand_back_freed_memory():
@@ -67,65 +66,63 @@ def hand_back_freed_memory():
     libc.mallopt(M_MMAP_THRESHOLD, 1 << 20)
 
 
-def start_run(args, world, make):
-    """Check everything, take --out (support/lock.py), build the run (`make(args, device)`: train.build_run, or a
-    neighbour's build), load its checkpoint with --resume; then (rank 0) write config.json and, with
-    --eval-items, the validation score before training. Returns (run, first step)."""
+def open_run(args, world):
+    """Check everything that reads only (bad input exits with code 2 and one line, before any model loads),
+    take --out (support/lock.py) and --expert-cache, handle Ctrl-C and SIGTERM, and pick the device. Returns the
+    run dict the script then builds into; release_folders(run) lets go of --out however the run ends."""
     hand_back_freed_memory()
     run = {"paths": run_paths(args.out), "claim": claim_folders(args, world)}
     stop_on_signals(run, args)
-    try:  # however start_run ends early (bad input, a signal, an error), --out is let go of
-        start = build_and_load(run, args, world, make)
-        paths = run["paths"]
-        # every process has checked everything; joining waits for all, so rank 0 writes only after that
-        distributed.init(world, run["device"])
-        run.update(world=world, writer=world.rank == 0, start=start)  # only rank 0 writes
-        if not run["writer"]:
-            return run, start
-        # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
-        if args.resume:
-            for name in ("metrics", "samples"):
-                dropped = keep_metrics_upto(paths[name], start)
-                if dropped and name == "metrics":
-                    print(f"resume: from step {start}; {dropped} log line(s) after it dropped (those steps run "
-                          "again)", file=sys.stderr, flush=True)
-            for tmp in glob.glob(paths["checkpoint"] + ".tmp*"):  # left by a run killed while saving
-                os.remove(tmp)
-        else:  # what a run that failed before its first step may have left (check_run let it start again)
-            for name in ("metrics", "samples", "validation"):
-                if os.path.exists(paths[name]):
-                    os.remove(paths[name])
-        write_json(paths["config"], {**vars(args), "team_models": run["team"],
-                                     "device_used": str(run["device"]), "processes": world.size})
-        if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
-            before = validation_scores(run, args)
-            write_json(paths["validation"], {"items": args.eval_items, "before": before})
-        return run, start
+    try:
+        try:
+            check_run(args, world, run["paths"]["config"])
+            run["device"] = distributed.rank_device(pick_device(args.device), world)  # --device cuda without one
+        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+            fail(str(e))
+        return run
     except BaseException:
         release_folders(run)
         raise
 
 
-def build_and_load(run, args, world, make):
-    """Every check that reads only, the run built into `run` and, with --resume, its checkpoint loaded and its
-    log lines read (a line that is not JSON fails here). Returns the first step. Bad input exits with code 2
-    and one line, and nothing is written."""
+def resume_run(run, args, world):
+    """After the build: with --resume the checkpoint loaded and the log lines after it dropped; then (rank 0)
+    config.json and, with --eval-items, the validation score before training. Returns the first step."""
     paths = run["paths"]
     try:
-        check_run(args, world, paths["config"])
-        device = distributed.rank_device(pick_device(args.device), world)
-        run.update(make(args, device))
-        # killed before its first: step 0
-        resuming = args.resume and os.path.exists(paths["checkpoint"])
+        resuming = args.resume and os.path.exists(paths["checkpoint"])  # killed before its first: step 0
         parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
         start = load_checkpoint(paths["checkpoint"], *parts) if resuming else 0
         if args.resume and world.rank == 0:
             for name in ("metrics", "samples"):
                 read_log(paths[name])
-    except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+    except (ValueError, FileNotFoundError) as e:  # a log line that is not JSON fails here
         fail(str(e))
     if start > args.steps:
         fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out {args.out}")
+    # every process has checked everything; joining waits for all, so rank 0 writes only after that
+    distributed.init(world, run["device"])
+    run.update(world=world, writer=world.rank == 0, start=start)  # only rank 0 writes
+    if not run["writer"]:
+        return start
+    # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
+    if args.resume:
+        for name in ("metrics", "samples"):
+            dropped = keep_metrics_upto(paths[name], start)
+            if dropped and name == "metrics":
+                print(f"resume: from step {start}; {dropped} log line(s) after it dropped (those steps run "
+                      "again)", file=sys.stderr, flush=True)
+        for tmp in glob.glob(paths["checkpoint"] + ".tmp*"):  # left by a run killed while saving
+            os.remove(tmp)
+    else:  # what a run that failed before its first step may have left (check_run let it start again)
+        for name in ("metrics", "samples", "validation"):
+            if os.path.exists(paths[name]):
+                os.remove(paths[name])
+    write_json(paths["config"], {**vars(args), "team_models": run["team"],
+                                 "device_used": str(run["device"]), "processes": world.size})
+    if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
+        before = validation_scores(run, args)
+        write_json(paths["validation"], {"items": args.eval_items, "before": before})
     return start
 
 
@@ -219,23 +216,6 @@ def resume_command(args):
     return shlex.join(["python", *argv, *([] if "--resume" in argv else ["--resume"])])
 
 
-def run_steps(run, start, args, grpo_step, score_batch):
-    """The loop from step `start` to --steps: each step (`grpo_step(step, run, args, score_batch)
-    -> (metrics, batches)`, the script's own algorithm), then its log line and checkpoint
-    (after_step); then the end of the run (finish_run). Returns the run folder. However it ends, the
-    lock on --out goes with it."""
-    try:
-        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
-        for step in bar:
-            rec, batches = grpo_step(step, run, args, score_batch)
-            # tests: a kill after the update, before its log and checkpoint
-            sigkill_hook("step", step + 1)
-            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
-        return finish_run(run, args)
-    finally:
-        release_folders(run)
-
-
 def step_if_finite(optimizer):
     """optimizer.step(), undone when it leaves any trainable tensor non-finite: the weights and the optimiser's
     state (AdamW's moments and step counts) go back to copies taken before the step. Returns whether the update
@@ -265,21 +245,21 @@ def run_paths(out):
 
 
 def progress_bar(start, args, writer=True):
+    """The tqdm bar of steps start..--steps; the loop calls bar.update(1) after each step."""
     from tqdm import tqdm
-    return tqdm(range(start, args.steps), initial=start, total=args.steps, desc="train",
-                dynamic_ncols=True, disable=not writer)
+    return tqdm(initial=start, total=args.steps, desc="train", dynamic_ncols=True, disable=not writer)
 
 
 def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
-    """The step's record for metrics.jsonl (each field is defined in the README, "Metrics"): the
-    first draw's rewards, the loss terms averaged over micro-batches, gradient norms before
+    """The step's record for metrics.jsonl from its micro-batches (support/batch.MicroBatch, every
+    rank's); each field is defined in the README, "Metrics": the first draw's rewards, the loss terms averaged over micro-batches, gradient norms before
     clipping, what the completions looked like, and the context probes (adapter.context_probes)."""
-    r_all = torch.cat([b["task_r"] for b in batches])
+    r_all = torch.cat([b.task_r for b in batches])
     eos = torch.tensor(run["eos_ids"], device=run["device"])
-    trained = [b for b in batches if len(b["comp"])]
-    lengths = [b["comp_mask"].sum(-1) for b in trained]
-    truncated = [~torch.isin(b["comp"], eos).any(-1) for b in trained]
-    no_answer = sum(b["first_counts"].get("no_answer", 0) for b in batches)
+    trained = [b for b in batches if len(b.comp)]
+    lengths = [b.comp_mask.sum(-1) for b in trained]
+    truncated = [~torch.isin(b.comp, eos).any(-1) for b in trained]
+    no_answer = sum(b.first_counts.get("no_answer", 0) for b in batches)
     failures = ("refused", "error", "timeout")  # "no_answer" is the model's fault, not the scorer's
     rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
            "solve_rate": (r_all == 1).float().mean().item(), "loss": mean(losses),
@@ -289,20 +269,20 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
            "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
            "completion_length": mean(torch.cat(lengths).float().tolist() if trained else []),
            "truncated_fraction": mean(torch.cat(truncated).float().tolist() if trained else []),
-           "zero_std_fraction": torch.cat([b["flat"] for b in batches]).float().mean().item(),
-           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in failures),
+           "zero_std_fraction": torch.cat([b.flat for b in batches]).float().mean().item(),
+           "scorer_failures": sum(b.counts.get(k, 0) for b in batches for k in failures),
            "answer_rate": 1 - no_answer / len(r_all),
            "lr": run["optimizer"].param_groups[0]["lr"], "skipped_update": skipped,
-           **context_probes([b["ctx"] for b in batches], run["embed_rms"])}
+           **context_probes([b.ctx for b in batches], run["embed_rms"])}
     if args.dynamic_sampling:  # the groups whose surrogate is trained (every group's KL is)
-        signal = torch.cat([b["signal"] for b in batches])
+        signal = torch.cat([b.signal for b in batches])
         rec["trained_group_fraction"] = signal.float().mean().item()
     # --rollout-dtype: the sampler's gap to pi_old
-    if trained and trained[0]["logp_mu"] is not None:
-        gaps = [(b["logp_old"] - b["logp_mu"]).abs()[b["comp_mask"]] for b in trained]
+    if trained and trained[0].logp_mu is not None:
+        gaps = [(b.logp_old - b.logp_mu).abs()[b.comp_mask] for b in trained]
         rec["rollout_logp_gap"] = torch.cat(gaps).mean().item()
         if args.tis_cap:
-            weights = torch.cat([b["is_weight"][b["comp_mask"]] for b in trained])
+            weights = torch.cat([b.is_weight[b.comp_mask] for b in trained])
             rec["is_weight_mean"] = weights.mean().item()
             rec["is_weight_clipped_fraction"] = (weights >= args.tis_cap).float().mean().item()
     return rec
@@ -317,10 +297,9 @@ def mean(xs):
     return float(np.mean(xs)) if len(xs) else float("nan")
 
 
-def after_step(run, args, step, rec, batches, bar, bad_steps):
-    """Rank 0 writes the step's metrics, its log line, a few samples and the checkpoint; every
-    rank stops (exit code 3) after --max-bad-steps non-finite steps in a row. Returns the new
-    count of those."""
+def after_step(run, args, step, rec, bar, bad_steps):
+    """Rank 0 writes the step's metrics, its log line and the checkpoint; every rank stops (exit
+    code 3) after --max-bad-steps non-finite steps in a row. Returns the new count of those."""
     bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
     stop = bad_steps >= args.max_bad_steps
     if not run["writer"]:  # the other ranks took their share of the step; rank 0 logs and saves it
@@ -333,8 +312,6 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
             f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
                                 for k, v in rec.items()}) + "\n")
         bar.write(log_line(rec, args.steps))
-        if (step + 1) % args.sample_every == 0 or step == run["start"]:
-            write_samples(run["paths"]["samples"], step, batches[0], args.group_size)
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
             parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
             save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
@@ -364,22 +341,25 @@ def log_line(rec, steps):
     return " | ".join(parts)
 
 
-def write_samples(path, step, b, G):
-    """The first prompt's first few completions, with their rewards."""
-    with open(path, "a") as f:
-        for k in range(min(G, 4)):
-            f.write(json.dumps({"step": step + 1, "question": b["questions"][0],
-                                "answer": b["items"][0].get("answer"), "completion": b["texts"][k],
-                                "reward": b["r"][k].item()}) + "\n")
+def write_samples(run, args, step, question, answer, texts, rewards):
+    """Rank 0, every --sample-every steps and at the run's first: the first few completions of one
+    prompt (texts [G], rewards [G]), with their rewards, in samples.jsonl."""
+    if not run["writer"] or not ((step + 1) % args.sample_every == 0 or step == run["start"]):
+        return
+    with open(run["paths"]["samples"], "a") as f:
+        for k in range(min(args.group_size, 4)):
+            f.write(json.dumps({"step": step + 1, "question": question, "answer": answer,
+                                "completion": texts[k], "reward": rewards[k].item()}) + "\n")
 
 
 def finish_run(run, args):
-    """Rank 0, after the last step: the LoRA weights as a PEFT adapter, the plot of the run and,
+    """Rank 0, after the last step: the trained system (support/export.py: the LoRA as a PEFT adapter
+    with its base and tokenizer, g_phi's weights), the plot of the run and,
     with --eval-items, the validation score after training beside the one before."""
     distributed.finish(run["world"])  # the other ranks are done; rank 0 writes the rest alone
     if not run["writer"]:
         return args.out
-    save_peft(run["policy"], os.path.join(args.out, "lora_peft"), run["team"]["policy"])
+    export_run(args.out, run["policy"], run["tok"], run["method"], args, run["team"])  # support/export.py
     from support.plot import plot_run
     plot_run(args.out)
     if args.eval_items:
@@ -398,17 +378,3 @@ def validation_line(before, after):
     return (f"validation, {len(after)} items, greedy, the task's scorer: before training "
             f"{100 * np.mean(before):.1f} % -> after {100 * np.mean(after):.1f} % "
             f"({better} items better, {worse} worse)")
-
-
-def validation_scores(run, args):
-    """--eval-items: the live policy's greedy score on each of the first N validation items, the
-    items evaluate.py scores for this seed."""
-    from evaluate import score_items
-    items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
-                                 args.task_config)
-    items = [items[i] for i in range(min(args.eval_items, len(items)))]
-    run["policy"].eval(), run["method"].eval()
-    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args,
-                              batch_size=50)
-    run["policy"].train(), run["method"].train()
-    return per_item["with_C"]["score"]

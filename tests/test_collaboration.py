@@ -9,13 +9,15 @@ import pytest
 import torch
 
 from baselines import METHODS
-from evaluate import derangement
-from evaluate import SHUFFLE_NA, paired_table
+from support.validation import derangement
+from evaluate import paired_table
+from support.validation import SHUFFLE_NA
 from support.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
 from rewards import coin_rewards
-from train import clip_gradients, main, parse_args
+from support.optim import clip_gradients
+from train import main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
@@ -271,7 +273,7 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
 def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
     """Regression: soft_prompt's "with C - shuffled C = 0.0" was reported as if it were a measurement; it is
     0 by construction, because its C is the same for every prompt."""
-    from evaluate import context_depends_on_prompt
+    from support.validation import context_depends_on_prompt
     C = torch.randn(1, 4, 8).expand(5, 4, 8)
     assert not context_depends_on_prompt(C) and not context_depends_on_prompt(C[:1])
     C = C.clone()

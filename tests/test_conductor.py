@@ -158,7 +158,6 @@ def test_beta_defaults_to_zero_for_the_conductor_only():
 
 def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
     """neighbours/conductor.py: 2 GRPO steps, its log fields, a checkpoint that evaluate.py scores."""
-    from evaluate import evaluate
     out = str(tmp_path / "c")
     C.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16",
           "--system-prompt", "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
@@ -167,7 +166,7 @@ def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
     assert [m["step"] for m in ms] == [1, 2] and all(0 <= m["parse_rate"] <= 1 and m["kl"] == 0 for m in ms)
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
-    res = evaluate(cfg, 2, 2, state["lora"], state["method"], build=C.conductor)
+    res = C.evaluate_run(cfg, 2, 2, state["lora"], state["method"])
     assert res["n"] == 2 and res["method"] == "conductor"
 
 

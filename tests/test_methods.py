@@ -9,6 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+from baselines import METHODS
 from evaluate import evaluate
 from train import main
 
@@ -28,8 +29,7 @@ def train_and_score(out, extra):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
-@pytest.mark.parametrize("method", ["single", "ours", "no_xattn", "hard_routing", "output_collab", "identical",
-                                    "soft_prompt"])
+@pytest.mark.parametrize("method", sorted(METHODS))  # a method added to baselines.py is tested here too
 def test_every_method_trains_and_evaluates(tmp_path, method):
     ms = train_and_score(str(tmp_path / method), ["--team", "tiny", "--method", method])
     assert [m["step"] for m in ms] == [1, 2]

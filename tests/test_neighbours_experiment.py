@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 import rewards
-import support.run
+import support.checkpoint
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -154,7 +154,7 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     def kill_at_step_2(point, step):
         if (point, step) == ("step", 2):
             raise Killed
-    monkeypatch.setattr(support.run, "sigkill_hook", kill_at_step_2)
+    monkeypatch.setattr(support.checkpoint, "sigkill_hook", kill_at_step_2)  # the script imports it at run time
     calls = []
     with pytest.raises(Killed):
         NL.main(FLAGS + where, runner=in_process(calls))

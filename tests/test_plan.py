@@ -7,6 +7,7 @@ import sys
 import pytest
 import torch
 
+from baselines import METHODS, SoftPrompt
 from support import plan
 import train
 
@@ -16,7 +17,7 @@ TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-s
         "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
 
 
-@pytest.mark.parametrize("method", ["ours", "no_xattn", "hard_routing", "soft_prompt", "single", "identical"])
+@pytest.mark.parametrize("method", sorted(METHODS))
 def test_plan_counts_the_parameters_a_run_builds(method):
     """Parity: the meta-device build gives the same counts as loading the models for real."""
     args = train.parse_args(TINY + ["--method", method])
@@ -28,6 +29,19 @@ def test_plan_counts_the_parameters_a_run_builds(method):
     pools = [getattr(run["method"], k) for k in ("pool", "encoder") if hasattr(run["method"], k)]
     real["experts"] = sum(p.numel() for pool in pools for m, _ in pool.models for p in m.parameters())
     assert info["params"] == real
+    C = run["method"](["What is 1 + 1?"])["C"]
+    assert info["context_tokens"] == (0 if C is None else C.shape[1])  # the method's own count, not a table
+
+
+def test_plan_asks_a_new_method_for_its_context_tokens(monkeypatch):
+    """A fork's new context builder, one entry in baselines.METHODS: the plan reads its context_tokens (here 3
+    tokens while --num-latents is 4). The plan used to look the count up by method name, with --num-latents for
+    any name it did not know: 4 here."""
+    def three_tokens(team, out_dim, args, device, dtype):
+        return SoftPrompt(out_dim, args.latent_dim, 3).to(device)
+    monkeypatch.setitem(METHODS, "three_tokens", three_tokens)
+    _, info = plan.estimate(train.parse_args(TINY + ["--method", "three_tokens"]))
+    assert info["context_tokens"] == 3
 
 
 def test_activation_count_matches_what_autograd_keeps():

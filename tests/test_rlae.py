@@ -182,7 +182,6 @@ def test_fixed_weights_decode_one_member_alone_whatever_the_agent(tiny_rlae):
 
 
 def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
-    from evaluate import evaluate
     out = str(tmp_path / "r")
     rlae.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16",
           "--system-prompt", "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
@@ -195,7 +194,7 @@ def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert set(state["method"]) == {k for k, _ in state["method"].items() if k.startswith("agent.")}
-    res = evaluate(cfg, 2, 2, state["lora"], state["method"], build=rlae.rlae)
+    res = rlae.evaluate_run(cfg, 2, 2, state["lora"], state["method"])
     assert res["n"] == 2 and res["method"] == "rlae"
 
 

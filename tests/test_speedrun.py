@@ -13,12 +13,13 @@ import numpy as np
 import pytest
 import torch
 
-import evaluate
 import grpo
 import rewards
 import rollout
 import train
 from support import low_precision
+from support.optim import lr_factor
+from support.validation import score_items
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--max-new-tokens", "3"]
@@ -95,7 +96,7 @@ def build_run(tmp_path, *flags):
 
 
 def test_dynamic_sampling_trains_the_surrogate_on_groups_with_signal_and_the_kl_on_every_group(tmp_path):
-    """Every group is trained; b["signal"] marks the groups whose rewards vary after the re-draws, and only they
+    """Every group is trained; b.signal marks the groups whose rewards vary after the re-draws, and only they
     carry advantages, scaled by grpo.signal_scale so that the surrogate averages over them alone (here the
     "sequence" aggregation: n_all / n_signal, the step's completions over those in groups with signal)."""
     args, run = build_run(tmp_path, "--dynamic-sampling", "2")
@@ -106,15 +107,15 @@ def test_dynamic_sampling_trains_the_surrogate_on_groups_with_signal_and_the_kl_
         return every_other_prompt_is_flat(items, completions)
     rec, batches = train.grpo_step(0, run, args, score)
     G = args.group_size
-    n_all = sum(len(b["comp"]) for b in batches)
-    n_signal = sum(int(b["signal"].sum()) * G for b in batches)
+    n_all = sum(len(b.comp) for b in batches)
+    n_signal = sum(int(b.signal.sum()) * G for b in batches)
     assert n_all == args.grad_accum * args.batch_size * G and 0 < n_signal < n_all   # flat groups are trained too
     for b in batches:
-        assert torch.equal(b["signal"], ~grpo.flat_groups(b["r"], G))
-        assert len(b["comp"]) == len(b["adv"]) == len(b["logp_ref"]) == b["ids"].shape[0] * G
-        raw = grpo.group_advantages(b["r"], G)
-        assert torch.equal(b["adv"].view(-1, G)[~b["signal"]], torch.zeros(int((~b["signal"]).sum()), G))
-        assert torch.allclose(b["adv"], raw * (n_all / n_signal))
+        assert torch.equal(b.signal, ~grpo.flat_groups(b.r, G))
+        assert len(b.comp) == len(b.adv) == len(b.logp_ref) == b.ids.shape[0] * G
+        raw = grpo.group_advantages(b.r, G)
+        assert torch.equal(b.adv.view(-1, G)[~b.signal], torch.zeros(int((~b.signal).sum()), G))
+        assert torch.allclose(b.adv, raw * (n_all / n_signal))
     assert len(calls) > args.grad_accum                             # flat groups were drawn again
     assert rec["trained_group_fraction"] == n_signal / n_all < 1
 
@@ -210,17 +211,17 @@ def test_format_bonus_reaches_the_training_reward_but_not_the_log_or_the_evaluat
         raise AssertionError("the format bonus reached the evaluation")
     monkeypatch.setattr(rewards, "format_bonus", refuse)
     items = [rewards.load_entries("chain_sum", "val", 2, 0)[i] for i in range(2)]
-    per_item, _ = evaluate.score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args)
+    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args)
     assert per_item["with_C"]["score"] == [0.0, 0.0]   # "<answer>1</answer>" is scored by the task alone
 
 
 # ---- learning-rate schedule and the before/after line -------------------------------------------------------------
 
 def test_lr_schedule_by_hand():
-    assert [train.lr_factor(s, 10, "constant", 2) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
-    assert train.lr_factor(2, 10, "cosine", 2) == 1.0
-    assert math.isclose(train.lr_factor(6, 10, "cosine", 2), 0.5)       # halfway through the 8 decay steps
-    assert math.isclose(train.lr_factor(9, 10, "cosine", 2), 0.5 * (1 + math.cos(math.pi * 7 / 8)))
+    assert [lr_factor(s, 10, "constant", 2) for s in (0, 1, 2, 9)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor(2, 10, "cosine", 2) == 1.0
+    assert math.isclose(lr_factor(6, 10, "cosine", 2), 0.5)       # halfway through the 8 decay steps
+    assert math.isclose(lr_factor(9, 10, "cosine", 2), 0.5 * (1 + math.cos(math.pi * 7 / 8)))
 
 
 def test_eval_items_prints_before_and_after_on_the_same_items(tmp_path, capsys):

@@ -1,0 +1,64 @@
+"""
+The trained system, written whole at the end of a run (support/run.finish_run):
+
+    OUT/lora_peft/          the LoRA in PEFT's format, its base a path or hub id PEFT can resolve, and the
+                            policy's tokenizer beside it
+    OUT/base_model/         only for a tiny: policy (random-init, nowhere else on disk): its frozen weights
+    OUT/g_phi.safetensors   the context builder's trained state (its state_dict)
+    OUT/g_phi.json          what rebuilds g_phi around it: the method's name, its context tokens, the flags
+
+The adapter alone is the policy without its context tokens: PeftModel.from_pretrained(base, OUT/lora_peft)
+feeds no C (and no zero tokens where C was); the trained system is the policy with C = g_phi(x) in front.
+Nothing here is in the paper.
+
+Try it on CPU:  python -m pytest tests/test_export.py -q
+"""
+import json
+import os
+
+
+from lora import save_peft
+from support.checkpoint import write_json
+
+
+def base_model_path(spec, out):
+    """Where PEFT (AutoModelForCausalLM.from_pretrained) finds the policy's base: a hub id or local folder as
+    given; a pocket model's converted float32 folder; a tiny model saved into OUT/base_model (the same name
+    always builds the same weights); "" for a shape: model (random weights of a hub shape, for memory checks)."""
+    if spec.startswith("tiny:"):
+        from support import tiny_models
+        model, _ = tiny_models.load(spec[5:])
+        folder = os.path.abspath(os.path.join(out, "base_model"))
+        model.save_pretrained(folder)
+        return folder
+    if spec.startswith("pocket:"):
+        from support import pocket_models
+        return str(pocket_models.converted_dir(spec[7:]))
+    if spec.startswith("shape:"):
+        return ""
+    return os.path.abspath(spec) if os.path.isdir(spec) else spec
+
+
+def export_run(out, policy, tok, method, args, team):
+    """OUT/lora_peft (adapter, resolvable base, tokenizer), OUT/g_phi.safetensors and OUT/g_phi.json."""
+    from safetensors.torch import save_file
+    folder = os.path.join(out, "lora_peft")
+    save_peft(policy, folder, base_model_path(team["policy"], out))
+    tok.save_pretrained(folder)
+    # detached copies on the CPU: safetensors refuses tensors that share memory
+    state = {k: v.detach().to("cpu").contiguous().clone() for k, v in method.state_dict().items()}
+    save_file(state, os.path.join(out, "g_phi.safetensors"))
+    write_json(os.path.join(out, "g_phi.json"),
+               {"method": args.method, "context_tokens": method.context_tokens,
+                "team_models": team, "flags": {k: v for k, v in vars(args).items()
+                                               if isinstance(v, (str, int, float, bool, type(None), list))}})
+
+
+def read_g_phi(out):
+    """(g_phi.json's dict, g_phi's state_dict) of an exported run."""
+    from safetensors.torch import load_file
+    with open(os.path.join(out, "g_phi.json")) as f:
+        meta = json.load(f)
+    return meta, load_file(os.path.join(out, "g_phi.safetensors"))
+
+

@@ -1,0 +1,43 @@
+"""The export is the trained system (support/export.py): lora_peft/ names a base PEFT can resolve and holds the
+tokenizer, so AutoPeftModelForCausalLM loads it alone and gives the trained policy's logits (without context
+tokens); g_phi's state and what rebuilds it are beside it."""
+import json
+import os
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+SMALL = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
+         "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
+         "--max-new-tokens", "6", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
+
+
+def test_the_export_loads_alone_and_gives_the_trained_policys_logits(tmp_path):
+    peft = pytest.importorskip("peft")
+    from transformers import AutoTokenizer
+
+    from evaluate import load_policy
+    from train import main
+    out = str(tmp_path / "run")
+    main(SMALL + ["--out", out])
+    folder = os.path.join(out, "lora_peft")
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        base = json.load(f)["base_model_name_or_path"]
+    # it was "tiny:llama", which nothing outside this repository can resolve
+    assert not base.startswith(("tiny:", "pocket:")) and os.path.isdir(base), base
+    tok = AutoTokenizer.from_pretrained(folder)  # the tokenizer is beside the adapter
+    exported = peft.AutoPeftModelForCausalLM.from_pretrained(folder).eval()
+
+    cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    policy, _, _, _ = load_policy(cfg, state["lora"], state["method"])  # the trained run, from its checkpoint
+    ids = torch.tensor([tok.encode("What is 2 + 3?")])
+    with torch.no_grad():
+        assert torch.allclose(exported(ids).logits, policy(ids).logits, atol=1e-5)
+
+    from support.export import read_g_phi
+    meta, g_state = read_g_phi(out)
+    assert meta["method"] == "ours" and meta["context_tokens"] == 4 and meta["flags"]["num_latents"] == 4
+    assert set(g_state) == set(state["method"])
+    assert all(torch.equal(g_state[k], state["method"][k].cpu()) for k in g_state)
