@@ -186,9 +186,6 @@ def main(argv=None):
         if cfg["method"] not in METHODS:
             fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py "
                  f"evaluate --run {a.run}")
-        if build is not None and cfg["method"] in METHODS:  # a neighbour's script, train.py's run
-            fail(f"--run {a.run} is a train.py run (--method {cfg['method']}): python evaluate.py "
-                 f"--run {a.run}")
         experts = [] if cfg["method"] in WITHOUT_TEAM_EXPERTS else cfg["team_models"]["experts"]
         models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
         name = "eval_paired.json" if a.paired else \
