@@ -10,6 +10,10 @@ positions by construction; if they did not, the log-probs of the scoring pass wo
 the policy that sampled (a small error for RoPE models, a large one for GPT-2's learned positions).
 tests/test_adapter.py checks it token for token.
 
+  encode_prompts       the prompts' token ids and mask, padding behind each prompt's first token
+                       (padding_behind_first_token: no attention row with every key masked)
+  same_width           several micro-batches' prompts as one batch (one decode loop for a step)
+  cut_padding          a loop's rows cut after their longest completion
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
   prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
   prefill_shared       (evaluation) the rows' common beginning run once, their own tails at batch B
