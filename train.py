@@ -409,14 +409,18 @@ def precompute_states(args):
 
 def deterministic_kernels():
     """--deterministic: CUDA's kernels in their deterministic versions (cuBLAS with a fixed
-    workspace, no cuDNN autotuning, torch's deterministic algorithms), so that on a GPU --resume
-    and N processes reach the numbers of one uninterrupted process, as they do on a CPU without
-    this flag. A kernel with no deterministic version warns (warn_only) instead of stopping the
-    run."""
+    workspace, cuDNN without autotuning, torch's deterministic algorithms), so that on a GPU
+    --resume and N processes reach the numbers of one uninterrupted process, as they do on a CPU
+    without this flag. Strict mode on purpose: with warn_only=True the flash and memory-efficient
+    attention backward kernels keep their faster atomic-add algorithm and only warn (measured on an
+    H200: the same 4-step run reached two different step-2 gradient norms across processes, with
+    the flag in that mode and without it). A kernel with no deterministic version stops the run
+    with PyTorch's error naming it."""
     import os
     os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
     torch.backends.cudnn.benchmark = False
-    torch.use_deterministic_algorithms(True, warn_only=True)
+    torch.backends.cudnn.deterministic = True
+    torch.use_deterministic_algorithms(True)
 
 
 def main(argv=None, score_batch=None):

@@ -24,7 +24,12 @@ finished, and a phase that fails records its error and the next one runs:
                 rollout ran before it sampled the whole step in one loop                           (~1.5 min)
   default_step_cached  1 step on precomputed expert states (--precompute-states, then --expert-cache): the
                 experts are never loaded, the peak is the policy's                                 (~1.5 min)
-The estimates are on paper (no run has timed them yet); results/gpu.md holds what a run measured.
+  determinism   fresh processes of the smoke preset under coin rewards (so every step has a gradient), 4 steps:
+                two with --deterministic, one with --deterministic stopped after 2 steps and resumed, two
+                without the flag; each process's gradient norm and loss per step. ok = the three
+                --deterministic processes agree to the bit (without the flag they may not: the attention
+                backward adds with atomics on a GPU)                                              (~1 min)
+The estimates are rough; results/gpu.md holds what each run measured.
 
 A GPU machine of this project has no network: reasoning-gym and its pure-Python dependencies travel as wheels
 (--task arithmetic needs them); everything else this check imports (torch, transformers, tqdm, safetensors,
@@ -361,6 +366,37 @@ def default_step(device, argv):
     return res
 
 
+def determinism(device, base, run_dir):
+    """Fresh `python train.py` processes (a process is what --resume and torchrun start): the same run with and
+    without --deterministic, and one --deterministic run resumed after step 2."""
+    import subprocess
+    flags = base + ["--reward", "random", "--save-every", "1", "--steps", "4"]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, [ROOT, os.environ.get("PYTHONPATH")]))}
+
+    def train_py(name, extra):
+        folder = os.path.join(run_dir, "determinism", name)
+        for more in extra:
+            r = subprocess.run([sys.executable, os.path.join(ROOT, "train.py"), *flags, "--out", folder, *more],
+                               capture_output=True, text=True, env=env)
+            if r.returncode:
+                raise RuntimeError(f"{name}: exit {r.returncode}: {r.stderr.strip().splitlines()[-1:]}")
+        recs = [json.loads(line) for line in open(os.path.join(folder, "metrics.jsonl"))]
+        return {k: [r[k] for r in recs] for k in ("grad_norm", "loss", "kl")}
+
+    det = ["--deterministic"]
+    runs = {"deterministic_a": train_py("deterministic_a", [det]),
+            "deterministic_b": train_py("deterministic_b", [det]),
+            "deterministic_resumed": train_py("deterministic_resumed", [det + ["--steps", "2"], det + ["--resume"]]),
+            "plain_a": train_py("plain_a", [[]]), "plain_b": train_py("plain_b", [[]])}
+    same = lambda *names: all(runs[n] == runs[names[0]] for n in names)  # noqa: E731
+    res = {"runs": runs, "deterministic_all_equal": same("deterministic_a", "deterministic_b",
+                                                           "deterministic_resumed"),
+           "plain_equal": same("plain_a", "plain_b")}
+    if not res["deterministic_all_equal"]:
+        raise AssertionError(f"--deterministic processes differ: {json.dumps(runs)}")
+    return res
+
+
 # ---------------------------------------------------------------------------------------------------------------
 
 
@@ -369,7 +405,7 @@ def main(argv=None):
     ap.add_argument("--out", default="gpu_check.json", help="the JSON file (rewritten after every phase)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny models, a few seconds: what the test suite runs")
     ap.add_argument("--phases", default="env,tiny_parity,padded_rows,decode,default_step,default_step_per_micro,"
-                    "default_step_cached",
+                    "default_step_cached,determinism",
                     help="comma-separated phases to run, in order")
     ap.add_argument("--steps", type=int, default=2, help="default_step: optimiser steps to run")
     args = ap.parse_args(argv)
@@ -394,7 +430,9 @@ def main(argv=None):
               "default_step_per_micro": (default_step, device,
                                          base + ["--steps", "1", "--rollout-batch", "1"] + out("per_micro")),
               "default_step_cached": (default_step_cached, device, base + [
-                  "--steps", "1", "--expert-cache", os.path.join(run_dir, "states")] + out("cached"))}
+                  "--steps", "1", "--expert-cache", os.path.join(run_dir, "states")] + out("cached")),
+              "determinism": (determinism, device, ["--preset", "smoke", "--eval-items", "0", "--device",
+                                                    device.type], run_dir)}
     report = Report(args.out)
     for name in args.phases.split(","):
         fn, *fn_args = phases[name]

@@ -223,9 +223,10 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
       "(support/shape_models.py): the paper's code path at full size with no download, for memory and speed "
       "checks only (it learns nothing useful)")
-    a("--deterministic", action="store_true", help="deterministic CUDA kernels (torch.use_deterministic_algorithms, "
-      "CUBLAS_WORKSPACE_CONFIG): on a GPU, --resume and N processes then reach the same numbers as one "
-      "uninterrupted process; slower. CPU runs are deterministic without it")
+    a("--deterministic", action="store_true", help="deterministic CUDA kernels (strict "
+      "torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): on a GPU, --resume and N processes then "
+      "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
+      "slower. CPU runs are deterministic without it")
     a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
       "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
