@@ -79,22 +79,33 @@ SUITE = {  # name -> flags over the defaults; run in this order by --suite
 }
 
 
-def items(split, n, seed, config):
-    """[(question, answer)] of chain_sum with this reasoning-gym config, in load_entries order."""
-    return [(e["question"], e["answer"]) for e in load_entries(TASK, split, n, seed, None, config)[:n]]
+def items(split, n, seed, config, task=TASK):
+    """[(question, answer)] of the task with this reasoning-gym config, in load_entries order."""
+    return [(e["question"], e["answer"]) for e in load_entries(task, split, n, seed, None, config)[:n]]
 
 
-def states(expert, layer, split, n, seed, config):
-    """The oracle expert's last-token states at `layer` [n, d] for the first n items, cached on disk (the
-    expert is frozen); channel.encode reads them, as the supervised test does."""
+def states(expert, layer, split, n, seed, config, task=TASK, oracle=True):
+    """The expert's last-token states at `layer` [n, d] for the first n items, cached on disk (the expert is
+    frozen). oracle: the expert reads "{question} The answer is {answer}." (channel.encode, as the supervised
+    channel test); else the question alone, through its chat template, exactly as the screen's probe read it
+    (screen.last_token_states: the same function, so the ceiling and the probe see the same vectors)."""
     os.makedirs(CACHE, exist_ok=True)
-    key = zlib.crc32(config.encode())
-    path = os.path.join(CACHE, f"mechanism-{expert}-L{layer}-{split}-s{seed}-{key:08x}.pt")
+    key = zlib.crc32((config + task).encode()) if task != TASK else zlib.crc32(config.encode())
+    reads = "" if oracle else "-question"
+    path = os.path.join(CACHE, f"mechanism-{expert}{reads}-L{layer}-{split}-s{seed}-{key:08x}.pt")
     have = torch.load(path) if os.path.exists(path) else torch.zeros(0)
     if len(have) < n:
         model, tok = expert_model(expert)
-        new = encode(model, tok, [expert_input(q, a, True) for q, a in items(split, n, seed, config)[len(have):]])
-        have = torch.cat([have.view(-1, new["last"].shape[-1]), new["last"][layer]])
+        todo = items(split, n, seed, config, task)[len(have):]
+        if oracle:
+            new = encode(model, tok, [expert_input(q, a, True) for q, a in todo])["last"][layer]
+        else:
+            from screen import last_token_states
+            by_depth, _ = last_token_states(model, tok, [q for q, _ in todo])
+            if layer not in by_depth:
+                raise SystemExit(f"error: --layer {layer}: the question-only states exist at {sorted(by_depth)}")
+            new = by_depth[layer]
+        have = torch.cat([have.view(-1, new.shape[-1]), new])
         torch.save(have, path)
     return have[:n]
 
@@ -214,10 +225,13 @@ def fast_path_check(pol, g, H, train, G, max_new):
 def run(a):
     torch.manual_seed(a.seed)
     t_start = time.time()
-    n_train = a.steps * a.batch
-    train, evals = items("train", n_train, a.seed, a.task_config), items("val", a.eval_n, a.seed, a.task_config)
-    H_tr = states(a.expert, a.layer, "train", n_train, a.seed, a.task_config)
-    H_ev = states(a.expert, a.layer, "val", a.eval_n, a.seed, a.task_config)
+    n_train = min(a.steps * a.batch, a.train_items or a.steps * a.batch)
+    oracle = a.expert_reads == "question+answer"
+    train = items("train", n_train, a.seed, a.task_config, a.task)
+    evals = items("val", a.eval_n, a.seed, a.task_config, a.task)
+    H_tr = states(a.expert, a.layer, "train", n_train, a.seed, a.task_config, a.task, oracle)
+    H_ev = states(a.expert, a.layer, "val", a.eval_n, a.seed, a.task_config, a.task, oracle)
+    expert_model.__globals__["_MODELS"].clear()   # the expert's weights are not needed any more
     model, tok = load_model(POLICY)
     for p in model.parameters():
         p.requires_grad_(False)
@@ -250,7 +264,7 @@ def run(a):
     curve_point(0)
     for step in range(1, a.steps + 1):
         t0 = time.time()
-        idx = list(range((step - 1) * a.batch, step * a.batch))
+        idx = [k % n_train for k in range((step - 1) * a.batch, step * a.batch)]  # cycles over --train-items
         qs, ans = [train[k][0] for k in idx], [train[k][1] for k in idx]
         if a.objective == "supervised":  # the reference: cross-entropy on the gold tokens, as channel.py
             C, _ = g(H_tr[idx])
@@ -357,7 +371,11 @@ def parse(argv=None):
     a("--suite", action="store_true", help="every SUITE run not yet in results/mechanism/results.json")
     a("--table-only", action="store_true", help="rebuild results/mechanism/table.md from results.json")
     a("--name", default=None, help="the run's name in results.json (default: from its flags)")
-    a("--expert", default="smollm2-135m-instruct", help="pocket model that reads the question and its answer")
+    a("--expert", default="smollm2-135m-instruct", help="pocket model that reads the item")
+    a("--expert-reads", default="question+answer", choices=["question+answer", "question"],
+      help="question+answer: an oracle (deviation: a diagnostic); question: what a real expert sees, read as the "
+      "screen's probe read it (the ceiling of issue 33 on gcd)")
+    a("--task", default=TASK, help="reasoning-gym task (chain_sum: the pocket task; gcd: the second verdict's)")
     a("--layer", type=int, default=8, help="hidden-state index of the expert (0 = embeddings)")
     a("--num-latents", type=int, default=8, help="m context tokens")
     a("--task-config", default=TASK_CONFIG, help="chain_sum's reasoning-gym config, JSON (default: the pocket "
@@ -374,6 +392,8 @@ def parse(argv=None):
     a("--objective", default="grpo", choices=["grpo", "supervised"], help="grpo: the test; supervised: the "
       "same setting trained by cross-entropy on the gold answer (the reference curve)")
     a("--eval-n", type=int, default=60, help="held-out items")
+    a("--results", default=OUT, help="folder of results.json and table.md")
+    a("--train-items", type=int, default=0, help="distinct training items, cycled (0: steps x batch, each once)")
     a("--seed", type=int, default=0, help="seed of the data order, the adapter's init and the sampling")
     args = p.parse_args(argv)
     for flag, v in (("--steps", args.steps), ("--batch", args.batch - 1), ("--group-size", args.group_size - 1),
@@ -384,7 +404,9 @@ def parse(argv=None):
 
 
 def main():
+    global OUT
     a = parse()
+    OUT = a.results
     if a.table_only:
         return save(load())
     jobs = [(n, parse(f)) for n, f in SUITE.items()] if a.suite else \
