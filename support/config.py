@@ -84,7 +84,13 @@ NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$"
 
 
 class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
-    """--help: each flag's help as written, with its default."""
+    """--help: each flag's help as written, with its default, once: a help that already says its default
+    ("(default 500; ...)") gets none appended, nor does an unset flag (None) or an off switch (False)."""
+
+    def _get_help_string(self, action):
+        if "(default" in (action.help or "") or action.default in (None, False):
+            return action.help
+        return super()._get_help_string(action)
 
 
 class ArgumentParser(argparse.ArgumentParser):

@@ -2,6 +2,7 @@
 records the resolved values; --help shows every default and the presets; a negative number is a flag's value
 (accepted where the flag's type allows it, refused with the flag's own message where it does not)."""
 import json
+import re
 import os
 import sys
 
@@ -99,3 +100,15 @@ def test_resume_reads_a_flag_newer_than_the_run_as_its_default(tmp_path):
     msg = check_resume(args, str(tmp_path / "config.json"), build_parser().get_default)
     assert msg.startswith("--resume: --format-bonus-strict True differs from the run's False")
     assert check_resume(args, str(tmp_path / "config.json")).startswith("--resume: --format-bonus-strict")
+
+
+def test_help_states_each_default_once(capsys):
+    """A flag whose help already says its default (`default 500; 233 for gsm8k`) gets no second `(default: None)`
+    appended, and an unset or off flag no `(default: None)` / `(default: False)` noise."""
+    with pytest.raises(SystemExit):
+        parse_args(["--help"])
+    out = capsys.readouterr().out
+    flags = re.split(r"\n  (?=-)", out.split("options:", 1)[1])          # one chunk per flag
+    twice = [f.split()[0] for f in flags if len(re.findall(r"\(default[: ]", f)) > 1]
+    assert twice == [], f"two defaults in --help for {twice}"
+    assert "(default: None)" not in out and "(default: False)" not in out
