@@ -39,6 +39,7 @@ import threading
 import numpy as np
 import torch
 
+import rewards
 from adapter import context_probes
 from experts import pick_device
 from support import distributed
@@ -341,15 +342,23 @@ def log_line(rec, steps):
     return " | ".join(parts)
 
 
-def write_samples(run, args, step, question, answer, texts, rewards):
+def write_samples(run, args, step, question, answer, texts, rewards_trained):
     """Rank 0, every --sample-every steps and at the run's first: the first few completions of one
-    prompt (texts [G], rewards [G]), with their rewards, in samples.jsonl."""
+    prompt (texts [G], after --dynamic-sampling's re-draws) in samples.jsonl, with `reward` = the
+    task's reward (what metrics.jsonl's reward averages) and, under --format-bonus,
+    `reward_with_bonus` = rewards_trained [G], the reward GRPO trained on."""
     if not run["writer"] or not ((step + 1) % args.sample_every == 0 or step == run["start"]):
         return
+    n = min(args.group_size, 4)
+    golds = [answer] * n if args.format_bonus_strict else None
+    bonus = rewards.format_bonus(texts[:n], args.format_bonus, golds) if args.format_bonus else [0.0] * n
     with open(run["paths"]["samples"], "a") as f:
-        for k in range(min(args.group_size, 4)):
-            f.write(json.dumps({"step": step + 1, "question": question, "answer": answer,
-                                "completion": texts[k], "reward": rewards[k].item()}) + "\n")
+        for k in range(n):
+            rec = {"step": step + 1, "question": question, "answer": answer, "completion": texts[k],
+                   "reward": rewards_trained[k].item() - bonus[k]}
+            if args.format_bonus:
+                rec["reward_with_bonus"] = rewards_trained[k].item()
+            f.write(json.dumps(rec) + "\n")
 
 
 def finish_run(run, args):

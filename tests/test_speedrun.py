@@ -396,3 +396,15 @@ def test_worst_case_cost_by_hand():
     # 30 s a step, a 100 s budget: the clock passes it after step 4; evaluated after 1, 2, 3, 4; loaded once
     assert speedrun.worst_case_seconds(30, 60, 100) == 4 * 30 + 4 * speedrun.EVAL_SECONDS + speedrun.LOAD_SECONDS
     assert speedrun.worst_case_seconds(30, 6, 1e9) == 6 * 30 + 5 * speedrun.EVAL_SECONDS + speedrun.LOAD_SECONDS
+
+
+def test_samples_jsonl_reward_means_what_metrics_jsonl_reward_means(tmp_path, monkeypatch):
+    """`reward` is the task's reward in both logs; the reward GRPO trained on (with --format-bonus) is
+    samples.jsonl's `reward_with_bonus`, a second name, never the same name with another meaning."""
+    monkeypatch.setattr(rewards, "format_bonus", lambda texts, bonus, golds=None: [bonus] * len(texts))
+    out = tmp_path / "run"
+    train.main(["--preset", "smoke", "--eval-items", "0", "--steps", "1", "--format-bonus", "0.5", "--out", str(out)])
+    metrics = [json.loads(line) for line in open(out / "metrics.jsonl")]
+    samples = [json.loads(line) for line in open(out / "samples.jsonl")]
+    assert metrics[0]["reward"] == 0.0 and samples                      # the tiny team never solves chain_sum
+    assert all(s["reward"] == 0.0 and s["reward_with_bonus"] == 0.5 for s in samples)
