@@ -3,13 +3,17 @@ The plot train.py writes into a run's folder at the end (plot.png): what a first
 
     python -m support.plot runs/pocket-first        # (re)draw the plot of a finished or running run
 
-Four panels over optimiser steps, from metrics.jsonl: the training reward (the format bonus is not in
-it) with the solve rate, the answer rate (completions with an <answer> block), the KL to
-the reference policy, and for methods with experts the routing: the entropy H of the attention over experts
-and each expert's utilisation. Each curve is drawn as it was logged, point by point: a moving average would
-hide a run of six steps. matplotlib is optional: without it, one line says so and nothing else happens.
+Panels over optimiser steps, from metrics.jsonl: the training reward (the format bonus is not in it)
+with the solve rate (drawn on top of each other when the reward is exact: the dashed line is the
+solve rate) and the validation score before and after training (validation.json, the stars); the
+answer rate (completions with an <answer> block); the KL to the reference policy; and for methods
+with experts, each expert's utilisation beside 1/n (uniform routing) and the entropy H of the
+attention over experts beside log n (its largest value). Each curve is drawn as it was logged, point
+by point: a moving average would hide a run of six steps. matplotlib is optional: without it, one
+line says so and nothing else happens.
 """
 import json
+import math
 import os
 import sys
 
@@ -39,19 +43,26 @@ def plot_run(folder, name="plot.png"):
     if not rows:
         return None
     routing = any(r.get("utilization") for r in rows)
-    fig, axes = plt.subplots(1, 4 if routing else 3, figsize=(16 if routing else 12, 3.4))
+    fig, axes = plt.subplots(1, 5 if routing else 3, figsize=(20 if routing else 12, 3.4))
     ax = axes[0]
-    for key, label in (("reward", "reward"), ("solve_rate", "solve rate")):
-        ax.plot(*series(rows, key), marker="o", label=label)
+    ax.plot(*series(rows, "reward"), marker="o", lw=3, alpha=0.5, label="reward")
+    ax.plot(*series(rows, "solve_rate"), marker="x", ls="--", color="black", label="solve rate")
+    validation = read_validation(folder)
+    if validation:
+        last = rows[-1]["step"]
+        for x, key, color in ((0, "before", "tab:gray"), (last, "after", "tab:red")):
+            score = sum(validation[key]) / len(validation[key])
+            ax.plot([x], [score], marker="*", ms=14, color=color, ls="none",
+                    label=f"validation {key}: {100 * score:.1f} %")
     ax.set_title("training reward (no format bonus)")
-    ax.legend()
+    ax.legend(fontsize=7)
     axes[1].plot(*series(rows, "answer_rate"), marker="o")
     axes[1].set_title("answer rate (an <answer> block)")
     axes[1].set_ylim(-0.02, 1.02)
     axes[2].plot(*series(rows, "kl"), marker="o")
     axes[2].set_title("KL to the reference policy")
     if routing:
-        draw_routing(axes[3], rows, folder)
+        draw_routing(axes[3], axes[4], rows, folder)
     for ax in axes:
         ax.xaxis.set_major_locator(MaxNLocator(integer=True))  # steps are whole numbers
         ax.set_xlabel("step")
@@ -74,18 +85,34 @@ def expert_names(folder, n):
     return experts if len(experts) == n else None
 
 
-def draw_routing(ax, rows, folder):
-    """Each expert's utilisation (mean attention mass) and the entropy H, over steps."""
+def read_validation(folder):
+    """validation.json's per-item scores {"before": [...], "after": [...]}, or None before the run ends."""
+    try:
+        with open(os.path.join(folder, "validation.json")) as f:
+            v = json.load(f)
+    except (OSError, ValueError):
+        return None
+    return v if v.get("before") and v.get("after") else None
+
+
+def draw_routing(ax_use, ax_h, rows, folder):
+    """Each expert's utilisation (mean attention mass) beside 1/n, and the entropy H beside log n."""
     steps = [r["step"] for r in rows if r.get("utilization")]
     used = [r["utilization"] for r in rows if r.get("utilization")]
+    n = len(used[0])
     names = next((r["utilization_names"] for r in rows if r.get("utilization_names")), None)
-    names = names or expert_names(folder, len(used[0]))
-    for i in range(len(used[0])):
-        label = names[i] if names else f"expert {i}"
-        ax.plot(steps, [u[i] for u in used], marker=".", label=label)
-    ax.plot(*series(rows, "entropy"), marker="o", color="black", label="entropy H (nats)")
-    ax.set_title("routing over experts")
-    ax.legend(fontsize=7)
+    names = names or expert_names(folder, n)
+    for i in range(n):
+        ax_use.plot(steps, [u[i] for u in used], marker=".", label=names[i] if names else f"expert {i}")
+    ax_use.axhline(1 / n, color="gray", ls=":", label=f"1/n = {1 / n:.3f} (uniform)")
+    ax_use.set_title("utilisation of each expert")
+    ax_use.legend(fontsize=7)
+    ax_h.plot(*series(rows, "entropy"), marker="o", color="black", label="entropy H")
+    ax_h.axhline(math.log(n), color="gray", ls=":", label=f"log n = {math.log(n):.3f} (uniform)")
+    ax_h.set_title("routing entropy H (nats)")
+    for ax in (ax_use, ax_h):
+        ax.ticklabel_format(axis="y", useOffset=False)  # H sits a hair under log n: show the digits
+    ax_h.legend(fontsize=7)
 
 
 if __name__ == "__main__":

@@ -370,7 +370,6 @@ def finish_run(run, args):
         return args.out
     export_run(args.out, run["policy"], run["tok"], run["method"], args, run["team"])  # support/export.py
     from support.plot import plot_run
-    plot_run(args.out)
     if args.eval_items:
         with open(run["paths"]["validation"]) as f:
             before = json.load(f)["before"]
@@ -378,6 +377,7 @@ def finish_run(run, args):
         scores = {"items": args.eval_items, "before": before, "after": after}
         write_json(run["paths"]["validation"], scores)
         print(validation_line(before, after), flush=True)
+    plot_run(args.out)  # after the validation, whose before/after scores it shows
     return args.out
 
 

@@ -112,3 +112,23 @@ def test_help_states_each_default_once(capsys):
     twice = [f.split()[0] for f in flags if len(re.findall(r"\(default[: ]", f)) > 1]
     assert twice == [], f"two defaults in --help for {twice}"
     assert "(default: None)" not in out and "(default: False)" not in out
+
+
+def test_the_run_plot_shows_both_curves_the_validation_and_the_uniform_references(tmp_path, monkeypatch):
+    """plot.png: reward and solve rate both visible (different styles: they coincide under exact rewards), the
+    validation before/after as points, utilisation beside 1/n and the entropy beside log n on its own panel."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from support import plot
+    rows = [{"step": s, "reward": 0.5, "solve_rate": 0.5, "answer_rate": 1.0, "kl": 0.0, "entropy": 1.09,
+             "utilization": [0.3, 0.3, 0.4], "utilization_names": ["a", "b", "c"]} for s in (1, 2)]
+    with open(tmp_path / "metrics.jsonl", "w") as f:
+        f.writelines(json.dumps(r) + "\n" for r in rows)
+    with open(tmp_path / "validation.json", "w") as f:
+        json.dump({"items": 2, "before": [0.0, 0.0], "after": [1.0, 0.0]}, f)
+    figures = []
+    monkeypatch.setattr(plt, "close", figures.append)
+    assert plot.plot_run(str(tmp_path))
+    labels = [[t.get_text() for t in ax.get_legend().get_texts()] if ax.get_legend() else []
+              for ax in figures[0].axes]
+    assert labels[0] == ["reward", "solve rate", "validation before: 0.0 %", "validation after: 50.0 %"]
+    assert "1/n = 0.333 (uniform)" in labels[3] and labels[4] == ["entropy H", "log n = 1.099 (uniform)"]
