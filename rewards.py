@@ -47,7 +47,7 @@ from pathlib import Path
 import numpy as np
 
 # score_gsm8k lives beside the sandbox that calls it; rewards.score_gsm8k is the same function
-from support.safe_scoring import STATUSES, score_answers, score_gsm8k  # noqa: F401
+from support.safe_scoring import SCORERS, STATUSES, score_answers, score_gsm8k  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Tasks: paper §8, Listings 2-4 (reasoning-gym defaults plus these configs)
@@ -101,8 +101,8 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
     GSM8K: at most its whole split."""
     if split not in SPLITS:
         raise ValueError(f"split must be one of {SPLITS}, got {split!r}")
-    if task == "gsm8k":
-        return _load_gsm8k(split, size, seed, data_path)
+    if task in TASKS:  # a task with its own data and scorer (gsm8k; a fork's)
+        return TASKS[task][0](split, size, seed, data_path)
     from reasoning_gym.factory import DATASETS
 
     if task in FAMILIES:
@@ -110,7 +110,7 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
     elif task in DATASETS and task != "composite":
         configs = {task: dataset_config(task)}
     else:
-        raise ValueError(f"unknown --task {task!r}: use one of {', '.join([*FAMILIES, 'gsm8k'])} "
+        raise ValueError(f"unknown --task {task!r}: use one of {', '.join([*FAMILIES, *TASKS])} "
                          "or a reasoning-gym dataset name (e.g. chain_sum)")
     if config:  # --task-config: JSON over the reasoning-gym defaults of one dataset
         if task not in configs or len(configs) != 1:
@@ -221,6 +221,18 @@ def _read_gsm8k_file(path, data_path):
     if not rows:
         raise ValueError(f"--data-path {data_path}: {path} holds no rows")
     return rows
+
+
+# Tasks with their own data and scorer, beside reasoning-gym's: NAME -> (load, score).
+#   load(split, size, seed, data_path) -> entries {"question", "answer", "metadata": {"source_dataset": NAME}}
+#       (split "train" or "val": keep them apart; size: how many; data_path: --data-path)
+#   score(answer, entry) -> reward in [0, 1]; answer = the text inside <answer>...</answer> (a completion
+#       without one scores 0 and never reaches it)
+# A fork adds its own with one line, here or from its own file before train.main():
+#   rewards.TASKS["mine"] = (load_mine, score_mine)            (tests/test_fork.py does exactly that)
+# Its scorer runs in this process on model text: keep it to string work, never eval(). gsm8k is the example
+# (its scorer is support/safe_scoring.score_gsm8k, which the sandbox also knows).
+TASKS = {"gsm8k": (_load_gsm8k, score_gsm8k)}
 
 
 def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):
@@ -340,7 +352,14 @@ def score_batch(entries, completions, timeout=2.0):
     assert len(entries) == len(completions), \
         f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
-    results = score_answers(entries, answers, timeout, dataset_config)
+    results = score_answers(entries, answers, timeout, dataset_config)  # reasoning-gym's and gsm8k
+    for i, (entry, answer) in enumerate(zip(entries, answers)):   # a fork's own tasks (TASKS), here
+        name = (entry.get("metadata") or {}).get("source_dataset")
+        if name in TASKS and name not in SCORERS and answer is not None:
+            try:
+                results[i] = (float(TASKS[name][1](answer, entry)), "ok")
+            except Exception:  # noqa: BLE001  a scorer's bug costs the answer, not the run
+                results[i] = (0.0, "error")
     counts = {status: sum(s == status for _, s in results) for status in STATUSES}
     counts["no_answer"] = sum(a is None for a in answers)
     return [r for r, _ in results], counts

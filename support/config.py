@@ -275,7 +275,8 @@ def check_args(p, args):
                f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
               (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),
                f"--expert-device must be cpu, cuda[:N] or mps, got {args.expert_device!r}"),
-              (args.data_path is None or args.task == "gsm8k", "--data-path is only read with --task gsm8k"),
+              (args.data_path is None or args.task in rewards.TASKS,
+               f"--data-path is only read by a task with its own data ({', '.join(rewards.TASKS)})"),
               (args.data_path is None or os.path.exists(args.data_path),
                f"--data-path {args.data_path}: no such file or folder"),
               # one file is the training split: validating on it would score training items
