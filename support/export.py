@@ -9,6 +9,12 @@ The trained system, written whole at the end of a run (support/run.finish_run):
 
 The adapter alone is the policy without its context tokens: PeftModel.from_pretrained(base, OUT/lora_peft)
 feeds no C (and no zero tokens where C was); the trained system is the policy with C = g_phi(x) in front.
+One call rebuilds it from these files alone (no checkpoint.pt, no train.py):
+
+    policy, tok, g_phi, eos_ids = load_trained("runs/pocket-first")
+    C = g_phi(["What is 2 + 3?"])["C"]        # [1, m, D], or None for a method without context tokens
+    # the policy reads [x || C] as the run did: rollout.policy_inputs(policy, ids, mask, C, position)
+
 Nothing here is in the paper.
 
 Try it on CPU:  python -m pytest tests/test_export.py -q
@@ -52,6 +58,29 @@ def export_run(out, policy, tok, method, args, team):
                {"method": args.method, "context_tokens": method.context_tokens,
                 "team_models": team, "flags": {k: v for k, v in vars(args).items()
                                                if isinstance(v, (str, int, float, bool, type(None), list))}})
+
+
+def load_trained(out, device="cpu"):
+    """The trained system of an exported run, from OUT/lora_peft and OUT/g_phi.* alone: (the policy with its
+    trained LoRA, its tokenizer, g_phi with its trained weights, the EOS ids), in eval mode. The frozen models
+    load from where the run found them (g_phi.json's team_models)."""
+    from types import SimpleNamespace
+
+    import torch
+    from safetensors.torch import load_file
+
+    from baselines import METHODS
+    from experts import frozen_dtype, load_model
+    from support.validation import restore_trained
+    meta, g_state = read_g_phi(out)
+    args = SimpleNamespace(**{**meta["flags"], "team_models": meta["team_models"]})
+    device = torch.device(device)
+    dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
+    policy, tok = load_model(meta["team_models"]["policy"], device, dtype)
+    method = METHODS[meta["method"]](meta["team_models"], policy.config.hidden_size, args, device, dtype)
+    peft = load_file(os.path.join(out, "lora_peft", "adapter_model.safetensors"))
+    lora = {k[len("base_model.model."):-len(".weight")]: v.to(device) for k, v in peft.items()}  # save_peft's names
+    return restore_trained(policy, tok, method, args, lora, {k: v.to(device) for k, v in g_state.items()})
 
 
 def read_g_phi(out):
