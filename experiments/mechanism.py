@@ -222,6 +222,21 @@ def fast_path_check(pol, g, H, train, G, max_new):
     return (fast - ref).abs()[cmask].max().item()
 
 
+def solved_in_range(pol, g, train, solved_range, G, max_new, seed, batch=4):
+    """Indices of the training items whose G samples at temperature 1, with C = the anchor (the frozen policy
+    knowing nothing from the expert), are right between LO and HI of the time (both included): the items where a
+    group's rewards can differ. Returns (indices, {"solved": [fraction per item], "seconds"})."""
+    t0, gen, solved = time.time(), torch.Generator().manual_seed(seed + 7919), []
+    for i in range(0, len(train), batch):
+        chunk = train[i:i + batch]
+        C = g.anchor.expand(len(chunk), -1, -1)
+        comp = sample(pol, [q for q, _ in chunk], C, G, max_new, gen)
+        r, _ = rewards_of(pol, comp, grpo.completion_mask(comp, pol.eos), [ans for _, ans in chunk], G)
+        solved += r.view(len(chunk), G).mean(1).tolist()
+    lo, hi = solved_range
+    return [k for k, f in enumerate(solved) if lo <= f <= hi], {"solved": solved, "seconds": time.time() - t0}
+
+
 def run(a):
     torch.manual_seed(a.seed)
     t_start = time.time()
@@ -242,10 +257,20 @@ def run(a):
     adapter = ChannelAdapter([H_tr.shape[1]], model.config.hidden_size, "standardize", stats, "tanh", 0.0,
                              num_latents=a.num_latents)
     g = Anchored(adapter, newline.expand(a.num_latents, -1).clone())
+    if a.init_g:  # e.g. the ceiling's g_phi: does RL keep an open channel open?
+        g.load_state_dict(torch.load(a.init_g, weights_only=True))
+    screen = None
+    if a.solved_range:  # keep the training items the frozen policy (C = the anchor) solves LO..HI of the time
+        keep, screen = solved_in_range(pol, g, train, a.solved_range, a.screen_group, a.max_new_tokens, a.seed)
+        print(f"  items the anchored policy solves {a.solved_range[0]:g}-{a.solved_range[1]:g} of {a.screen_group} "
+              f"draws: {len(keep)} of {len(train)}", flush=True)
+        if not keep:
+            raise SystemExit("error: --solved-range: no training item in that range")
+        train, H_tr, n_train = [train[k] for k in keep], H_tr[keep], len(keep)
     opt = torch.optim.AdamW([p for p in g.parameters() if p.requires_grad], lr=a.lr, weight_decay=1e-2, eps=1e-6)
     gen = torch.Generator().manual_seed(a.seed)
     result = {"config": vars(a), "fast_path_check": fast_path_check(pol, g, H_tr, train, 2, a.max_new_tokens),
-              "curve": [], "steps": []}
+              "curve": [], "steps": [], "screen": screen}
     print(f"  fast path vs rollout.completion_logprobs: max |d logp| {result['fast_path_check']:.2e}", flush=True)
     assert result["fast_path_check"] < 1e-3, "the fast path disagrees with rollout.completion_logprobs"
     t_train = t_eval = 0.0
@@ -313,6 +338,8 @@ def run(a):
         if step in a.eval_at:
             curve_point(step)
     result["wall"] = {"train_s": t_train, "eval_s": t_eval, "total_s": time.time() - t_start}
+    if a.save_g:
+        torch.save(g.state_dict(), a.save_g)
     return result
 
 
@@ -393,6 +420,11 @@ def parse(argv=None):
       "same setting trained by cross-entropy on the gold answer (the reference curve)")
     a("--eval-n", type=int, default=60, help="held-out items")
     a("--results", default=OUT, help="folder of results.json and table.md")
+    a("--save-g", default=None, help="write g_phi's state_dict here at the end (the ceiling's, for --init-g)")
+    a("--init-g", default=None, help="start g_phi from this state_dict (e.g. the ceiling's)")
+    a("--solved-range", type=float, nargs=2, default=None, metavar=("LO", "HI"),
+      help="train only on items the anchored policy solves LO..HI of --screen-group draws (e.g. 0.2 0.5)")
+    a("--screen-group", type=int, default=16, help="draws per item for --solved-range")
     a("--train-items", type=int, default=0, help="distinct training items, cycled (0: steps x batch, each once)")
     a("--seed", type=int, default=0, help="seed of the data order, the adapter's init and the sampling")
     args = p.parse_args(argv)
