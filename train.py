@@ -60,7 +60,7 @@ from support.checkpoint import sigkill_hook
 from support.config import fail, parse_args
 from support.optim import clip_gradients, set_learning_rates
 from support.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run
-from support.run import step_if_finite, step_metrics, write_samples
+from support.run import step_if_finite, step_metrics, wall_clock, write_samples
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -131,7 +131,8 @@ def grpo_step(step, run, args, score_batch):
     # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------
     batches = distributed.gather(world, batches, run["device"])  # every rank's, in order
     rec = step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args)
-    rec["seconds"] = time.time() - t0
+    tokens = sum(int(b.comp_mask.sum()) for b in batches)  # generated: EOS counts, padding does not
+    rec.update(wall_clock(t0, tokens))  # seconds, tokens_per_s
     return rec, batches
 
 

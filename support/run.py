@@ -35,6 +35,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import torch
@@ -289,6 +290,15 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     return rec
 
 
+def wall_clock(t0, tokens):
+    """The step's wall-clock fields, the two that differ between two runs of the same numbers (the fixtures
+    of tests/test_same_metrics.py leave them out): seconds since t0, and tokens_per_s = `tokens` (the
+    completion tokens the step trains on, EOS included, padding not: every process's) per second of the step,
+    rollout, scoring, loss and update together."""
+    seconds = time.time() - t0
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
 LOSS_TERMS = ("pg_loss", "kl", "clip_fraction", "ratio_mean")  # grpo_loss's metrics, logged
 CHANNEL_TERMS = ("cf_loss", "cf_margin", "cf_fraction")  # grpo.channel_forcing_loss's
 
@@ -331,12 +341,14 @@ def after_step(run, args, step, rec, bar, bad_steps):
 
 
 def log_line(rec, steps):
-    """step 12/500 | reward 0.41 | kl 0.003 | len 38 | H 1.02 | 9.8 s"""
+    """step 12/500 | reward 0.41 | kl 0.003 | len 38 | H 1.02 | 9.8 s | 310 tok/s"""
     parts = [f"step {rec['step']}/{steps}", f"reward {rec['reward']:.3f}", f"kl {rec['kl']:.4f}",
              f"len {rec['completion_length']:.0f}"]
     if "entropy" in rec:
         parts.append(f"H {rec['entropy']:.3f}")
     parts.append(f"{rec['seconds']:.1f} s")
+    if "tokens_per_s" in rec:  # train.py's steps (the neighbours' do not count theirs)
+        parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
     if rec["skipped_update"]:
         parts.append("update skipped: non-finite loss, gradient or weights")
     return " | ".join(parts)
