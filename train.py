@@ -454,7 +454,7 @@ def main(argv=None, score_batch=None):
             sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
             b = batches[0]  # a few completions of the step's first prompt, with their rewards
             write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
-            # the log line, metrics.jsonl and the checkpoint; --max-bad-steps
+            # the log line, metrics.jsonl (and --track's tracker) and the checkpoint; --max-bad-steps
             bad_steps = after_step(run, args, step, rec, bar, bad_steps)
             bar.update(1)
         bar.close()

@@ -31,6 +31,7 @@ from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import POOLINGS, TEAMS, check_models, team_models
 from support import distributed
 from support.checkpoint import check_resume
+from support.track import BACKENDS, check_library
 
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
 
@@ -312,6 +313,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
+    a("--track", default="none", choices=["none", *BACKENDS], help="live tracking of each step's metrics.jsonl "
+      "record (support/track.py): tensorboard writes OUT/tensorboard/; trackio and wandb log to the project "
+      "n-musketeers, the run named after --out's folder. Its library is imported only when named here")
     a("--eval-items", type=number(int, 0, high=rewards.MAX_DATASET_SIZE), default=0, help="score N validation "
       "items (greedy, the task's scorer) before the first step and after the last, and print both on one line "
       "(0: off)")
@@ -364,6 +368,8 @@ def check_args(p, args):
     for ok, msg in checks:
         if not ok:
             p.error(msg)
+    if msg := check_library(args.track):  # --track's library, imported here: before any model loads
+        p.error(msg)
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
