@@ -60,7 +60,7 @@ from support.checkpoint import sigkill_hook
 from support.config import fail, parse_args
 from support.optim import clip_gradients, set_learning_rates
 from support.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run
-from support.run import step_if_finite, step_metrics, write_samples
+from support.run import step_if_finite, step_metrics, wall_clock, write_samples
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -131,7 +131,8 @@ def grpo_step(step, run, args, score_batch):
     # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------
     batches = distributed.gather(world, batches, run["device"])  # every rank's, in order
     rec = step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args)
-    rec["seconds"] = time.time() - t0
+    tokens = sum(int(b.comp_mask.sum()) for b in batches)  # generated: EOS counts, padding does not
+    rec.update(wall_clock(t0, tokens))  # seconds, tokens_per_s
     return rec, batches
 
 
@@ -453,7 +454,7 @@ def main(argv=None, score_batch=None):
             sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
             b = batches[0]  # a few completions of the step's first prompt, with their rewards
             write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
-            # the log line, metrics.jsonl and the checkpoint; --max-bad-steps
+            # the log line, metrics.jsonl (and --track's tracker) and the checkpoint; --max-bad-steps
             bad_steps = after_step(run, args, step, rec, bar, bad_steps)
             bar.update(1)
         bar.close()

@@ -36,7 +36,8 @@ from lora import load_lora_state_dict, lora_state_dict
 # Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
 # processes: a run may resume with another.)
 RESUME_MAY_CHANGE = {"steps", "keep_activations", "device", "expert_device", "expert_cache", "plan", "out",
-                     "resume", "save_every", "sample_every", "preset", "max_bad_steps"}
+                     "resume", "save_every", "sample_every", "preset", "max_bad_steps", "config",
+                     "track"}
 
 
 def sigkill_hook(point, step):

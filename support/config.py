@@ -13,9 +13,11 @@ experiments all parse their training flags here, so a flag means the same everyw
 ("--flag -1e-3" is a value, not an option); each flag's type says whether a negative value makes sense.
 
 A preset (PRESETS) is a plain dict of flag values: `--preset pocket` sets them, any flag given beside it wins,
-and config.json records the resolved values with the preset's name.
+and config.json records the resolved values with the preset's name. `--config RUN/config.json --out NEW` replays
+a run the same way: the file's values are the defaults (each checked as its flag's text is), flags beside it win.
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -29,6 +31,7 @@ from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import POOLINGS, TEAMS, check_models, team_models
 from support import distributed
 from support.checkpoint import check_resume
+from support.track import BACKENDS, check_library
 
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
 
@@ -120,18 +123,81 @@ def parse_args(argv=None):
 
 
 def parse(p, argv=None):
-    """Parse with `p` (build_parser's): --preset's values become the defaults, so that a flag given beside it
-    wins; then the checks between flags."""
+    """Parse with `p` (build_parser's): --preset's values, or --config's (a run's config.json), become the
+    defaults, so that a flag given beside them wins; then the checks between flags."""
     pre = ArgumentParser(add_help=False)
     pre.add_argument("--preset", default=None, choices=sorted(PRESETS))
     pre.add_argument("--method", default=None)
+    pre.add_argument("--config", default=None)
+    pre.add_argument("--out", default=None)
     first = pre.parse_known_args(argv)[0]
     if first.method in NEIGHBOURS and first.method != p.get_default("method"):
         fail(f"--method {first.method}: a system of its own, with its own loop and train.py's flags: "
              f"python neighbours/{first.method}.py")
+    if first.preset and first.config:
+        fail(f"--config {first.config} holds every flag's value already: drop --preset {first.preset} and give "
+             "the flags to change beside --config")
+    if first.config and first.out is None:
+        fail(f"--config {first.config}: give --out, a new folder for the replay (the run's own holds that run)")
     if first.preset:
         p.set_defaults(**PRESETS[first.preset])
+    if first.config:
+        p.set_defaults(**replayed_values(p, first.config))
     return check_args(p, p.parse_args(argv))
+
+
+# --config: the keys of a config.json that are not flags (support/run.py resume_run records them beside the
+# flags), and the flags a replay takes from its own command line only: --out (the run's own folder already
+# holds that run), --resume (a replay starts afresh unless it says --resume) and --config itself.
+RECORDED, NOT_REPLAYED = {"team_models", "device_used", "processes"}, {"out", "resume", "config"}
+
+
+def replayed_values(p, path):
+    """--config PATH: the flag values a run's config.json holds, each checked as the same flag on the command
+    line would be (its type, its choices), as {dest: value} for p.set_defaults: a flag given beside --config
+    wins. A flag the file lacks is newer than the run, which ran as that flag's default behaves (as --resume
+    reads it, support/checkpoint.py). A file that cannot be read, is not a JSON object, names a key that is no
+    flag of `p` or holds a bad value fails in one line (exit code 2)."""
+    try:
+        with open(path) as f:
+            saved = json.load(f)
+    except OSError as e:
+        fail(f"--config {path}: cannot read it ({type(e).__name__}: {e.strerror})")
+    except ValueError as e:  # json.JSONDecodeError: "Expecting value: line 1 column 1 (char 0)"
+        fail(f"--config {path}: not JSON ({e})")
+    if not isinstance(saved, dict):
+        fail(f"--config {path}: not a JSON object of flag values")
+    flags = {a.dest: a for a in p._actions if a.default is not argparse.SUPPRESS}  # --help has no value
+    unknown = sorted(set(saved) - set(flags) - RECORDED)
+    if unknown:
+        fail(f"--config {path}: {', '.join(unknown)}: not a flag of this script")
+    return {k: replayed_value(flags[k], v, path) for k, v in saved.items() if k in flags and k not in NOT_REPLAYED}
+
+
+def replayed_value(action, value, path):
+    """A config.json value for the flag `action`, checked as argparse checks the flag's text: a switch takes true
+    or false, a flag whose default is null may be null, and any other value goes through the flag's type
+    (str(value): a float's str is its exact repr) and its choices."""
+    flag = action.option_strings[0]
+    bad = f"--config {path}: {flag}: {json.dumps(value)} is not a value of this flag"
+    if action.nargs == 0:  # a switch (store_true)
+        if not isinstance(value, bool):
+            fail(bad)
+        return value
+    if value is None:
+        if action.default is not None:
+            fail(bad)
+        return value
+    if isinstance(value, bool) or not isinstance(value, str if action.type is None else (int, float, str)):
+        fail(bad)
+    if action.type is not None:
+        try:
+            value = action.type(str(value))
+        except (argparse.ArgumentTypeError, ValueError) as e:
+            fail(f"--config {path}: {flag}: {e}")
+    if action.choices is not None and value not in action.choices:
+        fail(bad)
+    return value
 
 
 def build_parser(methods=METHODS, description=DESCRIPTION):
@@ -239,9 +305,17 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    a("--config", default=None, metavar="RUN/config.json", help="replay a run: every flag value its config.json "
+      "holds (checked as on the command line); a flag given beside it wins. Not replayed: --out (required: a "
+      "new folder), --resume (add it to continue a run instead) and --config; a flag newer than the file takes "
+      "its default; a switch the file turns on can only be turned off in the file. Not with --preset (the file "
+      "holds its values)")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
+    a("--track", default="none", choices=["none", *BACKENDS], help="live tracking of each step's metrics.jsonl "
+      "record (support/track.py): tensorboard writes OUT/tensorboard/; trackio and wandb log to the project "
+      "n-musketeers, the run named after --out's folder. Its library is imported only when named here")
     a("--eval-items", type=number(int, 0, high=rewards.MAX_DATASET_SIZE), default=0, help="score N validation "
       "items (greedy, the task's scorer) before the first step and after the last, and print both on one line "
       "(0: off)")
@@ -294,6 +368,8 @@ def check_args(p, args):
     for ok, msg in checks:
         if not ok:
             p.error(msg)
+    if msg := check_library(args.track):  # --track's library, imported here: before any model loads
+        p.error(msg)
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"

@@ -11,10 +11,10 @@ and call these helpers around it; each helper takes values, none takes the algor
         for step in range(start, args.steps):
             rec, batches = grpo_step(step, run, args, score_batch)    # the script's own algorithm
             write_samples(run, args, step, question, answer, texts, rewards)  # of its first prompt
-            bad_steps = after_step(run, args, step, rec, bar, bad_steps)   # log line, metrics, checkpoint
+            bad_steps = after_step(run, args, step, rec, bar, bad_steps)   # log line, metrics, --track, checkpoint
         return finish_run(run, args)            # the PEFT export, the plot, validation after
     finally:
-        release_folders(run)
+        release_folders(run)                    # the lock on --out, and --track's tracker closed
 
 Nothing here is in the paper. What it guarantees (tests/test_hardening.py, tests/test_run_safety.py): bad input
 exits with code 2 and one line on stderr before any model loads and before anything in --out is written; one
@@ -35,6 +35,7 @@ import shlex
 import signal
 import sys
 import threading
+import time
 
 import numpy as np
 import torch
@@ -48,6 +49,7 @@ from support.checkpoint import write_json
 from support.config import check_run, create_folder, fail, folder_problem, holds_a_run, remove_created
 from support.export import export_run
 from support.lock import LockHeld, release_lock, take_lock
+from support.track import open_tracker
 from support.validation import validation_scores
 
 
@@ -121,6 +123,7 @@ def resume_run(run, args, world):
                 os.remove(paths[name])
     write_json(paths["config"], {**vars(args), "team_models": run["team"],
                                  "device_used": str(run["device"]), "processes": world.size})
+    run["tracker"] = open_tracker(args, start)  # --track: each step's record, live (None without it)
     if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
         before = validation_scores(run, args)
         write_json(paths["validation"], {"items": args.eval_items, "before": before})
@@ -158,7 +161,11 @@ def claim_folders(args, world):
 
 
 def release_folders(run):
-    """Let go of --out: the lock removed, and the folders claim_folders made removed again if still empty."""
+    """Let go of --out: the --track tracker closed, the lock removed, and the folders claim_folders made removed
+    again if still empty."""
+    tracker = run.pop("tracker", None)
+    if tracker:
+        tracker.close()
     claim = run.get("claim")
     if claim:
         release_lock(claim["lock"])
@@ -289,6 +296,15 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
     return rec
 
 
+def wall_clock(t0, tokens):
+    """The step's wall-clock fields, the two that differ between two runs of the same numbers (the fixtures
+    of tests/test_same_metrics.py leave them out): seconds since t0, and tokens_per_s = `tokens` (the
+    completion tokens the step trains on, EOS included, padding not: every process's) per second of the step,
+    rollout, scoring, loss and update together."""
+    seconds = time.time() - t0
+    return {"seconds": seconds, "tokens_per_s": tokens / seconds}
+
+
 LOSS_TERMS = ("pg_loss", "kl", "clip_fraction", "ratio_mean")  # grpo_loss's metrics, logged
 CHANNEL_TERMS = ("cf_loss", "cf_margin", "cf_fraction")  # grpo.channel_forcing_loss's
 
@@ -312,6 +328,8 @@ def after_step(run, args, step, rec, bar, bad_steps):
         with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
             f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
                                 for k, v in rec.items()}) + "\n")
+        if run.get("tracker"):  # --track: the same record, live
+            run["tracker"].log(rec)
         bar.write(log_line(rec, args.steps))
         if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
             parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
@@ -331,12 +349,14 @@ def after_step(run, args, step, rec, bar, bad_steps):
 
 
 def log_line(rec, steps):
-    """step 12/500 | reward 0.41 | kl 0.003 | len 38 | H 1.02 | 9.8 s"""
+    """step 12/500 | reward 0.41 | kl 0.003 | len 38 | H 1.02 | 9.8 s | 310 tok/s"""
     parts = [f"step {rec['step']}/{steps}", f"reward {rec['reward']:.3f}", f"kl {rec['kl']:.4f}",
              f"len {rec['completion_length']:.0f}"]
     if "entropy" in rec:
         parts.append(f"H {rec['entropy']:.3f}")
     parts.append(f"{rec['seconds']:.1f} s")
+    if "tokens_per_s" in rec:  # train.py's steps (the neighbours' do not count theirs)
+        parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
     if rec["skipped_update"]:
         parts.append("update skipped: non-finite loss, gradient or weights")
     return " | ".join(parts)

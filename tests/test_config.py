@@ -1,6 +1,8 @@
 """support/config.py: a preset is a plain dict of flag values that explicit flags override, and config.json
 records the resolved values; --help shows every default and the presets; a negative number is a flag's value
-(accepted where the flag's type allows it, refused with the flag's own message where it does not)."""
+(accepted where the flag's type allows it, refused with the flag's own message where it does not); --config
+replays a run's config.json to the same metrics, a flag beside it wins, and a bad file is one line and exit code 2
+before anything is written."""
 import json
 import re
 import os
@@ -132,3 +134,106 @@ def test_the_run_plot_shows_both_curves_the_validation_and_the_uniform_reference
               for ax in figures[0].axes]
     assert labels[0] == ["reward", "solve rate", "validation before: 0.0 %", "validation after: 50.0 %"]
     assert "1/n = 0.333 (uniform)" in labels[3] and labels[4] == ["entropy H", "log n = 1.099 (uniform)"]
+
+
+# ---- --config RUN/config.json: replay a run ------------------------------------------------------------------
+
+SMOKE = ["--preset", "smoke", "--eval-items", "0", "--steps", "2", "--device", "cpu"]
+WALL_CLOCK = ("seconds", "tokens_per_s")  # differ between two runs of the same numbers
+
+
+def letter_reward(items, completions):
+    """1 if the completion starts with a lowercase ASCII letter: reward variance, so the numbers move."""
+    return [1.0 if c[:1].isascii() and c[:1].islower() else 0.0 for c in completions], {"ok": len(completions)}
+
+
+def numbers(out):
+    """metrics.jsonl without its wall-clock fields."""
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        return [{k: v for k, v in json.loads(line).items() if k not in WALL_CLOCK} for line in f]
+
+
+def test_config_replays_a_run_to_the_same_metrics(tmp_path):
+    """Two steps of the smoke preset, then the same run from its config.json alone into another folder: the same
+    numbers, bit for bit; with --steps 1 beside --config, the first step of it."""
+    from train import main
+    first, replay, shorter = (str(tmp_path / name) for name in ("first", "replay", "shorter"))
+    main(SMOKE + ["--lr", "1e-2", "--out", first], score_batch=letter_reward)
+    config = os.path.join(first, "config.json")
+    main(["--config", config, "--out", replay], score_batch=letter_reward)
+    assert numbers(replay) == numbers(first) and len(numbers(first)) == 2
+    assert numbers(first)[1]["grad_norm"] > 0  # the run moved: the comparison has teeth
+    saved, again = (json.load(open(os.path.join(out, "config.json"))) for out in (first, replay))
+    assert {k: v for k, v in again.items() if k not in ("out", "config")} == \
+        {k: v for k, v in saved.items() if k not in ("out", "config")}
+    assert again["config"] == config
+    main(["--config", config, "--steps", "1", "--out", shorter], score_batch=letter_reward)
+    assert numbers(shorter) == numbers(first)[:1]
+
+
+def saved_config(tmp_path, flags=SMOKE, **changes):
+    """A config.json as train.py writes it (the resolved flags and what resume_run records beside them), with
+    `changes`; returns its path."""
+    args = parse_args(flags + ["--out", str(tmp_path / "first")])
+    path = str(tmp_path / "config.json")
+    with open(path, "w") as f:
+        json.dump({**vars(args), "team_models": {"policy": "tiny:llama"}, "device_used": "cpu", "processes": 1,
+                   **changes}, f)
+    return path
+
+
+def test_config_gives_back_the_same_flags(tmp_path):
+    """Every value and its type, the preset's and the explicit ones alike; only --out and --config differ."""
+    flags = SMOKE + ["--worked-example", "--task-config", '{"max_terms": 2}', "--tis-cap", "2", "--rollout-dtype",
+                     "bfloat16", "--expert-depth", "0.5"]
+    want = vars(parse_args(flags + ["--out", str(tmp_path / "first")]))
+    got = vars(parse_args(["--config", saved_config(tmp_path, flags), "--out", str(tmp_path / "replay")]))
+    assert got.pop("out") == str(tmp_path / "replay") and got.pop("config") == str(tmp_path / "config.json")
+    assert want.pop("out") == str(tmp_path / "first") and want.pop("config") is None
+    assert got == want and all(type(got[k]) is type(want[k]) for k in want)
+
+
+def test_a_flag_given_beside_config_wins_even_at_its_default(tmp_path):
+    path = saved_config(tmp_path, lr=1e-3, grad_accum=2, worked_example=True)
+    args = parse_args(["--config", path, "--lr", "0.5", "--grad-accum", "8", "--out", "elsewhere"])
+    assert (args.lr, args.grad_accum, args.out) == (0.5, 8, "elsewhere")  # 8 is the flag's own default
+    assert args.worked_example and args.team == "tiny" and args.steps == 2  # the rest from the file
+
+
+def test_config_replays_neither_out_nor_resume(tmp_path):
+    args = parse_args(["--config", saved_config(tmp_path, resume=True), "--out", str(tmp_path / "replay")])
+    assert args.out == str(tmp_path / "replay") and not args.resume
+
+
+@pytest.mark.parametrize("case, message", [
+    ("missing", "--config {path}: cannot read it (FileNotFoundError: No such file or directory)"),
+    ("folder", "--config {path}: cannot read it (IsADirectoryError: Is a directory)"),
+    ("not JSON", "--config {path}: not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("a list", "--config {path}: not a JSON object of flag values"),
+    ("unknown keys", "--config {path}: learning_rate, max_workflow_steps: not a flag of this script"),
+    ("bad number", "--config {path}: --lr: must be > 0, got -0.001"),
+    ("bad choice", '--config {path}: --team: "nope" is not a value of this flag'),
+    ("bad switch", '--config {path}: --worked-example: "yes" is not a value of this flag'),
+    ("null", "--config {path}: --lr: null is not a value of this flag"),
+    ("no --out", "--config {path}: give --out, a new folder for the replay (the run's own holds that run)"),
+    ("--preset", "--config {path} holds every flag's value already: drop --preset smoke and give the flags to "
+                 "change beside --config"),
+])
+def test_a_bad_config_is_one_line_and_exit_code_2_before_anything_is_written(case, message, tmp_path, capsys,
+                                                                              monkeypatch):
+    import train
+    monkeypatch.setattr(train, "build_run", lambda *a: pytest.fail("a model loaded"))
+    path = {"missing": str(tmp_path / "nowhere.json"), "folder": str(tmp_path)}.get(case)
+    changes = {"unknown keys": {"learning_rate": 1e-3, "max_workflow_steps": 2}, "bad number": {"lr": -1e-3},
+               "bad choice": {"team": "nope"}, "bad switch": {"worked_example": "yes"}, "null": {"lr": None}}
+    path = path or saved_config(tmp_path, **changes.get(case, {}))
+    if case in ("not JSON", "a list"):
+        with open(path, "w") as f:
+            f.write("" if case == "not JSON" else "[1, 2]")
+    out = str(tmp_path / "replay")
+    flags = {"no --out": [], "--preset": ["--preset", "smoke", "--out", out]}.get(case, ["--out", out])
+    with pytest.raises(SystemExit) as e:
+        train.main(["--config", path] + flags)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err == f"error: {message.format(path=path)}\n"
+    assert not os.path.exists(out)

@@ -1,6 +1,6 @@
 """Behaviour is unchanged by a restructure: 3 steps of every method on the tiny team (the neighbours conductor
 and rlae, every speedrun lever, the random-reward control and the task's own scorer included) give metrics
-bit-identical to those recorded before it (wall time aside), by tests/fixtures/record_metrics.py.
+bit-identical to those recorded before it (the wall-clock fields "seconds" and "tokens_per_s" aside), by tests/fixtures/record_metrics.py.
 
 Bit for bit holds on one kind of CPU only: torch's kernels sum in another order on another instruction set
 (AVX2 and AVX-512 differed from the first step's gradient norm on). So a fixture is per instruction set
