@@ -237,7 +237,7 @@ def solved_in_range(pol, g, train, solved_range, G, max_new, seed, batch=4):
     return [k for k, f in enumerate(solved) if lo <= f <= hi], {"solved": solved, "seconds": time.time() - t0}
 
 
-def run(a):
+def run(a, partial=None):
     torch.manual_seed(a.seed)
     t_start = time.time()
     n_train = min(a.steps * a.batch, a.train_items or a.steps * a.batch)
@@ -281,6 +281,11 @@ def run(a):
         r = evaluate(pol, g, evals, H_ev, a.max_new_tokens)
         t_eval += time.time() - t0
         result["curve"].append({"step": step, **r})
+        if partial:  # what a stopped run leaves: every evaluation so far and the steps before it
+            os.makedirs(os.path.dirname(partial), exist_ok=True)
+            with open(partial, "w") as f:
+                json.dump({**result, "wall": {"train_s": t_train, "eval_s": t_eval,
+                                              "total_s": time.time() - t_start}}, f)
         print(f"  step {step:4d} | exact C {r['C']['exact']:.3f} anchor {r['anchor']['exact']:.3f} shuffled "
               f"{r['shuffled']['exact']:.3f} (C - shuffled p = {r['C - shuffled']['exact']['p_sign']:.3g}) | "
               f"gold logp C {r['C']['gold_logprob']:.2f} anchor {r['anchor']['gold_logprob']:.2f} shuffled "
@@ -447,7 +452,7 @@ def main():
         if a.suite and name in load()["runs"]:
             continue
         print(f"== {name}", flush=True)
-        r = run(args)
+        r = run(args, partial=os.path.join(OUT, f"partial-{name}.json"))
         res = load()   # another process may have added runs meanwhile
         res["runs"][name] = r
         save(res)
