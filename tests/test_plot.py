@@ -27,7 +27,8 @@ def test_two_steps_two_points_and_the_routing_panel(tmp_path, monkeypatch):
     monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
                         lambda self, path, **k: seen.append([len(ax.lines) for ax in self.axes]))
     plot_run(str(tmp_path / "r"))
-    assert seen == [[2, 1, 1, 4]]  # reward + solve rate, answer rate, KL, 3 experts + entropy
+    # reward + solve rate, answer rate, KL, 3 experts + the 1/n line, entropy H + the log n line
+    assert seen == [[2, 1, 1, 4, 2]]
     assert series(rows, "kl") == ([2], [0.01]) and series(rows, "reward") == ([1, 2], [0.25, 0.5])
 
 
