@@ -187,22 +187,22 @@ def routing_stats(A):
 @torch.no_grad()
 def context_probes(ctxs, embed_rms):
     """What C does, from the outputs of g of one training step (a list of dicts, one per
-    micro-batch): rms(C) against the policy's token embeddings' rms, how much of C depends on the
+    micro-batch, baselines.Context): rms(C) against the policy's token embeddings' rms, how much of C depends on the
     prompt, the same for each expert's pooled states, and the routing entropy and utilisation
     (Eq. 15), per attention head too. Costs ~1 ms."""
     rec = {}
-    C = [c["C"] for c in ctxs if c["C"] is not None]
+    C = [c.C for c in ctxs if c.C is not None]
     if C:
         C = torch.cat(C).float()                                               # (prompts, m, D)
         rec.update(c_rms=C.pow(2).mean().sqrt().item(), embed_rms=embed_rms,
                    c_varying=varying_fraction(C))
-    states = [c["states"] for c in ctxs if isinstance(c.get("states"), list)]
+    states = [c.states for c in ctxs if isinstance(c.states, list)]
     if states:  # one list of n [B, d_i] per micro-batch
         rec["state_varying"] = [varying_fraction(torch.cat(h)) for h in zip(*states)]
-    A = [c["A"] for c in ctxs if c["A"] is not None]
+    A = [c.A for c in ctxs if c.A is not None]
     if A:
         rec["entropy"], rec["utilization"] = routing_stats(torch.cat(A))
-    heads = [c["A_heads"] for c in ctxs if c.get("A_heads") is not None]
+    heads = [c.A_heads for c in ctxs if c.A_heads is not None]
     if heads:
         rec["entropy_heads"] = entropy(torch.cat(heads)).mean(dim=(0, 2)).tolist()  # (heads,)
     return rec

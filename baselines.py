@@ -3,9 +3,9 @@ Every way to build the context g(x) for the same policy, side by side: the paper
 baselines (§4.1) and three controls that tell the experts apart from the trainable interface.
 
 Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward
-maps (questions, answers=None, reuse=None) to {"C": [B, m, out_dim] or None, "A": [B, m, n] or None,
-"hints": list of str or None, ...}, and whose attribute `context_tokens` is m, the number of context
-tokens C holds per prompt (0 when C is None; support/plan.py reads it). `--method NAME` picks one from METHODS; only what a method
+maps (questions, answers=None, reuse=None) to a Context (below: C, A, hints, and what the loss pass
+reads again), and whose attribute `context_tokens` is m, the number of context tokens C holds per
+prompt (0 when C is None; support/plan.py reads it). `--method NAME` picks one from METHODS; only what a method
 returns differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle
 experts (a diagnostic, experts.py). `reuse` is the rollout's output for the same questions: the loss
 pass passes it back so that the gradient is taken under the C the completions were sampled with
@@ -46,6 +46,9 @@ hint from the answer: output_collab gives it the question only.
 
 Try it on CPU:  python train.py --preset smoke --method hard_routing --out runs/try-hard
 """
+from dataclasses import dataclass
+from typing import Optional
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -53,6 +56,20 @@ import torch.nn.functional as F
 from adapter import FFN, OutputProjection, PerceiverAdapter, StateNorm
 
 HINT_INSTRUCTION = "Give a short hint or solution for this problem.\n\n"
+
+
+@dataclass
+class Context:
+    """g(x) for B prompts: what every method's forward returns. The rollout keeps it; the loss pass
+    hands it back as `reuse`, so that the gradient is taken under the C the completions were sampled
+    with (the same pooled states, the same routing draw)."""
+    C: Optional[torch.Tensor]        # (B, m, out_dim) context tokens, or None: the method adds none
+    A: Optional[torch.Tensor]        # (B, m, n) attention of each context token over the n experts, or None
+    hints: list                      # B strings appended to the questions (output_collab), else B Nones
+    A_heads: Optional[torch.Tensor] = None  # (B, heads, m, n) A per attention head (ours), or None
+    states: Optional[object] = None  # the pooled states h_i the rollout used: a list of n (B, d_i),
+    #                                   or hard routing's {expert: its rows' h}; None without experts
+    noise: Optional[torch.Tensor] = None    # (B, n) hard routing's Gumbel draw in training, else None
 
 
 def expert_pool(names, args, device, dtype, heads=False):
@@ -70,7 +87,7 @@ def pooled_states(pool, questions, answers, reuse):
     """The experts' pooled states h_i (Eq. 5), or the rollout's own when the loss pass passes
     them back (`--pooling random_token` / `random_layer` would otherwise draw another token or
     layer)."""
-    return reuse["states"] if reuse else pool.encode(questions, answers=answers)
+    return reuse.states if reuse else pool.encode(questions, answers=answers)
 
 
 class ExpertContext(nn.Module):
@@ -91,8 +108,7 @@ class ExpertContext(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         C, A, A_heads = self.adapter(self.norm(states), return_heads=True)
-        return {"C": C, "A": A, "A_heads": A_heads, "hints": [None] * len(questions),
-                "states": states}
+        return Context(C, A, [None] * len(questions), A_heads=A_heads, states=states)
 
 
 def ours(team, out_dim, args, device, dtype):
@@ -123,8 +139,7 @@ class SoftPrompt(nn.Module):
 
     def forward(self, questions, answers=None, reuse=None):
         C = self.out(self.ffn(self.latents))  # (m, out_dim)
-        return {"C": C.expand(len(questions), *C.shape), "A": None,
-                "hints": [None] * len(questions)}
+        return Context(C.expand(len(questions), *C.shape), None, [None] * len(questions))
 
 
 def soft_prompt(team, out_dim, args, device, dtype):
@@ -142,7 +157,7 @@ class NoContext(nn.Module):
     context_tokens = 0
 
     def forward(self, questions, answers=None, reuse=None):
-        return {"C": None, "A": None, "hints": [None] * len(questions)}
+        return Context(None, None, [None] * len(questions))
 
 
 def single(team, out_dim, args, device, dtype):
@@ -165,8 +180,7 @@ class StackedFFN(nn.Module):
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         V = torch.stack([W(h) for W, h in zip(self.proj, self.norm(states))], 1)       # (B, n, d)
-        return {"C": self.out(self.ffn(V)), "A": None, "hints": [None] * len(questions),
-                "states": states}
+        return Context(self.out(self.ffn(V)), None, [None] * len(questions), states=states)
 
 
 def no_xattn(team, out_dim, args, device, dtype):
@@ -197,7 +211,7 @@ class HardRouter(nn.Module):
         logits = self.head(self.encoder.encode(questions)[0])                            # (B, n)
         if self.training:
             # Gumbel(0, 1)
-            noise = reuse["noise"] if reuse else -torch.empty_like(logits).exponential_().log()
+            noise = reuse.noise if reuse else -torch.empty_like(logits).exponential_().log()
             R = straight_through_gumbel(logits, noise)
         else:
             noise, R = None, F.one_hot(logits.argmax(-1), logits.shape[-1]).to(logits.dtype)
@@ -208,7 +222,7 @@ class HardRouter(nn.Module):
         for i in chosen.unique().tolist():
             rows = (chosen == i).nonzero().squeeze(-1)
             if reuse:
-                h = reuse["states"][i]
+                h = reuse.states[i]
             else:
                 pick = rows.tolist()
                 golds = None if answers is None else [answers[r] for r in pick]
@@ -217,7 +231,7 @@ class HardRouter(nn.Module):
             z = z.index_add(0, rows, R[rows, i:i + 1] * self.proj[i](h))  # R_i W_i h_i
         C = self.out(self.ffn(z)).unsqueeze(1)  # (B, 1, out_dim)
         A = F.softmax(logits, -1).unsqueeze(1)                                           # (B, 1, n)
-        return {"C": C, "A": A, "hints": [None] * len(questions), "noise": noise, "states": states}
+        return Context(C, A, [None] * len(questions), states=states, noise=noise)
 
 
 def hard_routing(team, out_dim, args, device, dtype):
@@ -261,7 +275,7 @@ class TextHints(nn.Module):
         return [self.cache[q] for q in questions]
 
     def forward(self, questions, answers=None, reuse=None):
-        return {"C": None, "A": None, "hints": self.write_hints(questions)}
+        return Context(None, None, self.write_hints(questions))
 
 
 def output_collab(team, out_dim, args, device, dtype):

@@ -89,7 +89,7 @@ def grpo_step(step, run, args, score_batch):
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
-        logp_ref = reference_logprobs(run, args, ids, mask, ctx["C"], comp, comp_mask)
+        logp_ref = reference_logprobs(run, args, ids, mask, ctx.C, comp, comp_mask)
         batches.append(MicroBatch(items=items, questions=[it["question"] for it in items], ctx=ctx,
                                   ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, r=drawn["r"],
                                   adv=adv, logp_ref=logp_ref, logp_mu=drawn["logp_mu"],
@@ -159,7 +159,7 @@ def context_and_prompts(run, args, items):
     with torch.no_grad():
         # answers: read only by oracle experts (a diagnostic)
         ctx = run["method"](questions, answers)
-    prompts = rewards.policy_prompts(run["tok"], questions, ctx["hints"], args)
+    prompts = rewards.policy_prompts(run["tok"], questions, ctx.hints, args)
     ids, mask = rollout.encode_prompts(run["tok"], prompts, run["device"])
     return ctx, ids, mask
 
@@ -179,7 +179,7 @@ def sample_step(run, args, step, micros, inputs):
     for c in range(0, len(inputs), chunk):
         part = inputs[c:c + chunk]
         ids, mask = rollout.same_width([(i, m) for _, _, i, m in part], run["tok"].pad_token_id)
-        Cs = [ctx["C"] for _, ctx, _, _ in part]
+        Cs = [ctx.C for _, ctx, _, _ in part]
         C = None if Cs[0] is None else torch.cat(Cs)                           # (B_all, m, D)
         u = torch.cat([row_uniforms(args, step, micro, 0, len(i) * G)
                        for micro, (_, _, i, _) in zip(micros[c:c + chunk], part)]).to(run["device"])
@@ -265,7 +265,7 @@ def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch
         if len(redo) == 0:
             break
         again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
-                               rows_of(ctx["C"], redo), (step, micro, draw), score_batch)
+                               rows_of(ctx.C, redo), (step, micro, draw), score_batch)
         replace_groups(drawn, again, redo, args.group_size, run["tok"].pad_token_id)
 
 
@@ -310,7 +310,7 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
 def trained_context(run, b):
     """C of the micro-batch's prompts [B, m, D] (or None), with gradient: g_phi run again on the
     rollout's pooled states and routing draw (they come back through `reuse`)."""
-    return run["method"](b.questions, reuse=b.ctx)["C"]
+    return run["method"](b.questions, reuse=b.ctx).C
 
 
 def policy_logprobs(run, args, b, C):

@@ -83,6 +83,7 @@ import grpo  # noqa: E402
 import rewards  # noqa: E402
 import rollout  # noqa: E402
 from adapter import routing_stats  # noqa: E402
+from baselines import Context  # noqa: E402
 from experts import frozen_dtype, is_encoder, load_model, pick_device  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support import distributed  # noqa: E402
@@ -378,7 +379,7 @@ class Conductor(nn.Module):
         self.fixed_plan = None  # a parsed workflow run for every question in evaluation, the policy unread (a control)
 
     def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
-        return {"C": None, "A": None, "hints": [None] * len(questions)}
+        return Context(None, None, [None] * len(questions))
 
     @torch.no_grad()
     def run_workflows(self, questions, plans):

@@ -72,6 +72,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 import grpo  # noqa: E402
 import rewards  # noqa: E402
 from adapter import entropy  # noqa: E402
+from baselines import Context  # noqa: E402
 from experts import ExpertPool, frozen_dtype, is_encoder, load_model, pick_device  # noqa: E402
 from rollout import cache_kwargs, cache_of, draw  # noqa: E402
 from support import distributed  # noqa: E402
@@ -276,7 +277,7 @@ class RLAE(nn.Module):
         self.fixed_weights = None  # a [K] tensor: greedy decoding with these weights, not the agent's (a control)
 
     def forward(self, questions, answers=None, reuse=None):  # the interface of baselines.py: no context tokens
-        return {"C": None, "A": None, "hints": [None] * len(questions)}
+        return Context(None, None, [None] * len(questions))
 
     @torch.no_grad()
     def decode(self, questions, G, temperature=1.0, greedy=False):

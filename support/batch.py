@@ -20,7 +20,7 @@ import torch
 class MicroBatch:
     items: list                 # B task items: {"question", "answer", "metadata"}
     questions: list             # B questions, the items' own
-    ctx: dict                   # g(x)'s output: C [B, m, D] or None, hints (B), what `reuse` reads again
+    ctx: object                 # g(x)'s output, a baselines.Context: C (B, m, D) or None, hints (B), ...
     ids: torch.Tensor           # (B, P) the policy's prompt tokens
     mask: torch.Tensor          # (B, P) bool, True on a prompt token
     comp: torch.Tensor          # (N, T) completions, G per prompt in prompt order

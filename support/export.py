@@ -12,7 +12,7 @@ feeds no C (and no zero tokens where C was); the trained system is the policy wi
 One call rebuilds it from these files alone (no checkpoint.pt, no train.py):
 
     policy, tok, g_phi, eos_ids = load_trained("runs/pocket-first")
-    C = g_phi(["What is 2 + 3?"])["C"]        # [1, m, D], or None for a method without context tokens
+    C = g_phi(["What is 2 + 3?"]).C           # [1, m, D], or None for a method without context tokens
     # the policy reads [x || C] as the run did:
     # embeds, mask, pos = rollout.policy_inputs(policy.get_input_embeddings(), ids, mask, C, position)
 

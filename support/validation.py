@@ -61,8 +61,8 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
     for s in range(0, len(items), batch_size):
         chunk = items[s:s + batch_size]
         ctxs.append(method([it["question"] for it in chunk], [it["answer"] for it in chunk]))
-    hints = [h for c in ctxs for h in c["hints"]]
-    C_all = None if ctxs[0]["C"] is None else torch.cat([c["C"] for c in ctxs])         # (n, m, D)
+    hints = [h for c in ctxs for h in c.hints]
+    C_all = None if ctxs[0].C is None else torch.cat([c.C for c in ctxs])         # (n, m, D)
     perm = torch.as_tensor(derangement(len(items), args.seed), device=device)
     per_item, status = {}, {}
     for cond in conditions:

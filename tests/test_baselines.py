@@ -34,21 +34,21 @@ def test_straight_through_gumbel_is_one_hot_forward_with_router_gradient():
 def test_hard_routing_runs_only_the_chosen_expert():
     m = build("hard_routing").train()
     ctx = m(QS)
-    chosen = (m.head(m.encoder.encode(QS)[0]) + ctx["noise"]).argmax(-1)
+    chosen = (m.head(m.encoder.encode(QS)[0]) + ctx.noise).argmax(-1)
     ran = [i for i, c in enumerate(m.pool.calls) if c > 0]
     assert sorted(set(chosen.tolist())) == ran  # experts nobody chose never ran a forward
-    assert ctx["C"].shape == (4, 1, 64) and ctx["A"].shape == (4, 1, 3)
+    assert ctx.C.shape == (4, 1, 64) and ctx.A.shape == (4, 1, 3)
     again = m(QS, reuse=ctx)  # the loss pass reuses the rollout's Gumbel draw: same experts, same C
-    torch.testing.assert_close(again["C"], ctx["C"])
+    torch.testing.assert_close(again.C, ctx.C)
     torch.nn.init.normal_(m.out.weight, std=0.1)  # at init W_out ~ 0 passes almost no gradient back
-    m(QS, reuse=ctx)["C"].pow(2).sum().backward()
+    m(QS, reuse=ctx).C.pow(2).sum().backward()
     assert m.head.weight.grad.abs().sum() > 0  # straight-through: the router head learns
 
 
 def test_hard_routing_eval_is_argmax():
     m = build("hard_routing").eval()
     ctx = m(QS)
-    assert ctx["noise"] is None
+    assert ctx.noise is None
     chosen = m.head(m.encoder.encode(QS)[0]).argmax(-1)
     assert [i for i, c in enumerate(m.pool.calls) if c > 0] == sorted(set(chosen.tolist()))
 
@@ -57,8 +57,8 @@ def test_no_xattn_is_ffn_of_stacked_states():
     m = build("no_xattn")
     ctx = m(QS)
     V = torch.stack([W(h) for W, h in zip(m.proj, m.pool.encode(QS))], 1)
-    torch.testing.assert_close(ctx["C"], m.out(m.ffn(V)))
-    assert ctx["C"].shape == (4, 3, 64) and ctx["A"] is None
+    torch.testing.assert_close(ctx.C, m.out(m.ffn(V)))
+    assert ctx.C.shape == (4, 3, 64) and ctx.A is None
 
 
 def test_output_collab_hint_block_within_budget():
@@ -78,25 +78,25 @@ def test_output_collab_hint_block_within_budget():
             calls.append((out.shape[0], out.shape[1] - kw["input_ids"].shape[1]))
             return out
         model.generate = spy
-    hints = m(QS[:2])["hints"]
+    hints = m(QS[:2]).hints
     assert [rows for rows, _ in calls] == [2, 2] and max(new for _, new in calls) <= ARGS.max_new_tokens
     for h in hints:
         assert h.startswith("\n\n[Expert Hints]\nExpert 1: ") and "\nExpert 2: " in h and "Expert 3" not in h
-    assert m(QS[1::-1])["hints"] == hints[::-1] and len(calls) == 2  # cached: no new generate call
-    assert m(QS[:1])["C"] is None and not list(m.parameters())
+    assert m(QS[1::-1]).hints == hints[::-1] and len(calls) == 2  # cached: no new generate call
+    assert m(QS[:1]).C is None and not list(m.parameters())
 
 
 def test_output_collab_batched_hints_equal_one_question_at_a_time():
     """Left padding and the attention mask make a batched greedy hint the same text as the hint written for
     the question alone (questions of different lengths, so the padding is real)."""
-    batched = build("output_collab")(QS)["hints"]
+    batched = build("output_collab")(QS).hints
     alone = build("output_collab")
-    assert batched == [alone([q])["hints"][0] for q in QS]
+    assert batched == [alone([q]).hints[0] for q in QS]
 
 
 def test_single_has_no_context_and_no_parameters():
     m = build("single")
-    assert m(QS)["C"] is None and not list(m.parameters())
+    assert m(QS).C is None and not list(m.parameters())
 
 
 def test_spearman_with_ties_by_hand():

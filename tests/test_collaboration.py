@@ -51,9 +51,9 @@ def test_loss_pass_reuses_the_rollouts_pooled_states(method, pooling):
     torch.manual_seed(1)
     rollout = g(QUESTIONS * 3)
     again = g(QUESTIONS * 3)                                   # a fresh call draws new tokens / layers
-    assert not torch.equal(rollout["C"], again["C"])
+    assert not torch.equal(rollout.C, again.C)
     loss_pass = g(QUESTIONS * 3, reuse=rollout)
-    assert torch.equal(rollout["C"], loss_pass["C"])
+    assert torch.equal(rollout.C, loss_pass.C)
 
 
 # ---- bug 2: trainable parameters and optimiser state are float32 whatever the frozen weights are --------------
@@ -281,7 +281,7 @@ def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
     assert context_depends_on_prompt(C)
     g = build("soft_prompt")
     randomise_output(g)
-    assert not context_depends_on_prompt(g(QUESTIONS)["C"])
+    assert not context_depends_on_prompt(g(QUESTIONS).C)
     assert context_depends_on_prompt(torch.randn(3, 4, 64))
 
 
@@ -304,10 +304,10 @@ def test_identical_control_has_the_policy_as_its_only_expert():
 
 def test_soft_prompt_is_the_same_for_every_prompt_and_zero_at_init():
     g = build("soft_prompt")
-    C = g(QUESTIONS)["C"]
+    C = g(QUESTIONS).C
     assert C.shape == (3, 4, 64) and torch.equal(C, torch.zeros_like(C))
     randomise_output(g)
-    C = g(QUESTIONS)["C"]
+    C = g(QUESTIONS).C
     assert C.abs().sum() > 0 and torch.equal(C[0], C[1]) and torch.equal(C[0], C[2])
 
 
@@ -381,10 +381,10 @@ def test_state_norm_standardises_the_calibration_states_and_travels_in_the_state
         torch.testing.assert_close(x.mean(0), torch.zeros(x.shape[1]), atol=1e-4, rtol=0)
         assert ((x.std(0) - 1).abs() < 1e-3).float().mean() > 0.9       # all but floored (near-constant) dims
     randomise_output(g)
-    C = g(QUESTIONS)["C"]
+    C = g(QUESTIONS).C
     fresh = build("ours")
     fresh.load_state_dict(g.state_dict())                                  # the statistics are buffers
-    assert torch.equal(fresh(QUESTIONS)["C"], C)
+    assert torch.equal(fresh(QUESTIONS).C, C)
 
 
 def test_train_with_state_norm_and_a_middle_layer(tmp_path):
@@ -503,7 +503,7 @@ def test_channel_forcing_gives_no_gradient_when_C_is_the_same_for_every_prompt()
     adv = torch.tensor([1.0, -1.0, 1.0, -1.0, 1.0, -1.0])
     g = build("soft_prompt")
     randomise_output(g)
-    shared = g(QUESTIONS)["C"]                                                     # (3, m, D), equal rows
+    shared = g(QUESTIONS).C                                                     # (3, m, D), equal rows
     varying = shared.detach() + 0.5 * torch.randn_like(shared)
     varying.requires_grad_(True)
     for C, params in ((shared, [p for p in g.parameters() if p.requires_grad]), (varying, [varying])):

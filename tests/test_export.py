@@ -63,7 +63,7 @@ def test_load_trained_rebuilds_the_whole_system_from_the_export_alone(tmp_path):
     questions = ["What is 2 + 3?", "What is 10 + 7?"]
     ids, mask = rollout.encode_prompts(tok, questions, "cpu")
     with torch.no_grad():
-        C, C2 = g(questions)["C"], g2(questions)["C"]
+        C, C2 = g(questions).C, g2(questions).C
         assert C.abs().sum() > 0 and torch.equal(C, C2)
         pos = cfg.context_position
         emb, m, p = rollout.policy_inputs(policy.get_input_embeddings(), ids, mask, C, pos)

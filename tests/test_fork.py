@@ -20,7 +20,7 @@ SMOKE = ["--preset", "smoke", "--eval-items", "2", "--steps", "2"]
 
 class TwoTokens(nn.Module):
     """A throwaway context builder: two trainable tokens, the same for every prompt, scaled by the question's
-    length (so C depends on the prompt). Only the contract: forward(questions) -> {"C", "A", "hints"}."""
+    length (so C depends on the prompt). Only the contract: forward(questions) -> baselines.Context."""
     context_tokens = 2
 
     def __init__(self, out_dim):
@@ -29,7 +29,7 @@ class TwoTokens(nn.Module):
 
     def forward(self, questions, answers=None, reuse=None):
         scale = torch.tensor([len(q) / 100 for q in questions])[:, None, None]
-        return {"C": scale * self.tokens, "A": None, "hints": [None] * len(questions)}
+        return baselines.Context(scale * self.tokens, None, [None] * len(questions))
 
 
 def two_tokens(team, out_dim, args, device, dtype):

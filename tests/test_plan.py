@@ -29,7 +29,7 @@ def test_plan_counts_the_parameters_a_run_builds(method):
     pools = [getattr(run["method"], k) for k in ("pool", "encoder") if hasattr(run["method"], k)]
     real["experts"] = sum(p.numel() for pool in pools for m, _ in pool.models for p in m.parameters())
     assert info["params"] == real
-    C = run["method"](["What is 1 + 1?"])["C"]
+    C = run["method"](["What is 1 + 1?"]).C
     assert info["context_tokens"] == (0 if C is None else C.shape[1])  # the method's own count, not a table
 
 
