@@ -122,12 +122,12 @@ class PrefilledPolicy(Policy):
     def post_ids(self):
         return torch.tensor(self.tok(RESPONSE, add_special_tokens=False)["input_ids"])
 
-    def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1):
-        post = self.embed(self.post_ids())[None].expand(len(questions), -1, -1)         # (B, P', D)
+    def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1, repeat=1):
+        post = self.embed(self.post_ids())[None].expand(len(C), -1, -1)                 # (B, P', D)
         post_mask = torch.ones(post.shape[:2], dtype=torch.bool)
         if extra_embeds is not None:
             post, post_mask = torch.cat([post, extra_embeds], 1), torch.cat([post_mask, extra_mask], 1)
-        return super()._fast_prefill(questions, C, post, post_mask, logits_to_keep)
+        return super()._fast_prefill(questions, C, post, post_mask, logits_to_keep, repeat)
 
 
 class Anchored(torch.nn.Module):
@@ -145,10 +145,14 @@ class Anchored(torch.nn.Module):
 
 @torch.no_grad()
 def sample(pol, questions, C, G, max_new, generator):
-    """G completions per question at temperature 1 through the fast path: token ids [B*G, T] (pad after EOS)."""
+    """G completions per question at temperature 1 through the fast path: token ids [B*G, T] (pad after EOS).
+    Each question's prompt and C run once and the cache is repeated G times, as rollout.prefill does (the
+    prefill of B*G rows, once per sample, made the item screen 16x slower)."""
     qs = [q for q in questions for _ in range(G)]
-    out, mask, pos = pol._fast_prefill(qs, C.repeat_interleave(G, dim=0))
-    cache, logits, pos = rollout.cache_of(out), out.logits[:, -1], pos[:, -1:]
+    out, mask, pos = pol._fast_prefill(list(questions), C)
+    cache = rollout.cache_of(out)
+    cache.batch_repeat_interleave(G)                                                  # (B, ...) -> (B*G, ...)
+    logits, mask, pos = (t.repeat_interleave(G, 0) for t in (out.logits[:, -1], mask, pos[:, -1:]))
     done, toks = torch.zeros(len(qs), dtype=torch.bool), []
     eos = torch.tensor(pol.eos)
     for _ in range(max_new):
@@ -169,10 +173,9 @@ def sample(pol, questions, C, G, max_new, generator):
 def completion_logprobs(pol, questions, C, comp, comp_mask):
     """log pi(y_t | p(x) C, y_<t) [N, T] for N = B*G completions (G per question), gradient to C only."""
     G = comp.shape[0] // len(questions)
-    qs = [q for q in questions for _ in range(G)]
     T = comp.shape[1]
-    out, _, _ = pol._fast_prefill(qs, C.repeat_interleave(G, dim=0), pol.embed(comp), comp_mask,
-                                  logits_to_keep=T + 1)
+    out, _, _ = pol._fast_prefill(list(questions), C.repeat_interleave(G, dim=0), pol.embed(comp), comp_mask,
+                                  logits_to_keep=T + 1, repeat=G)
     return rollout.token_logprobs(out.logits[:, :T], comp)
 
 
@@ -208,9 +211,9 @@ def evaluate(pol, g, eval_items, H, max_new, batch=20):
 
 def fast_path_check(pol, g, H, train, G, max_new):
     """Deviation 2: the fast path's log-probs of sampled completions against rollout.completion_logprobs."""
-    its = train[:2]
+    its = train[:2]  # one item when the screen kept one
     with torch.no_grad():
-        C = g(H[:2])[0] + 0.05 * torch.randn(2, g.anchor.shape[0], g.anchor.shape[1])
+        C = g(H[:len(its)])[0] + 0.05 * torch.randn(len(its), g.anchor.shape[0], g.anchor.shape[1])
         comp = sample(pol, [q for q, _ in its], C, 2, max_new, torch.Generator().manual_seed(0))
         cmask = grpo.completion_mask(comp, pol.eos)
         fast = completion_logprobs(pol, [q for q, _ in its], C, comp, cmask)
@@ -262,8 +265,17 @@ def run(a, partial=None):
     screen = None
     if a.solved_range:  # keep the training items the frozen policy (C = the anchor) solves LO..HI of the time
         keep, screen = solved_in_range(pol, g, train, a.solved_range, a.screen_group, a.max_new_tokens, a.seed)
+        counts = [0] * (a.screen_group + 1)  # items by how many of their G draws were right
+        for f in screen["solved"]:
+            counts[round(f * a.screen_group)] += 1
+        screen["items_by_right_draws"] = counts
         print(f"  items the anchored policy solves {a.solved_range[0]:g}-{a.solved_range[1]:g} of {a.screen_group} "
-              f"draws: {len(keep)} of {len(train)}", flush=True)
+              f"draws: {len(keep)} of {len(train)} ({screen['seconds']:.0f} s); items by right draws "
+              f"0..{a.screen_group}: {counts}", flush=True)
+        if partial:  # the screen is worth keeping whatever happens next
+            os.makedirs(os.path.dirname(partial), exist_ok=True)
+            with open(partial, "w") as f:
+                json.dump({"config": vars(a), "screen": screen}, f)
         if not keep:
             raise SystemExit("error: --solved-range: no training item in that range")
         train, H_tr, n_train = [train[k] for k in keep], H_tr[keep], len(keep)
