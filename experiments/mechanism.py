@@ -361,16 +361,28 @@ def run(a, partial=None):
 
 
 def markdown(res):
-    L = ["# The mechanism test: can GRPO alone open the channel? (experiments/mechanism.py)", "",
-         "Frozen SmolLM2-135M-Instruct policy, an oracle expert (SmolLM2 reading the question and its answer, "
-         "block 8 of 30, standardised), only g_phi trained, by GRPO on the exact-answer reward; the anchored "
-         "start. Held-out items, greedy; paired arms on the same items. Sign test p over the items that differ.",
-         "", "Regenerate: `OMP_NUM_THREADS=1 taskset -c 0 python experiments/mechanism.py --suite`", ""]
+    L = ["# The mechanism test: can the context builder alone carry an expert's state into a frozen policy? "
+         "(experiments/mechanism.py)", "",
+         "Frozen SmolLM2-135M-Instruct policy, only g_phi trained (by cross-entropy on the gold answer, or by GRPO "
+         "on the exact-answer reward), the anchored start; each run's expert, task and items below. Held-out items, "
+         "greedy; paired arms on the same items. Sign test p over the items that differ.",
+         "", "Each run's command is its config (results.json) as flags of experiments/mechanism.py; `OMP_NUM_THREADS=1 "
+         "taskset -c 0 python experiments/mechanism.py --suite` re-runs the oracle suite (results/mechanism/).", ""]
     for name, r in res["runs"].items():
         c = r["config"]
         kind = (f"GRPO, B {c['batch']} x G {c['group_size']}, channel weight {c['channel_weight']:g}, beta "
                 f"{c['beta']:g}" if c["objective"] == "grpo" else f"supervised (cross-entropy), B {c['batch']}")
+        reads = ("the question and its answer (an oracle)" if c.get("expert_reads", "question+answer") ==
+                 "question+answer" else "the question only")
+        screen = r.get("screen")
+        kept = (f"; items the anchored policy solves {c['solved_range'][0]:g}-{c['solved_range'][1]:g} of "
+                f"{c['screen_group']} draws: {sum(c['solved_range'][0] <= f <= c['solved_range'][1] for f in screen['solved'])}"
+                f" of {len(screen['solved'])} (by right draws 0..{c['screen_group']}: "
+                f"{screen.get('items_by_right_draws', 'not counted')})" if screen else "")
         L += [f"## {name}: {kind}, lr {c['lr']:g}, seed {c['seed']}", "",
+              f"Task {c.get('task', 'lcm')} {c['task_config']}; expert {c['expert']} reading {reads}, state "
+              f"{c['layer']}; {c.get('train_items') or c['steps'] * c['batch']} training items{kept}; "
+              f"{c['eval_n']} held-out items.", "",
               "| step | exact C | exact anchor | exact shuffled | C − shuffled (points) [95 % CI], p | "
               "gold log-prob C | anchor | shuffled | C − shuffled log-prob [95 % CI], p |",
               "|---|---|---|---|---|---|---|---|---|"]
