@@ -380,7 +380,7 @@ def markdown(res):
                 f" of {len(screen['solved'])} (by right draws 0..{c['screen_group']}: "
                 f"{screen.get('items_by_right_draws', 'not counted')})" if screen else "")
         L += [f"## {name}: {kind}, lr {c['lr']:g}, seed {c['seed']}", "",
-              f"Task {c.get('task', 'lcm')} {c['task_config']}; expert {c['expert']} reading {reads}, state "
+              f"Task {c.get('task', TASK)} {c['task_config']}; expert {c['expert']} reading {reads}, state "
               f"{c['layer']}; {c.get('train_items') or c['steps'] * c['batch']} training items{kept}; "
               f"{c['eval_n']} held-out items.", "",
               "| step | exact C | exact anchor | exact shuffled | C − shuffled (points) [95 % CI], p | "
