@@ -171,12 +171,21 @@ def sample(pol, questions, C, G, max_new, generator):
 
 
 def completion_logprobs(pol, questions, C, comp, comp_mask):
-    """log pi(y_t | p(x) C, y_<t) [N, T] for N = B*G completions (G per question), gradient to C only."""
+    """log pi(y_t | p(x) C, y_<t) [N, T] for N = B*G completions (G per question), gradient to C only. The
+    prompt, C and the pre-fill run once per question (B rows, C with its gradient); their cache is repeated G
+    times (repeat_interleave is differentiable) and only the completions run at B*G rows: 2 x 13 + 32 x 5
+    tokens a step instead of 32 x 18 (fast_path_check holds it to rollout.completion_logprobs)."""
     G = comp.shape[0] // len(questions)
     T = comp.shape[1]
-    out, _, _ = pol._fast_prefill(list(questions), C.repeat_interleave(G, dim=0), pol.embed(comp), comp_mask,
-                                  logits_to_keep=T + 1, repeat=G)
-    return rollout.token_logprobs(out.logits[:, :T], comp)
+    out, mask, pos = pol._fast_prefill(list(questions), C)                      # [tail | C | pre-fill], B rows
+    cache = rollout.cache_of(out)
+    cache.batch_repeat_interleave(G)                                            # (B, ...) -> (B*G, ...)
+    first = out.logits[:, -1:].repeat_interleave(G, 0)                          # predicts y_0
+    mask = torch.cat([mask.repeat_interleave(G, 0), comp_mask], 1)
+    pos = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(1, T + 1)          # padding after EOS: unread
+    o = pol.model(inputs_embeds=pol.embed(comp), attention_mask=mask, position_ids=pos,
+                  **rollout.cache_kwargs(pol.model, cache), use_cache=True, logits_to_keep=T)
+    return rollout.token_logprobs(torch.cat([first, o.logits[:, :T - 1]], 1), comp)
 
 
 def rewards_of(pol, comp, comp_mask, answers, G):
