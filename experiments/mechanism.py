@@ -342,7 +342,8 @@ def run(a, partial=None):
         if a.beta:
             with torch.no_grad():
                 logp_ref = completion_logprobs(pol, qs, g.anchor.expand_as(C), comp, comp_mask)
-        loss, m = grpo.grpo_loss(logp, logp.detach(), logp_ref, adv, comp_mask, 0.2, a.beta, "sequence")
+        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp_ref, advantages=adv, mask=comp_mask,
+                                 clip_eps=0.2, beta=a.beta, aggregation="sequence")
         if a.channel_weight:
             logp_mis = completion_logprobs(pol, qs, C.roll(-1, dims=0), comp, comp_mask)
             cf, mcf = grpo.channel_forcing_loss(logp, logp_mis, adv, comp_mask)

@@ -523,8 +523,9 @@ def grpo_step(step, run, args, score_batch):
         logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None, b["comp"], b["comp_mask"],
                                            args.temperature, allowed_mask=b["allowed_mask"])
         logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
-        loss, m = grpo.grpo_loss(logp, logp.detach(), logp_ref, b["adv"], b["comp_mask"], args.clip_eps,
-                                 args.beta, args.loss_aggregation)
+        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp_ref, advantages=b["adv"],
+                                 mask=b["comp_mask"], clip_eps=args.clip_eps, beta=args.beta,
+                                 aggregation=args.loss_aggregation)
         (loss / args.grad_accum).backward()
         losses.append(loss.item()), stats.append(m)
     grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)

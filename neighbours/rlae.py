@@ -379,8 +379,8 @@ def grpo_step(step, run, args, score_batch):
     for b in batches:
         logp, alpha = ens.span_logprobs(b["traj"])                                     # (N, J)
         mask = b["traj"]["span_mask"]
-        loss, m = grpo.grpo_loss(logp, logp.detach(), logp.detach(), b["adv"], mask, args.clip_eps, 0.0,
-                                 args.loss_aggregation)
+        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp.detach(), advantages=b["adv"],
+                                 mask=mask, clip_eps=args.clip_eps, beta=0.0, aggregation=args.loss_aggregation)
         (loss / args.grad_accum).backward()
         losses.append(loss.item()), stats.append(m)
         W.append(b["traj"]["w"][mask])                                                  # (spans, K) drawn
