@@ -311,9 +311,8 @@ class Policy:
         out = self.model(input_ids=torch.tensor([ids[0][:P]]), use_cache=True)
         self.prefix_kv = [(l.keys, l.values) for l in rollout.cache_of(out).layers]
 
-    def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1, repeat=1):
-        """[prefix | pad | tail | C | extra]: the tail without gradient, C and extra with it. repeat: each
-        question's tail runs once and its cache serves `repeat` rows in a row (C, extra: B * repeat rows)."""
+    def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1):
+        """[prefix | pad | tail | C | extra]: the tail without gradient, C and extra with it."""
         from transformers import DynamicCache
         B = len(questions)
         tails, tmask = pad_left([self.prompt_ids(q)[self.P:] for q in questions], self.pad)
@@ -324,9 +323,6 @@ class Policy:
         with torch.no_grad():
             self.model(input_ids=tails, attention_mask=mask, position_ids=pos[:, self.P:],
                        **rollout.cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
-        if repeat > 1:
-            cache.batch_repeat_interleave(repeat)                          # (B, ...) -> (B * repeat, ...)
-            mask = mask.repeat_interleave(repeat, 0)
         x = C.to(self.embed.weight.dtype)
         mask = torch.cat([mask, torch.ones(C.shape[:2], dtype=torch.bool)], 1)
         if extra_embeds is not None:

@@ -122,12 +122,12 @@ class PrefilledPolicy(Policy):
     def post_ids(self):
         return torch.tensor(self.tok(RESPONSE, add_special_tokens=False)["input_ids"])
 
-    def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1, repeat=1):
+    def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1):
         post = self.embed(self.post_ids())[None].expand(len(C), -1, -1)                 # (B, P', D)
         post_mask = torch.ones(post.shape[:2], dtype=torch.bool)
         if extra_embeds is not None:
             post, post_mask = torch.cat([post, extra_embeds], 1), torch.cat([post_mask, extra_mask], 1)
-        return super()._fast_prefill(questions, C, post, post_mask, logits_to_keep, repeat)
+        return super()._fast_prefill(questions, C, post, post_mask, logits_to_keep)
 
 
 class Anchored(torch.nn.Module):
