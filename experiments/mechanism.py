@@ -194,14 +194,18 @@ def rewards_of(pol, comp, comp_mask, answers, G):
     return torch.tensor([float(extract_answer("<answer>" + t) == a) for t, a in zip(texts, gold)]), texts
 
 
-def evaluate(pol, g, eval_items, H, max_new, batch=20):
-    """The paired arms on the same items: C, C = anchor alone, C shuffled (item k reads the C of item k + 1)."""
+def evaluate(pol, g, eval_items, H, max_new, batch=20, anchor=None):
+    """The paired arms on the same items: C, C = anchor alone, C shuffled (item k reads the C of item k + 1).
+    anchor: an earlier evaluation's "anchor" arm, reused (the frozen policy reading the fixed anchor gives the same
+    greedy answers and log-probs at every step, so it is evaluated once per run)."""
     with torch.no_grad():
         C = g(H)[0]
     n = len(eval_items)
     arms = {"C": C, "anchor": g.anchor.expand_as(C), "shuffled": C[torch.arange(n).roll(-1)]}
-    res = {}
+    res = {"anchor": anchor} if anchor is not None else {}
     for arm, Ca in arms.items():
+        if arm in res:
+            continue
         lp, texts = [], []
         for i in range(0, n, batch):
             it, c = eval_items[i:i + batch], Ca[i:i + batch]
@@ -249,15 +253,34 @@ def solved_in_range(pol, g, train, solved_range, G, max_new, seed, batch=4):
     return [k for k, f in enumerate(solved) if lo <= f <= hi], {"solved": solved, "seconds": time.time() - t0}
 
 
+def screen_from(path, a, n_train, ds):
+    """The "screen" of an earlier run's record (a partial-NAME.json), checked to be of the same items and draws."""
+    try:
+        with open(path) as f:
+            rec = json.load(f)
+        screen, c = rec["screen"], rec["config"]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise SystemExit(f"error: --screen-from {path}: not a record with a screen ({type(e).__name__}: {e})")
+    theirs = c["seed"] if c.get("data_seed") is None else c["data_seed"]
+    same = {"task": c["task"] == a.task, "task config": c["task_config"] == a.task_config,
+            "data seed": theirs == ds, "screen group": c["screen_group"] == a.screen_group,
+            "max new tokens": c["max_new_tokens"] == a.max_new_tokens, "items": len(screen["solved"]) == n_train}
+    if not all(same.values()):
+        raise SystemExit(f"error: --screen-from {path}: another screen ({', '.join(k for k, v in same.items() if not v)}"
+                         " differ)")
+    return {**screen, "from": path}
+
+
 def run(a, partial=None):
     torch.manual_seed(a.seed)
     t_start = time.time()
     n_train = min(a.steps * a.batch, a.train_items or a.steps * a.batch)
     oracle = a.expert_reads == "question+answer"
-    train = items("train", n_train, a.seed, a.task_config, a.task)
-    evals = items("val", a.eval_n, a.seed, a.task_config, a.task)
-    H_tr = states(a.expert, a.layer, "train", n_train, a.seed, a.task_config, a.task, oracle)
-    H_ev = states(a.expert, a.layer, "val", a.eval_n, a.seed, a.task_config, a.task, oracle)
+    ds = a.seed if a.data_seed is None else a.data_seed  # the items (and the screen's draws)
+    train = items("train", n_train, ds, a.task_config, a.task)
+    evals = items("val", a.eval_n, ds, a.task_config, a.task)
+    H_tr = states(a.expert, a.layer, "train", n_train, ds, a.task_config, a.task, oracle)
+    H_ev = states(a.expert, a.layer, "val", a.eval_n, ds, a.task_config, a.task, oracle)
     expert_model.__globals__["_MODELS"].clear()   # the expert's weights are not needed any more
     model, tok = load_model(POLICY)
     for p in model.parameters():
@@ -273,7 +296,11 @@ def run(a, partial=None):
         g.load_state_dict(torch.load(a.init_g, weights_only=True))
     screen = None
     if a.solved_range:  # keep the training items the frozen policy (C = the anchor) solves LO..HI of the time
-        keep, screen = solved_in_range(pol, g, train, a.solved_range, a.screen_group, a.max_new_tokens, a.seed)
+        if a.screen_from:  # an earlier run's screen of the same items (its draws are seeded by the data seed)
+            screen = screen_from(a.screen_from, a, n_train, ds)
+            keep = [k for k, f in enumerate(screen["solved"]) if a.solved_range[0] <= f <= a.solved_range[1]]
+        else:
+            keep, screen = solved_in_range(pol, g, train, a.solved_range, a.screen_group, a.max_new_tokens, ds)
         counts = [0] * (a.screen_group + 1)  # items by how many of their G draws were right
         for f in screen["solved"]:
             counts[round(f * a.screen_group)] += 1
@@ -299,7 +326,8 @@ def run(a, partial=None):
     def curve_point(step):
         nonlocal t_eval
         t0 = time.time()
-        r = evaluate(pol, g, evals, H_ev, a.max_new_tokens)
+        r = evaluate(pol, g, evals, H_ev, a.max_new_tokens,
+                     anchor=result["curve"][0]["anchor"] if result["curve"] else None)
         t_eval += time.time() - t0
         result["curve"].append({"step": step, **r})
         if partial:  # what a stopped run leaves: every evaluation so far and the steps before it
@@ -465,7 +493,12 @@ def parse(argv=None):
       help="train only on items the anchored policy solves LO..HI of --screen-group draws (e.g. 0.2 0.5)")
     a("--screen-group", type=int, default=16, help="draws per item for --solved-range")
     a("--train-items", type=int, default=0, help="distinct training items, cycled (0: steps x batch, each once)")
-    a("--seed", type=int, default=0, help="seed of the data order, the adapter's init and the sampling")
+    a("--seed", type=int, default=0, help="seed of the adapter's init and the sampling (and of the items, unless "
+      "--data-seed)")
+    a("--data-seed", type=int, default=None, help="seed of the items and the screen's draws (default: --seed): "
+      "seeds of one test share their items")
+    a("--screen-from", default=None, help="take --solved-range's screen from this earlier record (partial-NAME.json) "
+      "of the same items instead of re-running it")
     args = p.parse_args(argv)
     for flag, v in (("--steps", args.steps), ("--batch", args.batch - 1), ("--group-size", args.group_size - 1),
                     ("--eval-n", args.eval_n - 1), ("--max-new-tokens", args.max_new_tokens)):
