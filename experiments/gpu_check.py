@@ -31,9 +31,10 @@ finished, and a phase that fails records its error and the next one runs:
                 backward adds with atomics on a GPU)                                              (~1 min)
 The estimates are rough; results/gpu.md holds what each run measured.
 
-A GPU machine of this project has no network: reasoning-gym and its pure-Python dependencies travel as wheels
-(--task arithmetic needs them); everything else this check imports (torch, transformers, tqdm, safetensors,
-accelerate) is there.
+A GPU machine of this project has no network: reasoning-gym and its dependencies (numpy included) travel as wheels
+(--task arithmetic needs them), built here by experiments/gpu_wheels.sh into .whl/ and installed there with
+`python -m pip install --no-index --find-links .whl reasoning-gym==0.1.25`; everything else this check imports
+(torch, transformers, tqdm, safetensors, accelerate) is there.
 """
 import argparse
 import contextlib
