@@ -322,17 +322,17 @@ class ExpertPool:
         # train.py --expert-device: experts run on device, states go here
         self.out_device = out_device or device
         # on disk: one file per (expert, how it is read, text), named by a hash of all three
-        self.store = store and [StateStore(store, f"{n}|{device}|{dtype}|{pooling}|{depth}|{max_length}")
+        self.store = store and [StateStore(store, store_identity(n, device, dtype, pooling, depth, max_length))
                                 for n in self.names]
         self.load = lambda n: load_model(n, device, dtype, head=heads)
         # heads: only output_collab generates from its experts; the others read one state each.
         # An expert whose states are all in the store (train.py --precompute-states wrote them) is
         # loaded only when a prompt's state is missing: a run on precomputed states never loads it
         # (the default team's experts are 23 GB of GPU memory in bfloat16)
-        lazy = [bool(self.store) and not heads and self.store[i].dim() is not None
-                and not pooling.startswith("random") for i in range(len(self.names))]
+        lazy = [bool(self.store) and reads_stored_states(self.store[i], pooling, heads)
+                for i in range(len(self.names))]
         self.models = [None if lazy[i] else self.load(n) for i, n in enumerate(self.names)]
-        self.oracle = [n.startswith(ORACLE) for n in self.names]
+        self.heads, self.oracle = heads, [n.startswith(ORACLE) for n in self.names]
         self.dims = [self.store[i].dim() if lazy[i] else self.models[i][0].config.hidden_size
                      for i in range(len(self.names))]
         self.generator = torch.Generator().manual_seed(seed)  # random_token / random_layer draws
@@ -424,6 +424,19 @@ class ExpertPool:
         # float32 tensor is the tensor itself), so a cached view would keep the whole [B, T, d]
         # batch alive: 81,024 bytes held for a 192-byte state on the tiny team
         return {q: row.clone() for q, row in zip(questions, h.float())}
+
+
+def store_identity(name, device, dtype, pooling, depth, max_length):
+    """What files an expert's states in --expert-cache: a state computed on another device or in another dtype,
+    pooled otherwise, at another depth or truncation is another state. support/plan.py asks with the run's real
+    device while it builds the models on the meta device."""
+    return f"{name}|{device}|{dtype}|{pooling}|{depth}|{max_length}"
+
+
+def reads_stored_states(store, pooling, heads=False):
+    """Whether a run may read this expert's states from `store` and never load the expert: some were
+    precomputed, the pooling draws nothing at random, and the run does not generate from it (heads)."""
+    return not heads and not pooling.startswith("random") and store.dim() is not None
 
 
 class StateStore:

@@ -34,6 +34,7 @@ here at --dtype (bfloat16: ~2x what the MXFP4 file takes).
 Try it on CPU:  python train.py --team tiny --device cpu --plan
 """
 import contextlib
+import os
 import resource
 
 import torch
@@ -148,6 +149,16 @@ def shape(config):
     return D, L, H, KV, hd, I, config.vocab_size
 
 
+def precomputed(args, pool, name, device, dtype):
+    """Whether the run will read this expert's states from --expert-cache instead of loading it (train.py
+    --precompute-states wrote them). The pool was built on the meta device, so it looked for states filed under
+    "meta": ask the store under the device the run will use."""
+    if not args.expert_cache or not os.path.isdir(args.expert_cache):
+        return False
+    identity = experts.store_identity(name, device, dtype, pool.pooling, pool.depth, pool.max_length)
+    return experts.reads_stored_states(experts.StateStore(args.expert_cache, identity), pool.pooling, pool.heads)
+
+
 def estimate(args, world_size=1):
     """{device: {part: bytes}} for one process, and the assumptions used."""
     from baselines import METHODS
@@ -166,7 +177,8 @@ def estimate(args, world_size=1):
     g_phi = count(p for p in method.parameters() if p.requires_grad)
     frozen = count(p for p in policy.parameters() if not p.requires_grad)
     pools = [getattr(method, k) for k in ("pool", "encoder") if hasattr(method, k)]
-    expert_models = [e[0] for pool in pools for e in pool.models if e is not None]  # None: precomputed
+    expert_models = [e[0] for pool in pools for name, e in zip(pool.names, pool.models)
+                     if e is not None and not precomputed(args, pool, name, expert_device, dtype)]
     P, measured = prompt_tokens(args, team)
     B, G, T = args.batch_size, args.group_size, args.max_new_tokens
     n = len(pools[0].models) if pools else 0

@@ -122,3 +122,17 @@ def test_bad_expert_device_fails_in_one_line(value, tmp_path, capfd):
         train.main(TINY + ["--steps", "1", "--expert-device", value, "--out", out])
     lines = capfd.readouterr().err.strip().splitlines()
     assert exc.value.code == 2 and len(lines) == 1 and "--expert-device" in lines[0] and not os.path.exists(out)
+
+
+def test_plan_leaves_out_experts_whose_states_are_precomputed(tmp_path):
+    """A run on precomputed states (train.py --precompute-states, then --expert-cache) never loads its experts, so
+    the plan must not count their weights or forward pass. It built its pool on the meta device, which looked for
+    states filed under "meta" and found none: on an H200 it planned 62.1 GiB for a run that peaked at 40.4."""
+    cache = str(tmp_path / "states")
+    flags = TINY + ["--method", "ours", "--expert-cache", cache, "--steps", "2", "--eval-items", "4"]
+    before, _ = plan.estimate(train.parse_args(flags))
+    train.main(flags + ["--precompute-states", "--out", str(tmp_path / "pre")])
+    after, info = plan.estimate(train.parse_args(flags))
+    assert before["cpu"]["expert weights"] > 0 and before["cpu"]["expert forward"] > 0
+    assert after["cpu"]["expert weights"] == 0 and after["cpu"]["expert forward"] == 0
+    assert info["params"]["experts"] == 0
