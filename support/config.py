@@ -291,7 +291,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
       "their pooled states move to the policy's device")
     a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
-      "prompt: runs and evaluations that name the same folder compute each state once (experts.StateStore)")
+      "prompt: runs and evaluations that name the same folder compute each state once (support/state_store.py)")
     a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
       "(support/shape_models.py): the paper's code path at full size with no download, for memory and speed "
       "checks only (it learns nothing useful)")

@@ -43,6 +43,7 @@ import experts
 from lora import apply_lora, lora_layers
 from support import shape_models, tiny_models
 from support.shape_models import HUB_CONFIGS
+from support.state_store import StateStore, reads_stored_states, store_identity
 
 GB = 2 ** 30
 # Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
@@ -155,8 +156,8 @@ def precomputed(args, pool, name, device, dtype):
     "meta": ask the store under the device the run will use."""
     if not args.expert_cache or not os.path.isdir(args.expert_cache):
         return False
-    identity = experts.store_identity(name, device, dtype, pool.pooling, pool.depth, pool.max_length)
-    return experts.reads_stored_states(experts.StateStore(args.expert_cache, identity), pool.pooling, pool.heads)
+    identity = store_identity(name, device, dtype, pool.pooling, pool.depth, pool.max_length)
+    return reads_stored_states(StateStore(args.expert_cache, identity), pool.pooling, pool.heads)
 
 
 def estimate(args, world_size=1):
