@@ -280,8 +280,12 @@ def decode(device, spec, rows_list, new_tokens):
 
 
 @contextlib.contextmanager
-def phase_clock(device, times):
-    """Seconds (synchronised) and peak allocated memory of each call to what a step calls, summed per phase."""
+def phase_clock(device, times, run):
+    """Seconds (synchronised) and peak allocated memory of each call to what a step calls, summed per phase.
+
+    Each timed call resets the card's peak counter, so the counter alone would only remember the peak since the
+    last call; run["peak_bytes"] (and "reserved_bytes") keep the whole run's peak by reading the counters before
+    every reset."""
     import rewards
     from experts import ExpertPool
     targets = [(rollout, "sample", "rollout"), (ExpertPool, "encode", "experts"),
@@ -297,6 +301,8 @@ def phase_clock(device, times):
             k = _key() if callable(_key) else _key
             sync(device)
             if device.type == "cuda":
+                run["peak_bytes"] = max(run.get("peak_bytes", 0), torch.cuda.max_memory_allocated(device))
+                run["reserved_bytes"] = max(run.get("reserved_bytes", 0), torch.cuda.max_memory_reserved(device))
                 torch.cuda.reset_peak_memory_stats(device)
             t0 = time.perf_counter()
             out = _real(*a, **kw)
@@ -335,7 +341,7 @@ def default_step(device, argv):
     parts, info = plan.estimate(args)
     planned = {d: {"peak_gib": round(plan.peak(p) / 2 ** 30, 2), **{k: round(v / 2 ** 30, 3) for k, v in p.items()}}
                for d, p in parts.items()}
-    times, steps = {}, []
+    times, steps, run = {}, [], {}
     real_step = train.grpo_step
 
     def counted_step(*a, **kw):  # the whole step, synchronised, and the phases inside it
@@ -354,15 +360,17 @@ def default_step(device, argv):
         torch.cuda.reset_peak_memory_stats(device)
     train.grpo_step = counted_step
     try:
-        with phase_clock(device, times):
+        with phase_clock(device, times, run):
             train.main(argv)
     finally:
         train.grpo_step = real_step
     res = {"argv": argv, "steps": steps, "plan": planned, "plan_info": {k: info[k] for k in (
         "prompt_tokens", "context_tokens", "dtype", "params")}}
     if device.type == "cuda":
-        res["peak_allocated_gib"] = round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)
-        res["peak_reserved_gib"] = round(torch.cuda.max_memory_reserved(device) / 2 ** 30, 2)
+        peak = max(run.get("peak_bytes", 0), torch.cuda.max_memory_allocated(device))
+        res["peak_allocated_gib"] = round(peak / 2 ** 30, 2)
+        reserved = max(run.get("reserved_bytes", 0), torch.cuda.max_memory_reserved(device))
+        res["peak_reserved_gib"] = round(reserved / 2 ** 30, 2)
     _free(device)
     return res
 

@@ -258,3 +258,26 @@ def test_deterministic_sets_the_cuda_determinism_switches(monkeypatch, tmp_path)
     assert on and not warn_only, "warn_only=True leaves the attention backward non-deterministic on a GPU"
     assert os.environ["CUBLAS_WORKSPACE_CONFIG"] == ":4096:8" and torch.backends.cudnn.benchmark is False
     assert torch.backends.cudnn.deterministic is True
+
+
+def test_device_check_run_peak_survives_the_per_phase_resets(monkeypatch):
+    """gpu_check's phase clock resets the card's peak counter before each timed call; the run's peak must still
+    be the whole run's (the fifth and sixth GPU runs printed 28.6 GiB for a step whose policy pass peaked at 62.7:
+    the counter only remembered the time after the last reset). A fake counter stands in for the card."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import gpu_check
+    import rollout
+    card = {"peak": 0, "reserved": 0}
+    monkeypatch.setattr(torch.cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.cuda, "reset_peak_memory_stats", lambda device=None: card.update(peak=0))
+    monkeypatch.setattr(torch.cuda, "max_memory_allocated", lambda device=None: card["peak"])
+    monkeypatch.setattr(torch.cuda, "max_memory_reserved", lambda device=None: card["reserved"])
+    monkeypatch.setattr(rollout, "sample", lambda: card.update(peak=max(card["peak"], 9 << 30), reserved=12 << 30))
+    monkeypatch.setattr(torch.optim.AdamW, "step", lambda self: card.update(peak=max(card["peak"], 1 << 30)))
+    times, run = {}, {}
+    with gpu_check.phase_clock(torch.device("cuda"), times, run):
+        rollout.sample()                                 # peaks at 9 GiB
+        torch.optim.AdamW.step(None)                     # resets first, then peaks at 1 GiB
+    assert times["rollout"]["peak_allocated_gib"] == 9 and times["optimizer step"]["peak_allocated_gib"] == 1
+    assert max(run["peak_bytes"], card["peak"]) == 9 << 30
+    assert run["reserved_bytes"] == 12 << 30
