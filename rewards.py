@@ -291,6 +291,15 @@ def policy_prompts(tok, questions, hints, args):
     return [build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
                                  args.response_prefix) for q, h in zip(questions, hints)]
 
+
+def responses(response_prefix, completions):
+    """What the policy answered, as the scorers read it: the response prefix it was given (the first
+    words of its response, pre-filled in the prompt) followed by what it wrote. With the default ""
+    or "<think>" this is the completion's answer block unchanged; a prefix that opens the block,
+    "<think></think>\n<answer>", makes answer-only completions ("7</answer>" scores as
+    "<answer>7</answer>"): a few new tokens a completion instead of dozens."""
+    return [response_prefix + c for c in completions]
+
 # -----------------------------------------------------------------------------
 # Answer extraction and reward
 

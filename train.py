@@ -228,14 +228,15 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
     done_mask = grpo.completion_mask(comp, run["eos_ids"])
     padded = comp.masked_fill(~done_mask, tok.pad_token_id)  # nothing after EOS
     texts = tok.batch_decode(padded, skip_special_tokens=True)
+    answered = rewards.responses(args.response_prefix, texts)  # what the scorers read
     if args.reward == "random":  # the coin and nothing else (config refuses --format-bonus with it)
         task_r = rewards.coin_rewards(args.seed, *key, len(texts))
-        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}
+        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in answered)}
     else:
-        task_r, counts = score_batch([it for it in items for _ in range(G)], texts)
+        task_r, counts = score_batch([it for it in items for _ in range(G)], answered)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
     golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
-    bonus = rewards.format_bonus(texts, args.format_bonus, golds)
+    bonus = rewards.format_bonus(answered, args.format_bonus, golds)
     bonus = torch.tensor(bonus, dtype=torch.float32, device=run["device"])
     return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts,
                 texts=texts)

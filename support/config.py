@@ -279,7 +279,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
       help="reasoning-gym system prompt")
     a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
-    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies)")
+    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies); the "
+      "scorers read it with the completion, so a prefix that ends by opening the answer block ('<answer>') "
+      "makes answer-only completions (rewards.responses)")
     a("--dataset-size", type=SPLIT_SIZE, default=20000, help="reasoning-gym items per split (paper: 20000)")
     a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
       "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")

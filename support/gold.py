@@ -26,9 +26,13 @@ from rollout import (cache_kwargs, completion_logprobs, decode, encode_prompts, 
 
 
 def answer_bridge(response_prefix):
-    """Text between the prompt and the gold answer when its log-prob is measured: the answer tag,
-    after closing the reasoning block when the response was pre-filled with one."""
-    return "</think>\n<answer>" if "<think>" in response_prefix else "<answer>"
+    """Text between the prompt and the gold answer when its log-prob is measured: nothing when the
+    pre-filled response already opened the answer block ("<think></think>\n<answer>"), else the
+    answer tag, after closing the reasoning block when the response opened one ("<think>")."""
+    if response_prefix.rfind("<answer>") > response_prefix.rfind("</answer>"):
+        return ""
+    return "</think>\n<answer>" if response_prefix.rfind("<think>") > response_prefix.rfind("</think>") \
+        else "<answer>"
 
 
 def gold_logprobs(policy, tok, prompts, golds, C, args, device):

@@ -91,7 +91,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             else:
                 comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args,
                                              eos_ids, share_prefix)
-                texts = tok.batch_decode(comp, skip_special_tokens=True)
+                texts = rewards.responses(args.response_prefix, tok.batch_decode(comp, skip_special_tokens=True))
                 logps += gold or []
             if golds and hasattr(method, "answer"):
                 logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)

@@ -15,6 +15,7 @@ from support.validation import SHUFFLE_NA
 from support.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
+import rewards
 from rewards import coin_rewards
 from support.optim import clip_gradients
 from train import main, parse_args
@@ -516,3 +517,35 @@ def test_channel_forcing_gives_no_gradient_when_C_is_the_same_for_every_prompt()
             assert m["cf_margin"] == 0.0 and largest < 1e-6, largest
         else:
             assert largest > 1e-3, largest
+
+
+def test_answer_only_completions_are_scored_with_the_prefix_that_opened_the_answer(tmp_path, monkeypatch):
+    """--response-prefix '<think></think>\\n<answer>': the policy writes only "7</answer>". The scorers must
+    read the prefix with it (rewards.responses), in training and in evaluation, and the gold log-prob must not
+    open a second answer block (answer_bridge). Before the fix every such completion scored as "no answer"."""
+    from rewards import extract_answer, responses
+    from support.gold import answer_bridge
+    prefix = "<think></think>\n<answer>"
+    assert answer_bridge(prefix) == "" and answer_bridge("<answer>") == ""
+    assert answer_bridge("<think>") == "</think>\n<answer>" and answer_bridge("") == "<answer>"
+    assert answer_bridge("<think>ok</think>\n") == "<answer>"
+    assert extract_answer(responses(prefix, ["7</answer>"])[0]) == "7"
+    assert responses("<think>", ["a</think>\n<answer>3</answer>"]) == ["<think>a</think>\n<answer>3</answer>"]
+    seen = []
+
+    def spy(items, texts):
+        seen.extend(texts)
+        return [0.0] * len(texts), {}
+
+    out = str(tmp_path / "answer-only")
+    main(TINY + ["--response-prefix", prefix, "--steps", "1", "--batch-size", "2", "--grad-accum", "1",
+                 "--group-size", "2", "--max-new-tokens", "3", "--eval-items", "0", "--out", out], score_batch=spy)
+    completions = [json.loads(line)["completion"] for line in open(os.path.join(out, "samples.jsonl"))]
+    assert seen and all(t.startswith(prefix) for t in seen)
+    assert len(seen) == 4 and completions and {prefix + c for c in completions} <= set(seen)
+    seen.clear()                                  # evaluation (--eval-items) scores with rewards.score_batch
+    monkeypatch.setattr(rewards, "score_batch", spy)
+    main(TINY + ["--response-prefix", prefix, "--steps", "1", "--batch-size", "1", "--grad-accum", "1",
+                 "--group-size", "2", "--max-new-tokens", "3", "--eval-items", "2", "--out", out + "-eval"],
+         score_batch=lambda items, texts: ([0.0] * len(texts), {}))
+    assert len(seen) >= 2 and all(t.startswith(prefix) for t in seen)
