@@ -238,8 +238,10 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--channel-weight", type=NONNEG, default=0.0, help="not the paper's: lambda of the channel-forcing term, "
       "which raises log pi(y | x, C(x)) above log pi(y | x, C(x')) on completions with A > 0 (grpo.py; 0: off)")
     a("--freeze-policy", action="store_true", help="train only g_phi (no LoRA): can C alone move the reward?")
-    a("--reward", default="task", choices=["task", "random"], help="task: the task's own scorer; random: a "
-      "seeded fair coin per completion that ignores the text (a control: what any rising reward does to H)")
+    a("--reward", default="task", choices=["task", "exact", "random"], help="task: the task's own scorer; exact: 1 "
+      "where that scorer gives full marks, else 0 (reasoning-gym pays partial credit on some tasks: gcd pays 0.5 "
+      "for '12' when the answer is 2); random: a seeded fair coin per completion that ignores the text (a control: "
+      "what any rising reward does to H)")
     a("--format-bonus", type=NONNEG, default=0.0, help="a deviation, for training only: add this to the reward "
       "of a completion with a non-empty <answer>...</answer> block; evaluation never sees it (0: off, the paper)")
     a("--format-bonus-strict", action="store_true", help="pay --format-bonus only when the completion ends with "
@@ -334,7 +336,7 @@ def check_args(p, args):
                f"--channel-weight: --method {args.method} has no context tokens to contrast"),
               (not args.channel_weight or args.batch_size >= 2,
                "--channel-weight contrasts a prompt's C with another prompt's: --batch-size must be >= 2"),
-              (args.reward == "task" or not args.format_bonus,
+              (args.reward != "random" or not args.format_bonus,
                "--format-bonus with --reward random: the random-reward control pays a coin and nothing else; "
                "use --format-bonus 0"),
               (args.format_bonus or not args.format_bonus_strict,

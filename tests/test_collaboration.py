@@ -549,3 +549,18 @@ def test_answer_only_completions_are_scored_with_the_prefix_that_opened_the_answ
                  "--group-size", "2", "--max-new-tokens", "3", "--eval-items", "2", "--out", out + "-eval"],
          score_batch=lambda items, texts: ([0.0] * len(texts), {}))
     assert len(seen) >= 2 and all(t.startswith(prefix) for t in seen)
+
+
+def test_exact_reward_pays_full_marks_only(tmp_path):
+    """--reward exact: a scorer's partial credit (reasoning-gym's gcd pays 0.5 for "12" when the answer is 2)
+    becomes 0, full marks stay 1; --reward task keeps the scorer's numbers."""
+    def halves(items, texts):
+        return [[0.5, 1.0, 0.0, 0.5][k % 4] for k in range(len(texts))], {}
+
+    rewards_of = {}
+    for kind in ("task", "exact"):
+        out = str(tmp_path / kind)
+        main(TINY + ["--reward", kind, "--steps", "1", "--batch-size", "1", "--grad-accum", "1", "--group-size",
+                     "4", "--max-new-tokens", "3", "--eval-items", "0", "--out", out], score_batch=halves)
+        rewards_of[kind] = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())["reward"]
+    assert rewards_of == {"task": pytest.approx(0.5), "exact": pytest.approx(0.25)}

@@ -1,0 +1,45 @@
+"""experiments/verdict2.py: every arm's flags are ones train.py accepts in the answer-only protocol, and the
+pilot's table reads exact solve rates (score == 1), C − shuffled C and C's drift from the archived records."""
+import os
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+from verdict2 import HYPER, PILOT_LRS, PROMPT, TASK, pilot_arms, pilot_table  # noqa: E402
+
+from support.config import parse_args  # noqa: E402
+from support.gold import answer_bridge  # noqa: E402
+
+
+def test_every_pilot_arm_parses_in_the_answer_only_protocol():
+    for arm, flags in pilot_arms().items():
+        args = parse_args(TASK + PROMPT + HYPER + flags + ["--seed", "0"])
+        assert args.task == "gcd" and args.max_new_tokens == 8 and args.format_bonus == 0
+        assert args.reward == "exact" and args.system_prompt == "direct" and args.worked_example
+        assert answer_bridge(args.response_prefix) == ""       # the prefix opened the answer block
+        assert args.steps * args.batch_size * args.group_size == 960   # 4x the first verdict's 240 completions
+        if arm != "single":
+            assert args.method == "ours" and args.experts == "pocket:qwen2.5-coder-1.5b-instruct"
+            assert f"{args.router_lr:g}" == f"{float(arm.split('lr')[1]):g}"
+    assert {a.split("lr")[1] for a in pilot_arms() if "lr" in a} == set(PILOT_LRS)
+
+
+def record(with_c, shuffled=None, anchor=None, c_rms=(0.1, 0.3)):
+    def cond(k, n=100):
+        return {"score": k / n, "solve_rate": k / n, "gold_logprob": -1.0 + k / n}
+    ev = {"score": with_c / 100, "solve_rate": with_c / 100}
+    if shuffled is not None:
+        ev["conditions"] = {"with_C": cond(with_c), "zero_C": cond(anchor), "shuffled_C": cond(shuffled)}
+    metrics = [{"step": s, "reward": 0.1 * s, "zero_std_fraction": 0.5, "c_rms": c, "embed_rms": 0.1}
+               for s, c in enumerate(c_rms, 1)]
+    return {"eval": ev, "metrics": metrics, "cfg": {}}
+
+
+def test_pilot_table_reads_each_lr_against_single_of_the_same_seed():
+    runs = {"single": {0: record(10), 1: record(20)},
+            "ours_strong_lr3e-4": {0: record(30, shuffled=20, anchor=5), 1: record(26, shuffled=25, anchor=5)}}
+    md = pilot_table(runs)
+    assert "| ours_strong_lr3e-4-s0 | 30 | 5 | 20 | +10 | +0.10 | 1.00 → 3.00 |" in md
+    assert "| 3e-4 | [0, 1] | +20, +6 | +13.0 | +5.5 |" in md
+    assert "| 1e-4 | [] | – | – | – |" in md                       # not run: no numbers made up
+    assert "| single-s0 | 10 | – | – | – | – |" in md
