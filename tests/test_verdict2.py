@@ -43,3 +43,13 @@ def test_pilot_table_reads_each_lr_against_single_of_the_same_seed():
     assert "| 3e-4 | [0, 1] | +20, +6 | +13.0 | +5.5 |" in md
     assert "| 1e-4 | [] | – | – | – |" in md                       # not run: no numbers made up
     assert "| single-s0 | 10 | – | – | – | – |" in md
+
+
+def test_seven_seeds_can_pass_a_family_of_four_and_six_cannot():
+    """results/verdict2/preregistration.md: 7 seeds because the family has 4 tests (and 6 seeds for the fallback
+    family of 2)."""
+    from support.stats import holm, sign_flip_p
+    best = {n: sign_flip_p([1.0] * n, "greater") for n in (6, 7)}
+    assert min(holm([best[6]] * 4)) > 0.05                  # 4 / 64 = 0.0625
+    assert max(holm([best[7]] * 4)) < 0.05                  # 4 / 128 = 0.031
+    assert max(holm([best[6]] * 2)) < 0.05                  # the fallback: 2 / 64 = 0.031
