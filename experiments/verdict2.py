@@ -106,7 +106,28 @@ def pilot_table(runs):
         sh = [exact(arm[s]) - exact(arm[s], "shuffled_C") for s in seeds]
         L.append(f"| {lr} | {seeds} | {', '.join(f'{x:+.0f}' for x in d) or '–'} | "
                  f"{num(np.mean(d) if d else None, '+.1f')} | {num(np.mean(sh) if sh else None, '+.1f')} |")
+    choice, why = pilot_choice(runs)
+    L += ["", f"**The pre-registered rule's choice: {choice}** ({why})."]
     return "\n".join(L) + "\n"
+
+
+def pilot_choice(runs, seeds=(0, 1)):
+    """The router lr the pilot's written rule picks (README.md): the largest mean over the seeds of (`ours`
+    exact with C − `single` exact, same seed); within 2 points of each other, the smaller lr. And whether
+    anything moved at all: "no movement" when every lr and seed has C − shuffled C within ±1 point exact and
+    ±0.05 nats, and `ours` within ±2 points of `single`. (None, why) until every run of the pilot is in."""
+    single = runs.get("single", {})
+    arms = {lr: runs.get(f"ours_strong_lr{lr}", {}) for lr in PILOT_LRS}
+    if any(s not in single or s not in arms[lr] for lr in PILOT_LRS for s in seeds):
+        return None, "incomplete: not every run of the pilot is archived"
+    gain = {lr: np.mean([exact(arms[lr][s]) - exact(single[s]) for s in seeds]) for lr in PILOT_LRS}
+    still = all(abs(exact(r) - exact(r, "shuffled_C")) <= 1 and abs(gold(r) - gold(r, "shuffled_C")) <= 0.05
+                and abs(exact(r) - exact(single[s])) <= 2 for lr in PILOT_LRS for s, r in arms[lr].items())
+    if still:
+        return "no movement", "every lr and seed within the rule's bounds: the smallest verdict runs"
+    best = max(gain.values())
+    pick = min((lr for lr in PILOT_LRS if best - gain[lr] <= 2), key=float)
+    return pick, ", ".join(f"{lr}: {gain[lr]:+.1f}" for lr in PILOT_LRS) + " points over `single`, mean of seeds"
 
 
 def main():

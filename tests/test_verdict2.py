@@ -5,7 +5,7 @@ import sys
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
-from verdict2 import HYPER, PILOT_LRS, PROMPT, TASK, pilot_arms, pilot_table  # noqa: E402
+from verdict2 import HYPER, PILOT_LRS, PROMPT, TASK, pilot_arms, pilot_choice, pilot_table  # noqa: E402
 
 from support.config import parse_args  # noqa: E402
 from support.gold import answer_bridge  # noqa: E402
@@ -53,3 +53,21 @@ def test_seven_seeds_can_pass_a_family_of_four_and_six_cannot():
     assert min(holm([best[6]] * 4)) > 0.05                  # 4 / 64 = 0.0625
     assert max(holm([best[7]] * 4)) < 0.05                  # 4 / 128 = 0.031
     assert max(holm([best[6]] * 2)) < 0.05                  # the fallback: 2 / 64 = 0.031
+
+
+def test_pilot_choice_follows_the_written_rule():
+    single = {0: record(10), 1: record(20)}
+
+    def pilot(gains, shuffle_gap=5):
+        runs = {"single": single}
+        for lr, g in zip(PILOT_LRS, gains):
+            runs[f"ours_strong_lr{lr}"] = {s: record(single[s]["eval"]["solve_rate"] * 100 + g,
+                                                     shuffled=single[s]["eval"]["solve_rate"] * 100 + g - shuffle_gap,
+                                                     anchor=5) for s in (0, 1)}
+        return runs
+    assert pilot_choice(pilot([3, 9, 10]))[0] == "3e-4"       # 1e-3 is best, 3e-4 within 2 points: the smaller
+    assert pilot_choice(pilot([12, 9, 10]))[0] == "1e-4"
+    assert pilot_choice(pilot([1, 0, -1], shuffle_gap=0))[0] == "no movement"
+    runs = pilot([3, 9, 10])
+    del runs["ours_strong_lr1e-3"][1]
+    assert pilot_choice(runs)[0] is None                      # incomplete: no choice from part of the pilot
