@@ -31,8 +31,7 @@ class StateStore:
     other padding)."""
 
     def __init__(self, folder, identity):
-        self.folder, self.identity = folder, identity
-        os.makedirs(folder, exist_ok=True)
+        self.folder, self.identity = folder, identity  # made on the first write: --plan writes nothing
 
     def path(self, text):
         key = hashlib.sha256(f"{self.identity}\0{text}".encode()).hexdigest()[:32]
@@ -47,6 +46,7 @@ class StateStore:
     def set_dim(self, d):
         if self.dim() != d:
             path = self.path("\0width")[:-3] + ".width"
+            os.makedirs(self.folder, exist_ok=True)
             with open(path + f".{os.getpid()}.tmp", "w") as f:
                 f.write(str(d))
             os.replace(path + f".{os.getpid()}.tmp", path)
@@ -56,6 +56,7 @@ class StateStore:
         return {t: torch.load(self.path(t), weights_only=True) for t in texts if os.path.exists(self.path(t))}
 
     def write(self, states):
+        os.makedirs(self.folder, exist_ok=True)
         for text, h in states.items():
             path = self.path(text)
             torch.save(h.cpu().clone(), path + f".{os.getpid()}.tmp")  # clone: not the batch's storage

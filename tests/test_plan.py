@@ -80,12 +80,13 @@ def test_activation_count_matches_what_autograd_keeps():
 
 
 def test_plan_prints_and_writes_nothing(tmp_path):
-    out = str(tmp_path / "never")
-    res = subprocess.run([sys.executable, "train.py", *TINY, "--plan", "--out", out], cwd=ROOT, capture_output=True,
-                         text=True, timeout=300)
+    """Not the run's folder, and not a state store's (--expert-cache): the plan's pool once created the folder."""
+    out, cache = str(tmp_path / "never"), str(tmp_path / "no-states")
+    res = subprocess.run([sys.executable, "train.py", *TINY, "--method", "ours", "--expert-cache", cache, "--plan",
+                          "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "cpu: peak" in res.stdout and "LoRA + grad + AdamW" in res.stdout
-    assert not os.path.exists(out)
+    assert not os.path.exists(out) and not os.path.exists(cache)
 
 
 def test_plan_knows_the_paper_teams_without_a_hub():
