@@ -120,6 +120,27 @@ def read_timing(run_dir):
     return json.load(open(path)) if os.path.exists(path) else {}
 
 
+def run_once(out, train_flags, n_eval, has_context, log, into):
+    """One run of a queue, resumable: train (`--resume` where a run folder exists; skipped once its LoRA is
+    saved), evaluate on n_eval items (paired with C / anchor / shuffled C where the arm has context tokens), record
+    the wall times in OUT/timing.json and archive the small records into `into`. A run already evaluated is
+    skipped."""
+    if os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
+        return
+    timing = read_timing(out)
+    if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
+        resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
+        timing["train_seconds"] = timing.get("train_seconds", 0) + run(
+            ["train.py", *train_flags, "--out", out, *resume], log)
+    timing["eval_seconds"] = run(["evaluate.py", "--run", out, "--n", str(n_eval),
+                                  *(["--paired"] if has_context else [])], log)
+    timing["load_average_after"] = os.getloadavg()  # how busy the machine was (1, 5, 15 min)
+    timing["cpu"] = cpu_capability()
+    with open(os.path.join(out, "timing.json"), "w") as f:
+        json.dump(timing, f)
+    archive(out, into)
+
+
 def costs(runs_dir):
     """Markdown: every archived run's training and evaluation wall time, and the total in core-hours (one
     thread per run)."""
@@ -333,23 +354,10 @@ def main():
         log = os.path.join(a.out, "log.txt")
         for seed in a.seeds:
             for arm in a.arms or table:
-                out = os.path.join(a.out, f"{arm}-s{seed}")
-                has_context = arm != "single"
-                if os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
-                    continue
-                timing = read_timing(out)
-                if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
-                    resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
-                    timing["train_seconds"] = timing.get("train_seconds", 0) + run(
-                        ["train.py", *task, *PROMPT, *HYPER, *table[arm], *EXACT, "--seed", str(seed), "--out", out,
-                         "--expert-cache", os.path.join(a.out, "expert-states"), *resume], log)
-                timing["eval_seconds"] = run(["evaluate.py", "--run", out, "--n", str(a.n_eval),
-                                              *(["--paired"] if has_context else [])], log)
-                timing["load_average_after"] = os.getloadavg()  # how busy the machine was (1, 5, 15 min)
-                timing["cpu"] = cpu_capability()
-                with open(os.path.join(out, "timing.json"), "w") as f:
-                    json.dump(timing, f)
-                archive(out, os.path.join(RESULTS, "runs"))
+                run_once(os.path.join(a.out, f"{arm}-s{seed}"),
+                         [*task, *PROMPT, *HYPER, *table[arm], *EXACT, "--seed", str(seed),
+                          "--expert-cache", os.path.join(a.out, "expert-states")],
+                         a.n_eval, arm != "single", log, os.path.join(RESULTS, "runs"))
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
         with open(os.path.join(RESULTS, "provenance.txt"), "a") as f:
             f.write(f"seeds {a.seeds} arms {a.arms or 'all'} ran at commit {commit.strip()}\n")

@@ -23,7 +23,6 @@ embedding, standardised states at depth 1.0, 100 validation items scored with C,
 shuffled C (evaluate.py --paired).
 """
 import argparse
-import json
 import os
 import subprocess
 import sys
@@ -34,8 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-from pocket import archive, run  # noqa: E402
-from verdict import costs, cpu_capability, load, read_timing  # noqa: E402
+from verdict import costs, load, run_once  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict2")
 TASK = ["--task", "gcd", "--task-config", '{"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 100}']
@@ -150,23 +148,10 @@ def main():
         log = os.path.join(a.out, f"log-s{'-'.join(map(str, a.seeds))}.txt")
         for seed in a.seeds:
             for arm in a.arms or table:
-                out = os.path.join(a.out, f"{arm}-s{seed}")
-                has_context = arm != "single"
-                if os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
-                    continue
-                timing = read_timing(out)
-                if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):
-                    resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
-                    timing["train_seconds"] = timing.get("train_seconds", 0) + run(
-                        ["train.py", *TASK, *PROMPT, *HYPER, *table[arm], "--seed", str(seed), "--out", out,
-                         "--expert-cache", os.path.join(a.out, f"expert-states-s{seed}"), *resume], log)
-                timing["eval_seconds"] = run(["evaluate.py", "--run", out, "--n", str(a.n_eval),
-                                              *(["--paired"] if has_context else [])], log)
-                timing["load_average_after"] = os.getloadavg()
-                timing["cpu"] = cpu_capability()
-                with open(os.path.join(out, "timing.json"), "w") as f:
-                    json.dump(timing, f)
-                archive(out, os.path.join(results, "runs"))
+                run_once(os.path.join(a.out, f"{arm}-s{seed}"),
+                         [*TASK, *PROMPT, *HYPER, *table[arm], "--seed", str(seed),
+                          "--expert-cache", os.path.join(a.out, f"expert-states-s{seed}")],
+                         a.n_eval, arm != "single", log, os.path.join(results, "runs"))
         commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout
         os.makedirs(results, exist_ok=True)
         with open(os.path.join(results, "provenance.txt"), "a") as f:

@@ -71,3 +71,23 @@ def test_pilot_choice_follows_the_written_rule():
     runs = pilot([3, 9, 10])
     del runs["ours_strong_lr1e-3"][1]
     assert pilot_choice(runs)[0] is None                      # incomplete: no choice from part of the pilot
+
+
+def test_run_once_trains_resumes_evaluates_and_skips(tmp_path, monkeypatch):
+    """verdict.run_once, the queue step both verdict runners share: train (with --resume once the folder has a
+    config), evaluate (paired where the arm has C), record the times; an evaluated run is skipped."""
+    import verdict
+    calls = []
+    monkeypatch.setattr(verdict, "run", lambda cmd, log: calls.append(cmd) or 1.0)
+    monkeypatch.setattr(verdict, "archive", lambda out, into: calls.append(["archive", out, into]))
+    out = str(tmp_path / "ours-s0")
+    os.makedirs(out)
+    open(os.path.join(out, "config.json"), "w").write("{}")
+    verdict.run_once(out, ["--seed", "0"], 100, True, "log", "into")
+    assert calls[0] == ["train.py", "--seed", "0", "--out", out, "--resume"]
+    assert calls[1] == ["evaluate.py", "--run", out, "--n", "100", "--paired"] and calls[2][0] == "archive"
+    assert os.path.exists(os.path.join(out, "timing.json"))
+    open(os.path.join(out, "eval_paired.json"), "w").write("{}")
+    calls.clear()
+    verdict.run_once(out, ["--seed", "0"], 100, True, "log", "into")
+    assert calls == []
