@@ -300,6 +300,12 @@ def responses(response_prefix, completions):
     "<answer>7</answer>"): a few new tokens a completion instead of dozens."""
     return [response_prefix + c for c in completions]
 
+
+def full_marks(scores):
+    """--reward exact: 1 for a score of 1, 0 for anything less. Reasoning-gym's partial credit can pay
+    an answer that is not the gold one (gcd pays 0.5 for any other number)."""
+    return [float(s == 1) for s in scores]
+
 # -----------------------------------------------------------------------------
 # Answer extraction and reward
 

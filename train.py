@@ -235,7 +235,7 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
     else:
         task_r, counts = score_batch([it for it in items for _ in range(G)], answered)
         if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
-            task_r = [float(r == 1) for r in task_r]
+            task_r = rewards.full_marks(task_r)
     task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
     golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
     bonus = rewards.format_bonus(answered, args.format_bonus, golds)

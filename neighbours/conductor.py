@@ -39,11 +39,14 @@ Deviations from the paper (numbered):
   2. The conductor's response is pre-filled with "model_id = [" (CONDUCTOR_PREFIX): a 135M policy given 48 new
      tokens rarely starts a Python list by itself. The parser reads prefix + completion.
   3. Workers decode greedily, each with its own chat template (or plain text when it has none), the task's system
-     prompt, worked example and response prefix (train.py's prompt flags), and the shared --max-new-tokens. Greedy
+     prompt, worked example and response prefix (train.py's prompt flags), and the shared --max-new-tokens; a
+     worker's answer is its response prefix followed by what it wrote (rewards.responses), so an answer-only
+     prefix ("<think></think>\n<answer>") gives answers the scorer and the next worker read whole. Greedy
      workers make a workflow's output a function of its text, so all the reward's variance within a group comes
      from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache).
   4. The output is scored by the task's scorer (rewards.score_batch); with partial credit, r = 0.5 + 0.5 * score
-     for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong.
+     for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong. With --reward
+     exact the score is full marks or 0 (rewards.full_marks): r is 0, 0.5 or 1, nothing in between.
   5. The paper trains without KL; here --beta defaults to 0 (parse_args below), and a user's --beta
      adds the usual k3 KL to the policy with LoRA off.
   6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
@@ -409,8 +412,8 @@ class Conductor(nn.Module):
                                  pad_token_id=tok.pad_token_id)
             if len(self.cache) > 100_000:
                 self.cache.clear()
-            self.cache.update({(k, p): tok.decode(row, skip_special_tokens=True)
-                               for p, row in zip(todo, out[:, enc["input_ids"].shape[1]:])})
+            said = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+            self.cache.update(zip([(k, p) for p in todo], rewards.responses(rp, said)))  # the pre-filled words too
         return [self.cache[(k, p)] for p in prompts]
 
     def usage(self, plans):
@@ -504,6 +507,8 @@ def grpo_step(step, run, args, score_batch):
         item_rows = [it for it in items for _ in range(G)]
         scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
             if parsed else ([], {})
+        if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
+            scores = rewards.full_marks(scores)
         score_of = dict(zip(parsed, scores))
         r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
@@ -574,7 +579,7 @@ def parse_args(argv=None):
         p.error(f"--max-subtask-chars {args.max_subtask_chars} is above the parser's limit of {MAX_STRING}")
     if args.workflow_decoding == "constrained" and not have_llguidance():
         p.error(NO_LIBRARY)
-    return refuse_train_levers(p, args)
+    return refuse_train_levers(p, args, rewards=("task", "exact"))
 
 
 def main(argv=None, score_batch=None):

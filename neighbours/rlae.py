@@ -41,9 +41,10 @@ Deviations from the paper (numbered):
      task's prompt flags (system prompt, worked example, response prefix).
   4. A chosen token is re-tokenised piece by piece (the union token alone, not the whole text again), so a
      member may see "1", "2" where its own tokenizer would have written "12".
-  5. Reward: the task's scorer (rewards.score_batch), which is exact match for chain_sum; or, with --reward
-     random, a fair coin per trajectory that never reads the text (rewards.coin_rewards, as train.py's control):
-     what the agent's weights do when the reward carries no information (experiments/neighbours.py compares).
+  5. Reward: the task's scorer (rewards.score_batch), which is exact match for chain_sum; with --reward exact,
+     full marks or 0 (rewards.full_marks: no partial credit); or, with --reward random, a fair coin per
+     trajectory that never reads the text (rewards.coin_rewards, as train.py's control): what the agent's
+     weights do when the reward carries no information (experiments/neighbours_learning.py compares).
 
 Cost: every generated token runs all K members once (K forwards of one token each, on their KV caches), and every
 L tokens the encoder reads the text so far; no member runs a backward pass. On the pocket team (K = 2: Gemma-3-270M
@@ -281,7 +282,8 @@ class RLAE(nn.Module):
 
     @torch.no_grad()
     def decode(self, questions, G, temperature=1.0, greedy=False):
-        """G ensemble completions per question. Returns (texts [N], trajectory) with the trajectory's encoder
+        """G ensemble completions per question. Returns (texts [N]: each the response prefix and what was
+        written after it, as the scorer reads it, rewards.responses), trajectory) with the trajectory's encoder
         states e [N, J, d_e], span indices, drawn weights w [N, J, K] and span mask [N, J] (spans the row was
         still decoding in), for the loss pass."""
         sp, we, rp = self.prompt_args
@@ -319,7 +321,7 @@ class RLAE(nn.Module):
         traj = {"e": torch.stack(E, 1), "j": torch.arange(Jr).expand(N, Jr), "w": torch.stack(W, 1),
                 "span_mask": span_mask[:, :Jr], "length": torch.tensor([len(u) for u in units]),
                 "eos": torch.tensor([bool(u) and u[-1] == 0 for u in units])}
-        return [self.vocab.decode(u) for u in units], traj
+        return rewards.responses(rp, [self.vocab.decode(u) for u in units]), traj  # with the pre-filled words
 
     def span_logprobs(self, traj):
         """log Dir(w_j | alpha(s_j)) for every span of every row: [N, J], with gradient into the agent."""
@@ -371,6 +373,8 @@ def grpo_step(step, run, args, score_batch):
             counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}
         else:
             r, counts = score_batch([it for it in items for _ in range(G)], texts)
+            if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
+                r = rewards.full_marks(r)
         r = torch.tensor(r, dtype=torch.float32, device=device)
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
         batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
@@ -426,7 +430,7 @@ def parse_args(argv=None):
     p.add_argument("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions "
                    "(paper: L = 8)")
     args = parse(p, argv)
-    return refuse_train_levers(p, args, rewards=("task", "random"))
+    return refuse_train_levers(p, args, rewards=("task", "exact", "random"))
 
 
 def main(argv=None, score_batch=None):

@@ -214,6 +214,48 @@ def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypa
     assert m["grad_norm_lora"] > 0 and m["solve_rate"] > 0 and m["reward"] == pytest.approx((0.5 + 1) / 2 / 2)
 
 
+ANSWER_ONLY = "<think></think>\n<answer>"  # the second verdict's response prefix: the answer block already open
+
+
+class Says:
+    """A stand-in worker model: whatever it reads, greedy or not, it writes `text` (then nothing)."""
+    device = torch.device("cpu")
+
+    def __init__(self, tok, text):
+        self.new = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
+
+    def generate(self, input_ids, **kw):
+        return torch.cat([input_ids, self.new.expand(len(input_ids), -1)], 1)
+
+
+def test_a_workers_answer_includes_its_pre_filled_words(tiny_policy):
+    """With an answer-only response prefix the worker writes "7</answer>"; its answer, for the scorer and for the
+    next worker, is the whole response "<think></think>\n<answer>7</answer>" (on the code before, the scorer read
+    "7</answer>": no answer block, 0 on every item)."""
+    _, tok = tiny_policy
+    cond = C.Conductor([(Says(tok, "7</answer>"), tok)] * 2, ["w0", "w1"], 2, 8, ("simple", False, ANSWER_ONLY))
+    seen = []
+    say = cond.generate
+    cond.generate = lambda k, msgs: (seen.extend(msgs), say(k, msgs))[1]
+    out = cond.run_workflows(["What is gcd(14, 21)?"], [([0, 1], ["Solve.", "Check."], [[], [0]])])
+    assert out == [ANSWER_ONLY + "7</answer>"] and rewards.extract_answer(out[0]) == "7"
+    assert "Step 0: <think></think>\n<answer>7</answer>" in seen[1]
+
+
+def test_exact_reward_pays_nothing_for_partial_credit(tmp_path, monkeypatch):
+    """--reward exact: a parsed workflow whose answer earns partial credit (gcd pays 0.5 for any other number)
+    gets 0.5, the reward of a wrong answer, not 0.75; full marks still get 1. The code before refused the flag."""
+    monkeypatch.setattr(C, "parse_workflow", lambda text, n_workers, max_steps: ([0], ["Solve it."], [[]]))
+    half = lambda items, texts: ([0.5, 1.0] * (len(texts) // 2), {})  # noqa: E731
+    out = str(tmp_path / "c")
+    C.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16", "--system-prompt",
+            "simple", "--steps", "1", "--batch-size", "2", "--grad-accum", "1", "--group-size", "2",
+            "--max-new-tokens", "4", "--workflow-decoding", "free", "--reward", "exact", "--out", out],
+           score_batch=half)
+    m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    assert m["reward"] == pytest.approx(0.75) and m["solve_rate"] == 0.5  # (0.5 + 1) / 2; task would pay 0.875
+
+
 # ----------------------------------------------------------------------------------------------------------
 # Constrained decoding (--workflow-decoding constrained): every workflow parses, the log-probs are the masked ones
 

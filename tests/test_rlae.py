@@ -218,3 +218,32 @@ def test_random_reward_pays_the_seeded_coins_and_never_scores(tmp_path):
         assert m["agent_weights_by_source"]["chain_sum"] == pytest.approx(m["agent_weights"])
     assert ms[0]["agent_weights"] == pytest.approx([1 / 3] * 3, abs=1e-7) and ms[0]["utilization"] != ms[0]["agent_weights"]
     assert json.load(open(os.path.join(out, "config.json")))["reward"] == "random"
+
+
+def test_answers_include_the_pre_filled_words_and_exact_pays_full_marks_only(tmp_path):
+    """With an answer-only response prefix, every text RLAE scores (training and evaluation) starts with the
+    pre-filled "<think></think>\n<answer>", so a member writing "7</answer>" is read as the answer 7; and --reward
+    exact turns partial credit into 0. On the code before: texts without the prefix, and --reward exact refused."""
+    seen = []
+
+    def half(items, texts):
+        seen.extend(texts)
+        return [0.5, 1.0] * (len(texts) // 2), {}
+    out = str(tmp_path / "x")
+    prefix = "<think></think>\n<answer>"
+    rlae.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16", "--system-prompt",
+               "simple", "--response-prefix", prefix, "--steps", "1", "--batch-size", "1", "--grad-accum", "1",
+               "--group-size", "4", "--max-new-tokens", "4", "--ensemble-span", "2", "--reward", "exact",
+               "--out", out], score_batch=half)
+    m = json.loads(open(os.path.join(out, "metrics.jsonl")).readline())
+    assert seen and all(t.startswith(prefix) for t in seen)
+    assert m["reward"] == pytest.approx(0.5)  # (0 + 1) / 2: the 0.5s paid nothing
+    cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
+    state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    assert all(t.startswith(prefix) for t in load_trained_answers(cfg, state))
+
+
+def load_trained_answers(cfg, state):
+    """The trained run's greedy answers to two questions, as evaluate.py gets them (RLAE.answer)."""
+    _, _, method, _ = rlae.load_trained(cfg, state["lora"], state["method"])
+    return method.answer(None, None, ["What is 1 + 2?", "What is 3 + 4?"], cfg)
