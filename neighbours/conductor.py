@@ -43,7 +43,10 @@ Deviations from the paper (numbered):
      worker's answer is its response prefix followed by what it wrote (rewards.responses), so an answer-only
      prefix ("<think></think>\n<answer>") gives answers the scorer and the next worker read whole. Greedy
      workers make a workflow's output a function of its text, so all the reward's variance within a group comes
-     from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache).
+     from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache). A
+     worker decodes as evaluate.py decodes the policy (rollout.decode's argmax, the prompts' common beginning run
+     once: rollout.prefill_shared), not with HF generate, which would apply a generation config's repetition
+     penalty: "each worker alone" here and `evaluate.py --untrained --policy WORKER` give the same answers.
   4. The output is scored by the task's scorer (rewards.score_batch); with partial credit, r = 0.5 + 0.5 * score
      for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong. With --reward
      exact the score is full marks or 0 (rewards.full_marks): r is 0, 0.5 or 1, nothing in between.
@@ -401,18 +404,22 @@ class Conductor(nn.Module):
         return [a[-1] if a else "" for a in answers]
 
     def generate(self, k, messages):
+        """Worker k's greedy answers to `messages`. Prompts it answered before come from the cache; the rest run
+        as one batch whose common beginning (system prompt, worked example) is computed once
+        (rollout.prefill_shared), then rollout.decode's greedy loop: evaluate.py's greedy decoding."""
         model, tok = self.workers[k]
         sp, we, rp = self.prompt_args
         prompts = [rewards.build_prompt(tok, m, sp, we, rp) for m in messages]
         todo = list(dict.fromkeys(p for p in prompts if (k, p) not in self.cache))
         if todo:
-            tok.padding_side = "left"  # every prompt ends at the last column, so the new tokens line up
-            enc = tok(todo, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template).to(model.device)
-            out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                 pad_token_id=tok.pad_token_id)
+            ids, mask = rollout.encode_prompts(tok, todo, model.device)
+            eos = rollout.eos_token_ids(model, tok)
+            out = rollout.decode(model, *rollout.prefill_shared(model, ids, mask, None, "after"), self.max_new_tokens,
+                                 1.0, eos, tok.pad_token_id, greedy=True)
+            said = tok.batch_decode(out.masked_fill(~grpo.completion_mask(out, eos), tok.pad_token_id),
+                                    skip_special_tokens=True)
             if len(self.cache) > 100_000:
                 self.cache.clear()
-            said = tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
             self.cache.update(zip([(k, p) for p in todo], rewards.responses(rp, said)))  # the pre-filled words too
         return [self.cache[(k, p)] for p in prompts]
 

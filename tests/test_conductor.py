@@ -141,12 +141,34 @@ def test_a_fixed_plan_runs_for_every_question_without_the_policy(tiny_policy):
     assert cond.answer(None, None, questions, None) == cond.run_workflows(questions, [example] * 2)
     cond.fixed_plan = ([1], [None], [[]])
     alone = cond.answer(None, None, questions, None)
-    tok.padding_side = "left"
-    prompts = [rewards.build_prompt(tok, q, "simple", False, "") for q in questions]
-    enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
-    out = model.generate(**enc, max_new_tokens=4, do_sample=False, pad_token_id=tok.pad_token_id)
-    assert alone == tok.batch_decode(out[:, enc["input_ids"].shape[1]:], skip_special_tokens=True)
+    assert alone == plain_greedy(model, tok, questions, 4)
     assert C.worker_message("Q?", None, []) == "Q?" and "Q?" in C.worker_message("Q?", "Solve.", [])
+
+
+def plain_greedy(model, tok, questions, n, prefix=""):
+    """Greedy answers one question at a time: rollout.sample's argmax loop after a plain prefill of each prompt."""
+    import grpo
+    import rollout
+    eos, texts = rollout.eos_token_ids(model, tok), []
+    for q in questions:
+        ids, mask = rollout.encode_prompts(tok, [rewards.build_prompt(tok, q, "simple", True, prefix)], "cpu")
+        ids, mask = (ids, mask) if prefix else rollout.encode_prompts(
+            tok, [rewards.build_prompt(tok, q, "simple", False, "")], "cpu")
+        out = rollout.sample(model, ids, mask, None, 1, n, 1.0, eos, tok.pad_token_id, greedy=True)
+        texts += tok.batch_decode(out.masked_fill(~grpo.completion_mask(out, eos), tok.pad_token_id),
+                                  skip_special_tokens=True)
+    return [prefix + t for t in texts]
+
+
+def test_a_batch_of_workers_prompts_shares_its_beginning_and_answers_as_each_alone(tiny_policy):
+    """generate() runs a batch's common beginning once (rollout.prefill_shared) and decodes greedily: the
+    answers equal each prompt decoded by itself, and a prompt seen before is served from the cache."""
+    model, tok = tiny_policy
+    questions = ["What is 2 + 3?", "What is 10 + 1 + 7?", "What is 4?"]
+    cond = C.Conductor([(model, tok)], ["w0"], 1, 6, ("simple", True, "<answer>"))
+    assert cond.generate(0, questions) == plain_greedy(model, tok, questions, 6, "<answer>")
+    cond.cache = {key: "cached" for key in cond.cache}
+    assert cond.generate(0, questions[:1]) == ["cached"]
 
 
 def test_beta_defaults_to_zero_for_the_conductor_only():
@@ -217,23 +239,14 @@ def test_parsed_workflows_run_the_workers_and_move_the_policy(tmp_path, monkeypa
 ANSWER_ONLY = "<think></think>\n<answer>"  # the second verdict's response prefix: the answer block already open
 
 
-class Says:
-    """A stand-in worker model: whatever it reads, greedy or not, it writes `text` (then nothing)."""
-    device = torch.device("cpu")
-
-    def __init__(self, tok, text):
-        self.new = torch.tensor(tok(text, add_special_tokens=False)["input_ids"])
-
-    def generate(self, input_ids, **kw):
-        return torch.cat([input_ids, self.new.expand(len(input_ids), -1)], 1)
-
-
-def test_a_workers_answer_includes_its_pre_filled_words(tiny_policy):
+def test_a_workers_answer_includes_its_pre_filled_words(tiny_policy, monkeypatch):
     """With an answer-only response prefix the worker writes "7</answer>"; its answer, for the scorer and for the
     next worker, is the whole response "<think></think>\n<answer>7</answer>" (on the code before, the scorer read
     "7</answer>": no answer block, 0 on every item)."""
-    _, tok = tiny_policy
-    cond = C.Conductor([(Says(tok, "7</answer>"), tok)] * 2, ["w0", "w1"], 2, 8, ("simple", False, ANSWER_ONLY))
+    model, tok = tiny_policy
+    says = torch.tensor(tok("7</answer>", add_special_tokens=False)["input_ids"])  # what every worker writes
+    monkeypatch.setattr(C.rollout, "decode", lambda model, cache, logits, *a, **kw: says.expand(len(logits), -1))
+    cond = C.Conductor([(model, tok)] * 2, ["w0", "w1"], 2, 8, ("simple", False, ANSWER_ONLY))
     seen = []
     say = cond.generate
     cond.generate = lambda k, msgs: (seen.extend(msgs), say(k, msgs))[1]
