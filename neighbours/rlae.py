@@ -75,7 +75,7 @@ import rewards  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, frozen_dtype, is_encoder, load_model, pick_device  # noqa: E402
-from rollout import cache_kwargs, cache_of, draw  # noqa: E402
+from rollout import cache_kwargs, draw, encode_prompts, prefill_shared  # noqa: E402
 from support import distributed  # noqa: E402
 from support.config import COUNT, build_parser, fail, parse, refuse_train_levers, remove_created  # noqa: E402
 from support.build import attach_lora, load_policy_and_data  # noqa: E402
@@ -230,15 +230,12 @@ class Member:
 
     @torch.no_grad()
     def start(self, prompts, G):
-        tok = self.tok
-        tok.padding_side = "left"
-        enc = tok(prompts, return_tensors="pt", padding=True, add_special_tokens=not tok.chat_template)
-        ids, mask = enc["input_ids"].to(self.model.device), enc["attention_mask"].to(self.model.device)
-        out = self.model(input_ids=ids, attention_mask=mask, position_ids=(mask.cumsum(-1) - 1).clamp(min=0),
-                         use_cache=True, logits_to_keep=1)
-        self.cache = cache_of(out)
+        """Prefill the prompts (padding behind each first token, rollout.encode_prompts, so no attention row is
+        all masked; their common beginning run once, rollout.prefill_shared) and repeat each row's cache G times."""
+        ids, mask = encode_prompts(self.tok, prompts, self.model.device)
+        self.cache, logits, mask, _ = prefill_shared(self.model, ids, mask, None, "after")
         self.cache.batch_repeat_interleave(G)                                   # (B, ...) -> (B*G, ...)
-        self.mask, self.logits = mask.repeat_interleave(G, 0), out.logits[:, -1].repeat_interleave(G, 0)
+        self.mask, self.logits = mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
 
     @torch.no_grad()
     def extend(self, pieces):
