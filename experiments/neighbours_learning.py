@@ -1,35 +1,50 @@
 """
-Do the neighbours learn? The Conductor and RLAE trained per seed on the verdict's testbed, each beside the controls
-that could produce its number without learning, scored on the same items: one resumable driver.
+Do the neighbours learn? The Conductor and RLAE trained per seed on a testbed, each beside the controls that could
+produce its number without learning, scored on the same items: one resumable driver.
 
     # run (resumable: a run whose evaluation exists is skipped, a killed training continues with --resume):
-    OMP_NUM_THREADS=1 taskset -c 1 python experiments/neighbours_learning.py --team pocket --seeds 0 1 2
-    # analyse only: results/neighbours/runs -> results/neighbours/{table.md, table.json, *.png}
+    OMP_NUM_THREADS=1 taskset -c 1 python experiments/neighbours_learning.py --seeds 0 1 2 3 4 5
+    # analyse only: results/neighbours/gcd/runs -> results/neighbours/gcd/{table.md, table.json, *.png}
     python experiments/neighbours_learning.py --analyse
-    # every part in about 3 minutes on one CPU core (the tiny random-init team; scores are 0):
-    python experiments/neighbours_learning.py --team tiny --task chain_sum --task-config '{}' --seeds 0 1 \
-        --n-eval 4 --out runs/try-neighbours --results runs/try-neighbours/results --single '' \
+    # the first test (lcm, the pocket team's workers, results/neighbours/):
+    python experiments/neighbours_learning.py --testbed lcm --seeds 0 1 2
+    # every part in a few minutes on one CPU core (the tiny random-init team; scores are 0):
+    python experiments/neighbours_learning.py --team tiny --workers '' --task chain_sum --task-config '{}' \
+        --seeds 0 1 --n-eval 4 --out runs/try-neighbours --results runs/try-neighbours/results --single '' \
         --train-flags="--steps 2 --batch-size 1 --group-size 2 --max-new-tokens 4 --dataset-size 16 \
         --system-prompt simple"
+
+Testbeds (TESTBEDS; --testbed):
+  gcd  (default) the second verdict's: gcd of 2 numbers from 1 to 100, its answer-only prompt and exact reward
+       (experiments/verdict2.py TASK, PROMPT), the workers / members Qwen2.5-Coder-0.5B-Instruct and SmolLM2-135M
+       (WORKERS: 35 and 0 % exact alone on seed 0's 100 items; Qwen2.5-Coder-1.5B 82 %, Gemma-3-270M 9 %: the
+       0.5B is the cheapest worker 20 points above the weakest), G 4 x 4 prompts x 12 steps (GCD_HYPER)
+  lcm  the first verdict's (experiments/verdict.py TESTBED_*, PROMPT, HYPER: G 4) with --team's generative
+       models (pocket: Gemma-3-270M, SmolLM2-135M): results/neighbours/, where both workers solve ~8 %
+
+Where the untrained structures stand (so that RL has to move them to favour the strong worker): the strong worker
+is "Model 0" and the weak one "Model 1", so the worked example's workflow (Model 0 solves, Model 1 checks and
+gives the answer) ends with the weak worker's answer; RLAE's agent starts at the uniform mixture, 1/2 each.
 
 Parts, for each seed (PARTS; --parts picks some):
   conductor_controls  nothing trained (experiments/neighbour_controls.py): the worked example's workflow run by
                       the same workers; each worker alone
   conductor           neighbours/conductor.py trained (constrained workflow decoding, its default), then evaluated
+  conductor_random    the conductor trained on a fair coin per workflow (--reward random): does its worker choice
+                      move too?
   rlae_controls       nothing trained: the uniform mixture; each member alone (fixed weights, the same decoder)
   rlae                neighbours/rlae.py trained, then evaluated
   rlae_random         RLAE trained on a fair coin per trajectory (--reward random): do its weights move too?
 
-Every training takes the verdict's testbed and prompt flags (verdict.PROMPT) and the pocket protocol
-(verdict.HYPER: G 4, 4 prompts a step, 15 steps, lr 1e-3 for LoRA and for RLAE's agent), without the verdict's
-levers (format bonus, dynamic sampling), which the neighbours' own steps refuse; --train-flags comes last and
-wins. The conductor's workers and RLAE's members are --team's generative models. Every evaluation is greedy on
-the seed's first --n-eval validation items: the items the verdict's `single` of that seed is scored on, so any
-two rows pair item by item. A finished run's records (config.json, metrics.jsonl, eval.json, and timing.json:
-the wall time of its training and evaluation processes, measured here) are copied into RESULTS/runs; the table
-and plots come from those alone (experiments/neighbours_table.py says how each number is made). Every input is
-checked before anything is written: one line, exit code 2. A run folder already in --out or RESULTS/runs with
-another protocol (PROTOCOL) is refused, never skipped as done.
+Every training takes the testbed's task, prompt flags and protocol, without the verdicts' levers (format bonus,
+dynamic sampling), which the neighbours' own steps refuse; --train-flags comes last and wins. The conductor's
+workers and RLAE's members are --workers (the testbed's; '' for --team's generative models). Every evaluation is
+greedy on the seed's first --n-eval validation items: the items the verdicts' `single` of that seed is scored on,
+so any two rows pair item by item. A finished run's records (config.json, metrics.jsonl, eval.json, and
+timing.json: the wall time of its training and evaluation processes, measured here) are copied into RESULTS/runs;
+the table and plots come from those alone (experiments/neighbours_table.py says how each number is made). Every
+input is checked before anything is written: one line, exit code 2. A run folder already in --out or
+RESULTS/runs with another protocol (PROTOCOL) is refused, never skipped as done.
 
 Not experiments/neighbours.py: a script's own folder comes first on its sys.path, so a file of that name in
 experiments/ would hide the neighbours/ package from every script there (neighbour_controls.py, rlae_members.py).
@@ -49,16 +64,24 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from neighbours_table import analyse, protocol  # noqa: E402
 from support.checkpoint import write_json  # noqa: E402
 from support.config import COUNT, ArgumentParser, fail, number  # noqa: E402
-from verdict import HYPER, PROMPT, TESTBED_CONFIG, TESTBED_TASK  # noqa: E402
+import verdict  # noqa: E402
+import verdict2  # noqa: E402
 
-TASK, TASK_CONFIG = TESTBED_TASK, TESTBED_CONFIG  # the verdict's
-PARTS = ["conductor_controls", "conductor", "rlae_controls", "rlae", "rlae_random"]
+WORKERS = "pocket:qwen2.5-coder-0.5b-instruct,pocket:smollm2-135m-instruct"  # strong first: "Model 0"
+GCD_HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "4", "--lr", "1e-3", "--router-lr", "1e-3",
+             "--steps", "12", "--save-every", "3", "--dataset-size", "2000"]
+TESTBEDS = {  # name -> (task, task config, prompt flags, protocol flags, workers, results folder)
+    "gcd": (verdict2.TASK[1], verdict2.TASK[3], verdict2.PROMPT, GCD_HYPER, WORKERS, "neighbours/gcd"),
+    "lcm": (verdict.TESTBED_TASK, verdict.TESTBED_CONFIG, verdict.PROMPT, verdict.HYPER, "", "neighbours"),
+}
+PARTS = ["conductor_controls", "conductor", "conductor_random", "rlae_controls", "rlae", "rlae_random"]
 TRAINED = {"conductor": ("neighbours/conductor.py", []), "rlae": ("neighbours/rlae.py", []),
+           "conductor_random": ("neighbours/conductor.py", ["--reward", "random"]),
            "rlae_random": ("neighbours/rlae.py", ["--reward", "random"])}
 RECORDS = ("config.json", "metrics.jsonl", "eval.json", "timing.json")
-OWN_FLAGS = {"--task", "--task-config", "--team", "--seed", "--out", "--resume", "--reward"}  # the driver sets them
+OWN_FLAGS = {"--task", "--task-config", "--team", "--experts", "--seed", "--out", "--resume", "--reward"}
 # the config fields every run of one --out (and one --results) shares: items, prompt, team, protocol
-PROTOCOL = ("task", "task_config", "team", "system_prompt", "worked_example", "response_prefix", "context_position",
+PROTOCOL = ("task", "task_config", "team", "experts", "system_prompt", "worked_example", "response_prefix", "context_position",
             "max_new_tokens", "steps", "batch_size", "grad_accum", "group_size", "lr", "router_lr", "dataset_size")
 
 
@@ -123,7 +146,9 @@ def check_input(a, base):
     args = rlae.parse_args(base + seed)
     team = team_models(args)
     try:
-        check_models([(m, f"--team {a.team}") for m in [team["policy"], *team["experts"], team["router"]]])
+        by = "--workers" if a.workers else f"--team {a.team}"
+        check_models([(team["policy"], f"--team {a.team}"), *[(m, by) for m in team["experts"]],
+                      (team["router"], f"--team {a.team}")])
         rewards.load_entries(args.task, "val", 1, a.seeds[0], args.data_path, args.task_config)
     except ValueError as e:
         fail(str(e))
@@ -163,22 +188,33 @@ def run_parts(a, base, runner):
 def main(argv=None, runner=run_process):
     """`runner(cmd, log) -> seconds` runs one part's process (tests pass one that runs it in-process)."""
     p = ArgumentParser(description=__doc__.strip().splitlines()[0])
-    p.add_argument("--task", default=TASK, help="the testbed (default: the verdict's)")
-    p.add_argument("--task-config", default=TASK_CONFIG, help="its reasoning-gym config, JSON")
-    p.add_argument("--team", default="pocket", help="whose generative models are the conductor's workers and "
-                   "RLAE's members (experts.py TEAMS; pocket-strong adds Qwen2.5-Coder-1.5B)")
+    p.add_argument("--testbed", default="gcd", choices=sorted(TESTBEDS), help="task, prompt, protocol and workers "
+                   "(TESTBEDS; the flags below override its task and workers)")
+    p.add_argument("--task", default=None, help="the task (default: the testbed's)")
+    p.add_argument("--task-config", default=None, help="its reasoning-gym config, JSON (default: the testbed's)")
+    p.add_argument("--team", default="pocket", help="the policy and RLAE's encoder, and with --workers '' the "
+                   "workers: the team's generative models (experts.py TEAMS)")
+    p.add_argument("--workers", default=None, help="comma-separated models: the conductor's workers and RLAE's "
+                   "members besides the policy (default: the testbed's; '': --team's generative experts)")
     p.add_argument("--seeds", nargs="+", type=number(int, 0), default=[0, 1, 2], help="seeds (each its own items)")
     p.add_argument("--parts", nargs="+", default=PARTS, choices=PARTS, help="a subset of the parts (default: all)")
-    p.add_argument("--n-eval", type=COUNT, default=100, help="validation items per seed (the verdict's: 100)")
+    p.add_argument("--n-eval", type=COUNT, default=100, help="validation items per seed (the verdicts': 100)")
     p.add_argument("--train-flags", default="", help="more flags for every training and control, after the "
                    "protocol's (the last of a flag wins), e.g. --train-flags='--steps 5'")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "neighbours"), help="folder for the runs")
-    p.add_argument("--results", default=os.path.join(ROOT, "results", "neighbours"), help="folder for the table, "
-                   "plots and archived records (RESULTS/runs)")
-    p.add_argument("--single", default=os.path.join(ROOT, "results", "verdict", "runs"), help="archived runs of the "
-                   "verdict: its single-sN are compared with where they share our items ('' : none)")
+    p.add_argument("--out", default=None, help="folder for the runs (default: runs/neighbours-TESTBED)")
+    p.add_argument("--results", default=None, help="folder for the table, plots and archived records "
+                   "(RESULTS/runs; default: the testbed's, results/neighbours/gcd or results/neighbours)")
+    p.add_argument("--single", default=None, help="archived runs of a verdict: its single-sN are compared with where "
+                   "they share our items and prompt ('' : none; default: the first verdict's, for lcm)")
     p.add_argument("--analyse", action="store_true", help="only read RESULTS/runs and write the table and plots")
     a = p.parse_args(sys.argv[1:] if argv is None else argv)
+    task, task_config, prompt, hyper, workers, results = TESTBEDS[a.testbed]
+    a.task, a.task_config = a.task or task, task_config if a.task_config is None else a.task_config
+    a.workers = workers if a.workers is None else a.workers
+    a.out = a.out or os.path.join(ROOT, "runs", f"neighbours-{a.testbed}")
+    a.results = a.results or os.path.join(ROOT, "results", results)
+    if a.single is None:
+        a.single = os.path.join(ROOT, "results", "verdict", "runs") if a.testbed == "lcm" else ""
     if len(set(a.seeds)) != len(a.seeds):
         p.error(f"--seeds: each seed once, got {a.seeds}")
     try:
@@ -190,8 +226,8 @@ def main(argv=None, runner=run_process):
     if given:
         p.error(f"--train-flags: {sorted(given)[0]} is set by this driver (its own flag, or the part's)")
     if not a.analyse:
-        base = ["--task", a.task, "--task-config", a.task_config, *PROMPT, *HYPER, "--team", a.team,
-                *shlex.split(a.train_flags)]
+        base = ["--task", a.task, "--task-config", a.task_config, *prompt, *hyper, "--team", a.team,
+                *(["--experts", a.workers] if a.workers else []), *shlex.split(a.train_flags)]
         check_input(a, base)
         run_parts(a, base, runner)
     print(analyse(a.results, a.single or None))

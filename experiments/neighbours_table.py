@@ -2,11 +2,13 @@
 The table of experiments/neighbours_learning.py, from the archived run records alone (RESULTS/runs: config.json,
 metrics.jsonl, eval.json, timing.json of every run and control): RESULTS/table.md, table.json and the plots.
 
-    python experiments/neighbours_learning.py --analyse                  # results/neighbours
+    python experiments/neighbours_learning.py --analyse                  # results/neighbours/gcd
+    python experiments/neighbours_learning.py --analyse --testbed lcm    # results/neighbours
     python experiments/neighbours_learning.py --analyse --results DIR    # any folder the driver wrote
 
 What is computed (all on the same items: a seed's runs are scored on the seed's validation items):
-  1. each method minus each of its controls (comparisons): per seed, the difference of mean scores; mean +- sd
+  1. each method minus each of its controls (comparisons): per seed, the difference of mean scores (of exact solve
+     rates, when the runs were trained on --reward exact: partial credit counts 0); mean +- sd
      over seeds; the exact two-sided sign-flip p over seeds (support/stats.sign_flip_p: 2 seeds give p in
      {0.5, 1}, 3 seeds p >= 0.25, so a "no" from 3 seeds is weak and a "yes" impossible below 0.25); item by item,
      the two-level bootstrap interval (seeds, then items: stats.hierarchical_bootstrap_ci, descriptive below
@@ -16,8 +18,9 @@ What is computed (all on the same items: a seed's runs are scored on the seed's 
   2. the conductor over training: parse rate, workflow length, reward, solve rate, the share of flat groups and
      each worker's share of the workflow steps, at step 1 and at the end (the mean over the last LAST steps);
   3. RLAE's agent weights (alpha / sum alpha, exactly uniform before the first update) at the end minus uniform,
-     per member, trained on the task's reward and on coins, and their per-seed difference with its sign-flip p:
-     weights that move under coins too are not learning; per item type in table.json;
+     per member, and the conductor's worker choice (each worker's share of the sampled workflow steps) at the end
+     minus at step 1, each trained on the task's reward and on coins, and their per-seed difference with its
+     sign-flip p: a choice that moves under coins too is not learning; RLAE's per item type in table.json;
   4. cost: seconds per step (metrics.jsonl), each run's training and evaluation wall time (timing.json: each
      process's, its model loading included; a control's loading apart, shared by the controls of its process),
      and the whole experiment;
@@ -69,18 +72,26 @@ def load(runs_dir):
     return out
 
 
-def scores(rec):
-    return np.asarray(rec["eval"]["per_item"]["with_C"]["score"], dtype=float)
+def scores(rec, exact=False):
+    """Per item: the task's score, or with exact 1 for full marks and 0 for anything less (the exact solve rate's
+    items: reasoning-gym's partial credit pays gcd 0.5 for any other number)."""
+    s = np.asarray(rec["eval"]["per_item"]["with_C"]["score"], dtype=float)
+    return (s == 1).astype(float) if exact else s
 
 
-def compare(runs, a, b, label):
+def is_exact(runs):
+    """Whether the runs were trained on the exact reward: then every comparison is on the exact solve rate."""
+    return any(r["cfg"].get("reward") == "exact" for recs in runs.values() for r in recs.values())
+
+
+def compare(runs, a, b, label, exact=False):
     """a minus b, seed by seed on the same items: the seed-level exact test and the item-level interval."""
     seeds = sorted(set(runs[a]) & set(runs[b]))
+    sa, sb = ({s: scores(runs[x][s], exact) for s in seeds} for x in (a, b))
     for s in seeds:
-        if len(scores(runs[a][s])) != len(scores(runs[b][s])):
-            fail(f"{a} and {b} of seed {s} were scored on {len(scores(runs[a][s]))} and "
-                 f"{len(scores(runs[b][s]))} items: not the same items")
-    item = [scores(runs[a][s]) - scores(runs[b][s]) for s in seeds]          # per seed: (n,)
+        if len(sa[s]) != len(sb[s]):
+            fail(f"{a} and {b} of seed {s} were scored on {len(sa[s])} and {len(sb[s])} items: not the same items")
+    item = [sa[s] - sb[s] for s in seeds]                                   # per seed: (n,)
     diffs = [float(d.mean()) for d in item]
     return {"label": label, "a": a, "b": b, "seeds": seeds, "diffs": diffs,
             "mean": mean_std(diffs)[0], "sd": mean_std(diffs)[1],
@@ -88,7 +99,7 @@ def compare(runs, a, b, label):
             "p": sign_flip_p(diffs) if len(seeds) > 1 else None, "items_ci95": hierarchical_bootstrap_ci(item),
             "items_better": int(sum((d > 0).sum() for d in item)),
             "items_worse": int(sum((d < 0).sum() for d in item)),
-            "per_seed": {s: paired_comparison(scores(runs[a][s]), scores(runs[b][s])) for s in seeds}}
+            "per_seed": {s: paired_comparison(sa[s], sb[s]) for s in seeds}}
 
 
 def comparisons(runs):
@@ -97,7 +108,8 @@ def comparisons(runs):
     rows = [("conductor", "conductor", "conductor_example", "conductor − the worked example's workflow")]
     rows += [("conductor", "conductor", p, f"conductor − {p[len('conductor_alone_'):]} alone")
              for p in alone("conductor_alone_")]
-    rows += [("conductor", "conductor", "single", "conductor − single (the verdict's)"),
+    rows += [("conductor", "conductor", "conductor_random", "conductor − conductor trained on coins"),
+             ("conductor", "conductor", "single", "conductor − single (the verdict's)"),
              ("rlae", "rlae", "rlae_uniform", "rlae − the uniform mixture")]
     rows += [("rlae", "rlae", p, f"rlae − {p[len('rlae_alone_'):]} alone") for p in alone("rlae_alone_")]
     rows += [("rlae", "rlae", "rlae_random", "rlae − rlae trained on coins"),
@@ -124,17 +136,21 @@ def conductor_training(recs):
     return out
 
 
-def weights_against_coins(runs):
-    """Per member: the agent's weight at the end minus uniform, per seed, trained on the task's reward and on
-    coins; their difference over the seeds that have both, with its sign-flip p."""
+def moved_against_coins(runs, method):
+    """Per member or worker: how far its weight moved by the end of training, per seed, trained on the task's
+    reward (METHOD) and on coins (METHOD_random), and their difference over the seeds that have both, with its
+    sign-flip p. RLAE: the agent's mean weights at the end minus uniform (exactly uniform before the first update).
+    Conductor: each worker's share of the sampled workflows' steps at the end minus at step 1 (the untrained
+    policy's own choice)."""
+    key = {"rlae": "agent_weights", "conductor": "utilization"}[method]
     moved, names = {}, []
-    for part in ("rlae", "rlae_random"):
+    for part in (method, f"{method}_random"):
         for s, r in sorted(runs.get(part, {}).items()):
-            end = start_and_end(r["metrics"], "agent_weights")[1]
+            start, end = start_and_end(r["metrics"], key)
             names = next((m["utilization_names"] for m in r["metrics"] if "utilization_names" in m), names)
             if end is not None:
-                moved.setdefault(part, {})[s] = np.subtract(end, 1 / len(end))
-    task, coins = moved.get("rlae", {}), moved.get("rlae_random", {})
+                moved.setdefault(part, {})[s] = np.subtract(end, 1 / len(end) if method == "rlae" else start)
+    task, coins = moved.get(method, {}), moved.get(f"{method}_random", {})
     seeds = sorted(set(task) & set(coins))
     rows = []
     for k, name in enumerate(names if task or coins else []):
@@ -179,7 +195,7 @@ def p_cell(p):
     return "–" if p is None else f"{p:.3g}"
 
 
-def markdown(runs, rows, cond, weights, by_source, costs, total, plots):
+def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(), exact=False):
     first = next(iter(next(iter(runs.values())).values()))
     cfg, n = first["cfg"], first["eval"]["n"]
     seeds = sorted({s for recs in runs.values() for s in recs})
@@ -189,10 +205,13 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots):
          f"{cfg['batch_size']} prompts x G {cfg['group_size']}, lr {cfg['lr']:g} (LoRA) / {cfg['router_lr']:g} "
          "(RLAE's agent). Regenerate: `python experiments/neighbours_learning.py --analyse`; how every number is "
          "made: experiments/neighbours_table.py; the commit and flags of each run: provenance.txt.", "",
-         "## Scores (points)", "", "| run | " + " | ".join(f"s{s}" for s in seeds) + " | mean ± sd |",
+         f"## {'Exact solve rates' if exact else 'Scores'} (points)", "",
+         *(["Every number below is on the exact solve rate (full marks, or 0: the runs' reward).", ""]
+           if exact else []), "| run | " + " | ".join(f"s{s}" for s in seeds) + " | mean ± sd |",
          "|---|" + "---|" * (len(seeds) + 1)]
     for part in sorted(runs):
-        vals = [runs[part][s]["eval"]["score"] if s in runs[part] else None for s in seeds]
+        vals = [runs[part][s]["eval"]["solve_rate" if exact else "score"] if s in runs[part] else None
+                for s in seeds]
         L.append(f"| {part} | " + " | ".join("–" if v is None else f"{100 * v:.1f}" for v in vals)
                  + f" | {mean_sd(vals, 100)} |")
     for method in ("conductor", "rlae"):
@@ -213,13 +232,15 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots):
         for k, name in enumerate(cond["names"]):
             share = [[None if v is None else v[k] for v in cond["utilization"][w]] for w in ("start", "end")]
             L.append(f"| share of workflow steps: {name} | {mean_sd(share[0])} | {mean_sd(share[1])} |")
-    if weights:
-        L += ["", f"## RLAE's agent weights at the end (last {LAST} steps) minus uniform", "",
-              "| member | task reward | coins | task − coins, per seed | sign-flip p |", "|---|---|---|---|---|"]
-        for w in weights:
-            L.append(f"| {w['member']} | {mean_sd(w['task'].values(), signed=True)} | "
-                     f"{mean_sd(w['coins'].values(), signed=True)} | "
-                     f"{', '.join(f'{d:+.3f}' for d in w['diffs']) or '–'} | {p_cell(w['p'])} |")
+    for rows_, title in ((choice, f"The conductor's worker choice: share of workflow steps at the end (last {LAST} "
+                                  "steps) minus at step 1"),
+                         (weights, f"RLAE's agent weights at the end (last {LAST} steps) minus uniform")):
+        if rows_:
+            L += ["", f"## {title}", "", "| member | task reward | coins | task − coins, per seed | sign-flip p |",
+                  "|---|---|---|---|---|"]
+            L += [f"| {w['member']} | {mean_sd(w['task'].values(), signed=True)} | "
+                  f"{mean_sd(w['coins'].values(), signed=True)} | "
+                  f"{', '.join(f'{d:+.3f}' for d in w['diffs']) or '–'} | {p_cell(w['p'])} |" for w in rows_]
     types = sorted({t for part in by_source.values() for seed in part.values() for t in seed})
     if len(types) > 1:
         L += ["", "## RLAE's agent weights at the end, per item type (mean over seeds)", "",
@@ -262,17 +283,21 @@ def analyse(results, single_dir=None):
         fail(f"--results {results}: its runs mix {len(testbeds)} testbeds or teams; keep one per --results")
     if single_dir:
         load_single(single_dir, runs)
-    rows = [(m, compare(runs, a, b, label)) for m, a, b, label in comparisons(runs)]
+    exact = is_exact(runs)
+    rows = [(m, compare(runs, a, b, label, exact)) for m, a, b, label in comparisons(runs)]
     cond = conductor_training(runs["conductor"]) if "conductor" in runs else {}
-    weights, (costs, total) = weights_against_coins(runs), cost(runs)
+    weights, (costs, total) = moved_against_coins(runs, "rlae"), cost(runs)
+    choice = moved_against_coins(runs, "conductor")
     by_source = {part: {s: end_by_source(r["metrics"]) for s, r in runs.get(part, {}).items()}
                  for part in ("rlae", "rlae_random")}
     plots = [os.path.basename(p) for p in plot_runs([os.path.join(results, "runs")], results)]  # [] without matplotlib
-    md = markdown(runs, rows, cond, weights, by_source, costs, total, plots)
+    md = markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice, exact)
     write_json(os.path.join(results, "table.json"), {
-        "scores": {part: {s: r["eval"]["score"] for s, r in recs.items()} for part, recs in runs.items()},
+        "primary": "exact solve rate" if exact else "score",
+        "scores": {part: {s: r["eval"]["solve_rate" if exact else "score"] for s, r in recs.items()}
+                   for part, recs in runs.items()},
         "comparisons": [{"method": m, **r} for m, r in rows], "conductor_training": cond,
-        "rlae_weights_vs_coins": weights, "rlae_end_weights_by_source": by_source, "cost": costs,
+        "rlae_weights_vs_coins": weights, "conductor_choice_vs_coins": choice, "rlae_end_weights_by_source": by_source, "cost": costs,
         "total_seconds": total, "plots": plots})
     with open(os.path.join(results, "table.md"), "w") as f:
         f.write(md)

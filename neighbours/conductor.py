@@ -67,6 +67,9 @@ Deviations from the paper (numbered):
      longest workflow's length (longest_workflow: 134 tokens at most for 2 workers, 2 steps, 40 characters, the
      defaults; a workflow often stops far sooner) and --max-new-tokens is the workers' budget only. Evaluation
      writes the greedy workflow under the same grammar.
+  8. --reward random (a control, not in the paper): each workflow's reward is a fair coin (rewards.coin_rewards,
+     as train.py's), the workers never run and nothing is scored. What the worker choice does when the reward
+     says nothing about it: a conductor that learns to pick a worker should move away from this one's choice.
 
 Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse: 1 under constrained
 decoding), mean_steps (over parsed workflows), and each workflow's share of steps per worker as the routing
@@ -508,16 +511,19 @@ def grpo_step(step, run, args, score_batch):
         texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
         plans = [parse_workflow(CONDUCTOR_PREFIX + t, K, cond.max_steps) for t in texts]
         # ---- the workers carry the workflows out; the last answer is scored -------------------------------
-        rows = [q for q in questions for _ in range(G)]
-        outputs = cond.run_workflows(rows, plans)
         parsed = [n for n, p in enumerate(plans) if p is not None]
-        item_rows = [it for it in items for _ in range(G)]
-        scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
-            if parsed else ([], {})
-        if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
-            scores = rewards.full_marks(scores)
-        score_of = dict(zip(parsed, scores))
-        r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
+        if args.reward == "random":  # the control: a coin per workflow, nothing runs or is read (deviation 8)
+            r = torch.tensor(rewards.coin_rewards(args.seed, step, micro, 0, len(plans)), device=device)
+            outputs, counts = [""] * len(plans), {}
+        else:
+            outputs = cond.run_workflows([q for q in questions for _ in range(G)], plans)
+            item_rows = [it for it in items for _ in range(G)]
+            scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
+                if parsed else ([], {})
+            if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
+                scores = rewards.full_marks(scores)
+            score_of = dict(zip(parsed, scores))
+            r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
         logp_ref = None
         if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
@@ -586,7 +592,7 @@ def parse_args(argv=None):
         p.error(f"--max-subtask-chars {args.max_subtask_chars} is above the parser's limit of {MAX_STRING}")
     if args.workflow_decoding == "constrained" and not have_llguidance():
         p.error(NO_LIBRARY)
-    return refuse_train_levers(p, args, rewards=("task", "exact"))
+    return refuse_train_levers(p, args, rewards=("task", "exact", "random"))
 
 
 def main(argv=None, score_batch=None):

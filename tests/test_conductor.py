@@ -120,7 +120,7 @@ LEVERS = [["--inner-epochs", "2"], ["--reward", "random"], ["--format-bonus", "0
 
 
 @pytest.mark.parametrize("method,flags", [(m, f) for m in ("conductor", "rlae") for f in LEVERS
-                                          if (m, f[0]) != ("rlae", "--reward")])  # rlae's step has the coin
+                                          if f[0] != "--reward"])  # both steps have the coin
 def test_options_their_own_step_does_not_have_fail_loudly(method, flags, capsys):
     from neighbours import rlae
     parse_args = {"conductor": C.parse_args, "rlae": rlae.parse_args}[method]
@@ -444,3 +444,20 @@ def test_constrained_masks_with_the_pocket_policys_tokenizer():
         assert tok.eos_token_id in row
         text = tok.decode(row[:row.index(tok.eos_token_id)])
         assert parse_workflow(C.CONDUCTOR_PREFIX + text, K, S) is not None, text
+
+
+def test_random_reward_pays_the_seeded_coins_and_runs_no_worker(tmp_path, monkeypatch):
+    """--reward random (the control for the worker choice): each workflow's reward is train.py's coin for (seed,
+    step, micro-batch); no worker runs and the scorer is never called. The code before refused the flag."""
+    def no_scorer(items, texts):
+        raise AssertionError("the random-reward control read an answer")
+    monkeypatch.setattr(C.Conductor, "run_workflows", lambda *a: (_ for _ in ()).throw(AssertionError("ran")))
+    monkeypatch.setattr(C, "parse_workflow", lambda text, n_workers, max_steps: ([0], ["Solve it."], [[]]))
+    out = str(tmp_path / "coins")
+    C.main(["--task", "chain_sum", "--team", "tiny", "--device", "cpu", "--dataset-size", "16", "--system-prompt",
+            "simple", "--steps", "2", "--batch-size", "2", "--grad-accum", "1", "--group-size", "4",
+            "--max-new-tokens", "4", "--workflow-decoding", "free", "--seed", "3", "--reward", "random",
+            "--out", out], score_batch=no_scorer)
+    ms = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
+    for step, m in enumerate(ms):
+        assert m["reward"] == pytest.approx(sum(rewards.coin_rewards(3, step, 0, 0, 8)) / 8)

@@ -22,13 +22,13 @@ import neighbours_learning as NL  # noqa: E402
 import neighbours_table as NT  # noqa: E402
 
 SEEDS = [0, 1]
-FLAGS = ["--team", "tiny", "--task", "chain_sum", "--task-config", "{}", "--seeds", "0", "1", "--n-eval", "3",
+FLAGS = ["--team", "tiny", "--workers", "", "--task", "chain_sum", "--task-config", "{}", "--seeds", "0", "1", "--n-eval", "3",
          "--single", "", "--train-flags=--steps 2 --batch-size 1 --group-size 2 --max-new-tokens 4 --dataset-size 8 "
          "--system-prompt simple --save-every 1 --device cpu"]
 # the tiny team: generative experts tiny:qwen2, tiny:gpt2 (tiny:bert is an encoder), policy tiny:llama
-PARTS = ["conductor", "conductor_example", "conductor_alone_qwen2", "conductor_alone_gpt2", "rlae", "rlae_random",
-         "rlae_uniform", "rlae_alone_qwen2", "rlae_alone_gpt2", "rlae_alone_llama"]
-TRAINED = {"conductor", "rlae", "rlae_random"}
+PARTS = ["conductor", "conductor_random", "conductor_example", "conductor_alone_qwen2", "conductor_alone_gpt2",
+         "rlae", "rlae_random", "rlae_uniform", "rlae_alone_qwen2", "rlae_alone_gpt2", "rlae_alone_llama"]
+TRAINED = {"conductor", "conductor_random", "rlae", "rlae_random"}
 
 
 def parity_reward(entries, completions):
@@ -86,15 +86,15 @@ def test_every_run_is_archived_with_its_records(experiment):
             if part in TRAINED:
                 steps = [json.loads(x) for x in open(d / "metrics.jsonl")]
                 assert [m["step"] for m in steps] == [1, 2] and timing["train_seconds"] > 0 < timing["eval_seconds"]
-                assert cfg["reward"] == ("random" if part == "rlae_random" else "task")
+                assert cfg["reward"] == ("random" if part.endswith("_random") else "exact")  # gcd's PROMPT
             else:
                 assert not os.path.exists(d / "metrics.jsonl") and cfg["control"]["name"] == part
     conductor = [json.loads(x) for x in open(archive / "conductor-s0" / "metrics.jsonl")]
     assert all(m["parse_rate"] == 1 and abs(sum(m["utilization"]) - 1) < 1e-6 for m in conductor)  # constrained
     rlae = [json.loads(x) for x in open(archive / "rlae_random-s1" / "metrics.jsonl")]
     assert rlae[0]["agent_weights"] == pytest.approx([1 / 3] * 3) and len(rlae[1]["agent_weights"]) == 3
-    # one process per trained part, its evaluation, and one per method's controls: 2 x (3 + 3 + 2)
-    assert len(experiment["calls"]) == 16 and sum("--resume" in c for c in experiment["calls"]) == 0
+    # one process per trained part, its evaluation, and one per method's controls: 2 x (4 + 4 + 2)
+    assert len(experiment["calls"]) == 20 and sum("--resume" in c for c in experiment["calls"]) == 0
 
 
 def test_the_table_has_every_row_and_the_plots(experiment):
@@ -102,6 +102,7 @@ def test_the_table_has_every_row_and_the_plots(experiment):
     for part in PARTS:
         assert f"\n| {part} | " in md
     labels = ["conductor − the worked example's workflow", "conductor − qwen2 alone", "conductor − gpt2 alone",
+              "conductor − conductor trained on coins",
               "rlae − the uniform mixture", "rlae − qwen2 alone", "rlae − gpt2 alone", "rlae − llama alone",
               "rlae − rlae trained on coins", "rlae on coins − the uniform mixture"]
     assert sorted(r["label"] for r in experiment["table"]["comparisons"]) == sorted(labels)
@@ -112,6 +113,8 @@ def test_the_table_has_every_row_and_the_plots(experiment):
         assert f"\n| {row} | " in md
     assert [w["member"] for w in experiment["table"]["rlae_weights_vs_coins"]] == ["tiny:qwen2", "tiny:gpt2",
                                                                                   "tiny:llama"]
+    assert [w["member"] for w in experiment["table"]["conductor_choice_vs_coins"]] == ["tiny:qwen2", "tiny:gpt2"]
+    assert "## The conductor's worker choice" in md and "## Exact solve rates (points)" in md
     assert set(experiment["table"]["cost"]) == set(PARTS) and experiment["table"]["total_seconds"] > 0
     pytest.importorskip("matplotlib")
     for name in ("conductor_chain_sum_tiny.png", "fig4_chain_sum_tiny_conductor.png", "fig4_chain_sum_tiny_rlae.png",
@@ -219,7 +222,7 @@ def write_run(folder, part, seed, right, n=10, weights=None, **cfg):
             "steps": 3, "batch_size": 4, "group_size": 4, "lr": 1e-3, "router_lr": 1e-3, "seed": seed,
             "method": part.split("_")[0]}
     json.dump({**base, **cfg}, open(d / "config.json", "w"))
-    json.dump({"n": n, "score": right / n, "per_item": {"with_C": {"score": [1.0] * right + [0.0] * (n - right)}}},
+    json.dump({"n": n, "score": right / n, "solve_rate": right / n, "per_item": {"with_C": {"score": [1.0] * right + [0.0] * (n - right)}}},
               open(d / "eval.json", "w"))
     if weights:
         with open(d / "metrics.jsonl", "w") as f:
@@ -247,7 +250,7 @@ def test_the_analysis_of_three_hand_made_seeds(tmp_path, monkeypatch, capsys):
     assert rows["rlae − the uniform mixture"]["p"] == 0.75 and rows["rlae − rlae trained on coins"]["p"] == 0.75
     assert rows["conductor − single (the verdict's)"]["seeds"] == [0, 1]                # seed 2 was other items
     assert "| conductor − the worked example's workflow | 3 | +10.0, +20.0, +40.0 | +23.3 ± 15.3 | 3 / 0 | 0.25 |" in md
-    m0 = NT.weights_against_coins(NT.load(str(runs)))[0]
+    m0 = NT.moved_against_coins(NT.load(str(runs)), "rlae")[0]
     assert m0["diffs"] == pytest.approx([0.1, 0.2, 0.4]) and m0["p"] == 0.25
     cost = json.load(open(tmp_path / "results" / "table.json"))["cost"]
     assert cost["rlae"]["seconds_per_step"] == 2.0 and cost["rlae"]["total_seconds"] == 30.0
@@ -256,3 +259,26 @@ def test_the_analysis_of_three_hand_made_seeds(tmp_path, monkeypatch, capsys):
     NT.analyse(str(tmp_path / "results"), str(single))
     assert json.load(open(tmp_path / "results" / "table.json"))["plots"] == []
     assert "## Plots" in open(tmp_path / "results" / "table.md").read() and "matplotlib" in capsys.readouterr().err
+
+
+def test_exact_runs_are_compared_on_full_marks_and_the_worker_choice_against_coins(tmp_path):
+    """Runs trained on --reward exact are compared on the exact solve rate: an item with partial credit (0.5)
+    counts 0. conductor: 6 items right + 2 at 0.5 per seed, example 3 right: +0.3 each seed (on the task's score
+    it would be +0.4). The worker choice: m0's share of steps goes 0.5 -> 0.8 under the task reward and 0.5 -> 0.4
+    under coins: moved +0.3 against -0.1, task - coins +0.4 on every seed, p = 0.25 (3 seeds, all one sign)."""
+    runs = tmp_path / "results" / "runs"
+    for s in range(3):
+        write_run(runs, "conductor", s, 6, weights=[[0.8, 0.2]] * 3, reward="exact")
+        json.dump({"n": 10, "score": 0.7, "solve_rate": 0.6,
+                   "per_item": {"with_C": {"score": [1.0] * 6 + [0.5] * 2 + [0.0] * 2}}},
+                  open(runs / f"conductor-s{s}" / "eval.json", "w"))
+        write_run(runs, "conductor_example", s, 3, reward="exact")
+        write_run(runs, "conductor_random", s, 3, weights=[[0.4, 0.6]] * 3, reward="random")
+    md = NT.analyse(str(tmp_path / "results"))
+    table = json.load(open(tmp_path / "results" / "table.json"))
+    rows = {r["label"]: r for r in table["comparisons"]}
+    assert table["primary"] == "exact solve rate" and table["scores"]["conductor"] == {"0": 0.6, "1": 0.6, "2": 0.6}
+    assert rows["conductor − the worked example's workflow"]["diffs"] == pytest.approx([0.3] * 3)
+    m0 = table["conductor_choice_vs_coins"][0]
+    assert m0["member"] == "m0" and m0["diffs"] == pytest.approx([0.4] * 3) and m0["p"] == 0.25
+    assert "| m0 | +0.300 ± 0.000 | -0.100 ± 0.000 | +0.400, +0.400, +0.400 | 0.25 |" in md
