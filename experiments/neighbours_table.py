@@ -36,7 +36,7 @@ import numpy as np
 from support.checkpoint import write_json
 from support.config import fail
 from support.report import plot_runs
-from support.stats import hierarchical_bootstrap_ci, mean_std, paired_comparison, sign_flip_p
+from support.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
 
 LAST = 3  # "at the end" of a training: the mean over its last 3 steps
 # the conductor's metrics over training; zero_std_fraction is the share of groups whose G rewards are all equal:
@@ -161,6 +161,35 @@ def moved_against_coins(runs, method):
     return rows
 
 
+PREREGISTERED_SEEDS = 6  # results/neighbours/gcd/preregistration.md: seeds 0-5
+# (test, family, how its per-seed value is made); the strong worker is the first of the workers ("Model 0")
+PREREGISTERED = [("C1", "conductor", "conductor − the worked example's workflow"),
+                 ("C2", "conductor", "the strong worker's share of workflow steps moved: task − coins"),
+                 ("R1", "rlae", "rlae − the uniform mixture"),
+                 ("R2", "rlae", "the agent's weight on the strong worker moved: task − coins")]
+
+
+def preregistered(rows, choice, weights):
+    """The pre-registered tests: per seed values, the exact one-sided sign-flip p (H1: mean > 0), Holm within
+    each method's family of two, and the decision ("shown" needs all PREREGISTERED_SEEDS seeds and Holm p < 0.05)."""
+    label = {r["label"]: r for _, r in rows}
+    diffs = {"C1": label.get(PREREGISTERED[0][2], {}).get("diffs", []),
+             "C2": choice[0]["diffs"] if choice else [],
+             "R1": label.get(PREREGISTERED[2][2], {}).get("diffs", []),
+             "R2": weights[0]["diffs"] if weights else []}
+    out = []
+    for family in ("conductor", "rlae"):
+        tests = [(t, what) for t, f, what in PREREGISTERED if f == family]
+        p = [sign_flip_p(diffs[t], "greater") if len(diffs[t]) > 1 else 1.0 for t, _ in tests]
+        for (t, what), p1, ph in zip(tests, p, holm(p)):
+            n = len(diffs[t])
+            decision = ("shown" if ph < 0.05 else "not shown") if n >= PREREGISTERED_SEEDS else \
+                f"incomplete ({n} of {PREREGISTERED_SEEDS} seeds)"
+            out.append({"test": t, "what": what, "diffs": diffs[t], "p_one_sided": p1, "p_holm": ph,
+                        "decision": decision})
+    return out
+
+
 def end_by_source(metrics):
     """{item type: the agent's weights over the last LAST steps that logged it} (RLAE, per item type)."""
     rows = [m["agent_weights_by_source"] for m in metrics if m.get("agent_weights_by_source")][-LAST:]
@@ -195,7 +224,7 @@ def p_cell(p):
     return "–" if p is None else f"{p:.3g}"
 
 
-def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(), exact=False):
+def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(), exact=False, tests=()):
     first = next(iter(next(iter(runs.values())).values()))
     cfg, n = first["cfg"], first["eval"]["n"]
     seeds = sorted({s for recs in runs.values() for s in recs})
@@ -204,11 +233,19 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(
          f"items per seed (the seed's, as the verdict's `single`), greedy. Training: {cfg['steps']} steps of "
          f"{cfg['batch_size']} prompts x G {cfg['group_size']}, lr {cfg['lr']:g} (LoRA) / {cfg['router_lr']:g} "
          "(RLAE's agent). Regenerate: `python experiments/neighbours_learning.py --analyse`; how every number is "
-         "made: experiments/neighbours_table.py; the commit and flags of each run: provenance.txt.", "",
-         f"## {'Exact solve rates' if exact else 'Scores'} (points)", "",
-         *(["Every number below is on the exact solve rate (full marks, or 0: the runs' reward).", ""]
-           if exact else []), "| run | " + " | ".join(f"s{s}" for s in seeds) + " | mean ± sd |",
-         "|---|" + "---|" * (len(seeds) + 1)]
+         "made: experiments/neighbours_table.py; the commit and flags of each run: provenance.txt.", ""]
+    if tests:
+        L += ["## The pre-registered tests (preregistration.md)", "",
+              "| test | per seed | mean | one-sided p | Holm p (within the method) | decision |",
+              "|---|---|---|---|---|---|"]
+        L += [f"| {t['test']}: {t['what']} | {', '.join(f'{d:+.3f}' for d in t['diffs']) or '–'} | "
+              f"{mean_sd(t['diffs'], signed=True)} | {t['p_one_sided']:.3g} | {t['p_holm']:.3g} | {t['decision']} |"
+              for t in tests]
+        L += ["", "C1 and R1 in exact solve rate (fractions of the 100 items), C2 and R2 in share / weight.", ""]
+    L += [f"## {'Exact solve rates' if exact else 'Scores'} (points)", "",
+          *(["Every number below is on the exact solve rate (full marks, or 0: the runs' reward).", ""]
+            if exact else []), "| run | " + " | ".join(f"s{s}" for s in seeds) + " | mean ± sd |",
+          "|---|" + "---|" * (len(seeds) + 1)]
     for part in sorted(runs):
         vals = [runs[part][s]["eval"]["solve_rate" if exact else "score"] if s in runs[part] else None
                 for s in seeds]
@@ -291,13 +328,15 @@ def analyse(results, single_dir=None):
     by_source = {part: {s: end_by_source(r["metrics"]) for s, r in runs.get(part, {}).items()}
                  for part in ("rlae", "rlae_random")}
     plots = [os.path.basename(p) for p in plot_runs([os.path.join(results, "runs")], results)]  # [] without matplotlib
-    md = markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice, exact)
+    tests = preregistered(rows, choice, weights) if os.path.exists(os.path.join(results, "preregistration.md")) \
+        else []
+    md = markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice, exact, tests)
     write_json(os.path.join(results, "table.json"), {
         "primary": "exact solve rate" if exact else "score",
         "scores": {part: {s: r["eval"]["solve_rate" if exact else "score"] for s, r in recs.items()}
                    for part, recs in runs.items()},
         "comparisons": [{"method": m, **r} for m, r in rows], "conductor_training": cond,
-        "rlae_weights_vs_coins": weights, "conductor_choice_vs_coins": choice, "rlae_end_weights_by_source": by_source, "cost": costs,
+        "rlae_weights_vs_coins": weights, "conductor_choice_vs_coins": choice, "preregistered": tests, "rlae_end_weights_by_source": by_source, "cost": costs,
         "total_seconds": total, "plots": plots})
     with open(os.path.join(results, "table.md"), "w") as f:
         f.write(md)

@@ -6,6 +6,7 @@ of 3 seeds, where every number is known in advance."""
 import json
 import os
 import runpy
+import shutil
 import subprocess
 import sys
 import time
@@ -265,20 +266,35 @@ def test_exact_runs_are_compared_on_full_marks_and_the_worker_choice_against_coi
     """Runs trained on --reward exact are compared on the exact solve rate: an item with partial credit (0.5)
     counts 0. conductor: 6 items right + 2 at 0.5 per seed, example 3 right: +0.3 each seed (on the task's score
     it would be +0.4). The worker choice: m0's share of steps goes 0.5 -> 0.8 under the task reward and 0.5 -> 0.4
-    under coins: moved +0.3 against -0.1, task - coins +0.4 on every seed, p = 0.25 (3 seeds, all one sign)."""
-    runs = tmp_path / "results" / "runs"
-    for s in range(3):
+    under coins: moved +0.3 against -0.1, task - coins +0.4 on each of 6 seeds: two-sided p 2/64. The
+    pre-registered C1 and C2 (one-sided 1/64 each, Holm over the two 2/64 = 0.031) are shown; R1 and R2 have no
+    runs; with 3 seeds the same data would be incomplete."""
+    results = tmp_path / "results"
+    runs = results / "runs"
+    for s in range(6):
         write_run(runs, "conductor", s, 6, weights=[[0.8, 0.2]] * 3, reward="exact")
         json.dump({"n": 10, "score": 0.7, "solve_rate": 0.6,
                    "per_item": {"with_C": {"score": [1.0] * 6 + [0.5] * 2 + [0.0] * 2}}},
                   open(runs / f"conductor-s{s}" / "eval.json", "w"))
         write_run(runs, "conductor_example", s, 3, reward="exact")
         write_run(runs, "conductor_random", s, 3, weights=[[0.4, 0.6]] * 3, reward="random")
-    md = NT.analyse(str(tmp_path / "results"))
-    table = json.load(open(tmp_path / "results" / "table.json"))
+    open(results / "preregistration.md", "w").write("# the tests\n")
+    md = NT.analyse(str(results))
+    table = json.load(open(results / "table.json"))
     rows = {r["label"]: r for r in table["comparisons"]}
-    assert table["primary"] == "exact solve rate" and table["scores"]["conductor"] == {"0": 0.6, "1": 0.6, "2": 0.6}
-    assert rows["conductor − the worked example's workflow"]["diffs"] == pytest.approx([0.3] * 3)
+    assert table["primary"] == "exact solve rate" and table["scores"]["conductor"]["5"] == 0.6
+    assert rows["conductor − the worked example's workflow"]["diffs"] == pytest.approx([0.3] * 6)
     m0 = table["conductor_choice_vs_coins"][0]
-    assert m0["member"] == "m0" and m0["diffs"] == pytest.approx([0.4] * 3) and m0["p"] == 0.25
-    assert "| m0 | +0.300 ± 0.000 | -0.100 ± 0.000 | +0.400, +0.400, +0.400 | 0.25 |" in md
+    assert m0["member"] == "m0" and m0["diffs"] == pytest.approx([0.4] * 6) and m0["p"] == 2 / 64
+    assert "| m0 | +0.300 ± 0.000 | -0.100 ± 0.000 | " in md
+    tests = {t["test"]: t for t in table["preregistered"]}
+    assert [tests[t]["p_one_sided"] for t in ("C1", "C2")] == [1 / 64] * 2
+    assert [tests[t]["p_holm"] for t in ("C1", "C2")] == [2 / 64] * 2
+    assert [tests[t]["decision"] for t in ("C1", "C2", "R1", "R2")] == ["shown", "shown"] + \
+        ["incomplete (0 of 6 seeds)"] * 2
+    for s in range(3, 6):
+        for part in ("conductor", "conductor_example", "conductor_random"):
+            shutil.rmtree(runs / f"{part}-s{s}")
+    NT.analyse(str(results))
+    tests = {t["test"]: t for t in json.load(open(results / "table.json"))["preregistered"]}
+    assert tests["C1"]["decision"] == "incomplete (3 of 6 seeds)" and tests["C1"]["p_one_sided"] == 1 / 8
