@@ -251,25 +251,19 @@ class TextHints(nn.Module):
     @torch.no_grad()
     def write_hints(self, questions):
         """Eq. 12 for a batch: each decoder expert writes one hint per question (greedy, so
-        cached), cut at max_new_tokens expert tokens. One left-padded generate call per expert
-        serves the whole batch."""
+        cached), cut at max_new_tokens expert tokens. One batch per expert serves every question
+        (rollout.greedy_texts: padding behind each first token, the shared beginning run once)."""
         from experts import expert_text, is_encoder
+        from rollout import greedy_texts
         todo = list(dict.fromkeys(q for q in questions if q not in self.cache))
         if todo:
             parts = [[] for _ in todo]
             for model, tok in self.pool.models:
                 if is_encoder(model):
                     continue
-                # every prompt ends at the last column, so new tokens line up
-                tok.padding_side = "left"
                 texts = [expert_text(tok, HINT_INSTRUCTION + q) for q in todo]
-                enc = tok(texts, return_tensors="pt", padding=True,
-                          add_special_tokens=not tok.chat_template).to(model.device)
-                out = model.generate(**enc, max_new_tokens=self.max_new_tokens, do_sample=False,
-                                     pad_token_id=tok.pad_token_id)
-                for p, row in zip(parts, out[:, enc["input_ids"].shape[1]:]):
-                    hint = tok.decode(row, skip_special_tokens=True).strip()
-                    p.append(f"Expert {len(p) + 1}: {hint}")
+                for p, hint in zip(parts, greedy_texts(model, tok, texts, self.max_new_tokens)):
+                    p.append(f"Expert {len(p) + 1}: {hint.strip()}")
             self.cache.update({q: "\n\n[Expert Hints]\n" + "\n".join(p)
                                for q, p in zip(todo, parts)})
         return [self.cache[q] for q in questions]

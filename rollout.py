@@ -20,6 +20,7 @@ tests/test_adapter.py checks it token for token.
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
                        under a mask of allowed tokens: constrained decoding)
   decode               its token-by-token loop, from a prefill
+  greedy_texts         a frozen writer's greedy answers (conductor workers, output_collab's hints)
   (support/low_precision.py: --rollout-dtype bfloat16 / int8, the rollout's matmuls on a
                        low-precision copy of the weights)
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
@@ -330,6 +331,20 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     if return_logprobs:
         return torch.stack(tokens, 1), torch.stack(logps, 1)
     return torch.stack(tokens, 1)
+
+
+@torch.no_grad()
+def greedy_texts(model, tok, prompts, max_new_tokens):
+    """Greedy completions of `prompts`, as text, from a frozen model that writes (a conductor's
+    worker, output_collab's experts): one batch, padded behind each first token (encode_prompts:
+    no attention row with every key masked), its common beginning run once (prefill_shared), then
+    decode's argmax loop. Unlike HF generate, no generation config adds a repetition penalty: the
+    same answers evaluate.py's greedy decoding gives."""
+    ids, mask = encode_prompts(tok, prompts, model.device)
+    eos_ids = eos_token_ids(model, tok)
+    out = decode(model, *prefill_shared(model, ids, mask, None, "after"), max_new_tokens, 1.0, eos_ids,
+                 tok.pad_token_id, greedy=True)              # (B, T): padding after each EOS
+    return tok.batch_decode(out, skip_special_tokens=True)
 
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens

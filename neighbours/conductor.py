@@ -408,19 +408,13 @@ class Conductor(nn.Module):
 
     def generate(self, k, messages):
         """Worker k's greedy answers to `messages`. Prompts it answered before come from the cache; the rest run
-        as one batch whose common beginning (system prompt, worked example) is computed once
-        (rollout.prefill_shared), then rollout.decode's greedy loop: evaluate.py's greedy decoding."""
+        as one batch (rollout.greedy_texts: their common beginning, system prompt and worked example, once)."""
         model, tok = self.workers[k]
         sp, we, rp = self.prompt_args
         prompts = [rewards.build_prompt(tok, m, sp, we, rp) for m in messages]
         todo = list(dict.fromkeys(p for p in prompts if (k, p) not in self.cache))
         if todo:
-            ids, mask = rollout.encode_prompts(tok, todo, model.device)
-            eos = rollout.eos_token_ids(model, tok)
-            out = rollout.decode(model, *rollout.prefill_shared(model, ids, mask, None, "after"), self.max_new_tokens,
-                                 1.0, eos, tok.pad_token_id, greedy=True)
-            said = tok.batch_decode(out.masked_fill(~grpo.completion_mask(out, eos), tok.pad_token_id),
-                                    skip_special_tokens=True)
+            said = rollout.greedy_texts(model, tok, todo, self.max_new_tokens)
             if len(self.cache) > 100_000:
                 self.cache.clear()
             self.cache.update(zip([(k, p) for p in todo], rewards.responses(rp, said)))  # the pre-filled words too
