@@ -15,6 +15,8 @@ finished, and a phase that fails records its error and the next one runs:
                 padding behind the first token (rollout.padding_behind_first_token), under each SDPA backend
                 alone: non-finite logits at real tokens, and the largest difference between the two layouts
                                                                                                   (~30 s)
+  writers       rollout.greedy_texts (output_collab's hints, the conductor's workers) of the tiny Qwen2 on CPU
+                and on the device, prompts of different lengths: the same texts in float32        (~5 s)
   decode        rollout.sample on the 3B shape at 32 and at 256 rows (64 new tokens, no EOS): tokens/s with
                 synchronisation, and CUDA kernels launched per decoded token (torch.profiler)     (~40 s)
   default_step  train.py --task arithmetic --team default --random-weights for 2 steps (the paper's settings:
@@ -232,6 +234,20 @@ def padded_rows(device, spec):
     return res
 
 
+def writers(device):
+    """The frozen writers' greedy answers (rollout.greedy_texts: output_collab's hints, the conductor's workers;
+    RLAE's members start from the same prefill) for prompts of different lengths, on CPU and on the device: the
+    same texts in float32; in bfloat16, the share of texts equal to the CPU's (rounding may flip a near tie)."""
+    prompts = [f"Question {k}: what is {k} + {3 * k}?" + " Explain." * k for k in range(1, 7)]
+    texts = {}
+    for name, where, dtype in (("cpu", torch.device("cpu"), torch.float32), ("device_float32", device, torch.float32),
+                               ("device_bfloat16", device, torch.bfloat16)):
+        model, tok = load_model("tiny:qwen2", where, dtype)
+        texts[name] = rollout.greedy_texts(model, tok, prompts, 12)
+    same = {k: sum(a == b for a, b in zip(t, texts["cpu"])) / len(prompts) for k, t in texts.items() if k != "cpu"}
+    return {"prompts": len(prompts), "texts_equal_to_cpu": same, "float32_equal": same["device_float32"] == 1.0}
+
+
 def _free(device):
     import gc
     gc.collect()
@@ -413,8 +429,8 @@ def main(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
     ap.add_argument("--out", default="gpu_check.json", help="the JSON file (rewritten after every phase)")
     ap.add_argument("--tiny", action="store_true", help="CPU, tiny models, a few seconds: what the test suite runs")
-    ap.add_argument("--phases", default="env,tiny_parity,padded_rows,decode,default_step,default_step_per_micro,"
-                    "default_step_cached,determinism",
+    ap.add_argument("--phases", default="env,tiny_parity,padded_rows,writers,decode,default_step,"
+                    "default_step_per_micro,default_step_cached,determinism",
                     help="comma-separated phases to run, in order")
     ap.add_argument("--steps", type=int, default=2, help="default_step: optimiser steps to run")
     args = ap.parse_args(argv)
@@ -433,7 +449,7 @@ def main(argv=None):
                 "--save-every", "1000", "--device", "cuda"]
     out = lambda name: ["--out", os.path.join(run_dir, name)]  # noqa: E731
     phases = {"env": (env, device), "tiny_parity": (tiny_parity, device),
-              "padded_rows": (padded_rows, device, spec),
+              "padded_rows": (padded_rows, device, spec), "writers": (writers, device),
               "decode": (decode, device, spec, (32, 256) if not args.tiny else (8, 16), 64 if not args.tiny else 8),
               "default_step": (default_step, device, base + ["--steps", str(args.steps)] + out("run")),
               "default_step_per_micro": (default_step, device,

@@ -206,11 +206,12 @@ def test_device_check_runs_on_cpu_at_tiny_scale(tmp_path):
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
     phases = {p["phase"]: p for p in json.load(open(out))["phases"]}
-    assert list(phases) == ["env", "tiny_parity", "padded_rows", "decode", "default_step", "default_step_per_micro",
-                            "default_step_cached", "determinism"]
+    assert list(phases) == ["env", "tiny_parity", "padded_rows", "writers", "decode", "default_step",
+                            "default_step_per_micro", "default_step_cached", "determinism"]
     assert all(p["ok"] for p in phases.values())
     assert phases["tiny_parity"]["smoke_bf16_step1_kl_exactly_0"] is True
     assert phases["padded_rows"]["math"]["behind_first"]["nonfinite_real_tokens"] == 0
+    assert phases["writers"]["float32_equal"] is True  # on CPU "the device" is the CPU: the same texts
     assert len(phases["default_step"]["steps"]) == 2
     assert phases["determinism"]["deterministic_all_equal"] is True
 
