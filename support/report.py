@@ -200,8 +200,9 @@ def summarize(folders, out):
 def plot_runs(folders, out):
     """Every figure for a folder of runs, read once: fig4_<task>_<team>.png (routing of `ours`), fig5.png (with
     vs without C), reward_<task>.png (training reward of every method), probes_<task>_<team>.png (what C
-    does over training), conductor_<task>_<team>.png (parse rate), rlae_weights_<task>_<team>.png (the agent's
-    weights, task reward against coins), fig6.png (score vs m). Returns the paths written."""
+    does over training), conductor_<task>_<team>.png (parse rate, flat groups, reward, the first worker's
+    share), rlae_weights_<task>_<team>.png (the agent's weights, task reward against coins), fig6.png (score
+    vs m). Returns the paths written."""
     try:
         import matplotlib
         matplotlib.use("Agg")
@@ -348,19 +349,28 @@ def probe_curves(runs, plt):
 
 
 def conductor_curves(runs, plt):
-    """The conductor's training signal over steps: the share of sampled workflows that parse, their mean number
-    of steps and the training reward (0 unparsed, 0.5 wrong, 1 right). Runs stopped early are drawn too."""
+    """The conductor's training signal over steps, per seed: the share of sampled workflows that parse, the share
+    of groups whose G rewards are all equal (no gradient), the training reward (0 unparsed, 0.5 wrong, 1 right)
+    and the first worker's share of the workflow steps; runs trained on coins (--reward random) dashed. Runs
+    stopped early are drawn too."""
     for (task, team), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"]),
                                       lambda r: r["cfg"]["method"] == "conductor" and r["metrics"]):
-        fig, axes = plt.subplots(1, 3, figsize=(11, 3.2), sharex=True)
+        first = next((m["utilization_names"][0] for r in group for m in r["metrics"] if "utilization_names" in m), "")
+        fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), sharex=True)
         for run in group:
             steps = [m["step"] for m in run["metrics"]]
-            label = f"seed {run['cfg'].get('seed', '?')}"
-            for ax, key in zip(axes, ("parse_rate", "mean_steps", "reward")):
-                ax.plot(steps, [m.get(key, np.nan) for m in run["metrics"]], marker="o", label=label)
-        for ax, title in zip(axes, ("workflows that parse", "mean steps of parsed workflows", "training reward")):
-            ax.set_title(title, fontsize=9), ax.set_xlabel("step"), ax.legend(fontsize=7)
-        axes[0].set_ylim(-0.05, 1.05)
+            coins = run["cfg"].get("reward") == "random"
+            label = f"seed {run['cfg'].get('seed', '?')}{' (coins)' if coins else ''}"
+            for ax, key in zip(axes, ("parse_rate", "zero_std_fraction", "reward")):
+                ax.plot(steps, [m.get(key, np.nan) for m in run["metrics"]], marker="o", ls="--" if coins else "-",
+                        label=label)
+            axes[3].plot(steps, [m["utilization"][0] if m.get("utilization") else np.nan for m in run["metrics"]],
+                         marker="o", ls="--" if coins else "-", label=label)
+        for ax, title in zip(axes, ("workflows that parse", "groups with equal rewards", "training reward",
+                                    f"share of steps: {first}")):
+            ax.set_title(title, fontsize=9), ax.set_xlabel("step"), ax.legend(fontsize=6)
+        for ax in (axes[0], axes[1], axes[3]):
+            ax.set_ylim(-0.05, 1.05)
         yield f"conductor_{task}_{team}.png", fig
 
 
