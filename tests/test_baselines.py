@@ -6,7 +6,6 @@ from types import SimpleNamespace
 import numpy as np
 import pytest
 import torch
-import torch.nn.functional as F
 
 from baselines import METHODS, straight_through_gumbel
 from support.report import plot_runs, summarize
@@ -90,17 +89,10 @@ def test_output_collab_batched_hints_equal_one_question_at_a_time(monkeypatch):
     question alone (questions of different lengths, so the padding is real); and no attention call of the
     experts' writing sees a query row whose keys are all masked (the rows CUDA's memory-efficient kernel may
     fill with NaN; HF generate's left padding made them, before)."""
-    from test_gpu_path import empty_query_rows
-    calls, empty = [0], [0]
-    real = F.scaled_dot_product_attention
-
-    def counted(q, k, v, attn_mask=None, *a, **kw):
-        calls[0] += 1
-        empty[0] += empty_query_rows(attn_mask)
-        return real(q, k, v, attn_mask, *a, **kw)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    from test_gpu_path import count_attention_rows
+    count = count_attention_rows(monkeypatch)
     batched = build("output_collab")(QS).hints
-    assert calls[0] > 0 and empty[0] == 0
+    assert count["calls"] > 0 and count["empty"] == 0
     alone = build("output_collab")
     assert batched == [alone([q]).hints[0] for q in QS]
 

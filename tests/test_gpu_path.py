@@ -28,23 +28,27 @@ def empty_query_rows(mask):
     return int((~visible.any(-1)).sum())
 
 
+def count_attention_rows(monkeypatch):
+    """Patch SDPA to count its calls and the query rows whose keys are all masked: {"calls": n, "empty": n}."""
+    count = {"calls": 0, "empty": 0}
+    real = F.scaled_dot_product_attention
+
+    def counted(q, k, v, attn_mask=None, *a, **kw):
+        count["calls"] += 1
+        count["empty"] += empty_query_rows(attn_mask)
+        return real(q, k, v, attn_mask, *a, **kw)
+    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    return count
+
+
 def test_no_attention_call_sees_a_query_row_with_every_key_masked(monkeypatch, tmp_path):
     """Left padding made each padding position a query with nothing to attend to (24 of 174 SDPA calls on the
     smoke preset, before): CUDA's memory-efficient kernel is reported to return NaN for such rows. The policy's
     prompts and the experts' now keep their padding behind the first token (rollout.padding_behind_first_token)."""
-    calls, empty = [0], [0]
-    real = F.scaled_dot_product_attention
-
-    def counted(q, k, v, attn_mask=None, *a, **kw):
-        calls[0] += 1
-        empty[0] += empty_query_rows(attn_mask)
-        return real(q, k, v, attn_mask, *a, **kw)
-
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
-    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", counted)
+    count = count_attention_rows(monkeypatch)
     train.main(SMOKE + ["--grad-accum", "2", "--out", str(tmp_path / "run")])
-    assert calls[0] > 50  # the check has teeth: attention ran, through SDPA
-    assert empty[0] == 0
+    assert count["calls"] > 50  # the check has teeth: attention ran, through SDPA
+    assert count["empty"] == 0
 
 
 def test_padding_behind_the_first_token_leaves_every_real_token_as_it_was(tiny_policy):

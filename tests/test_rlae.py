@@ -253,16 +253,8 @@ def test_members_prefill_without_an_all_masked_attention_row(tiny_rlae, monkeypa
     """Each member's prompts are padded behind their first token (rollout.encode_prompts) and their common
     beginning runs once (rollout.prefill_shared): no attention row has every key masked, the rows CUDA's
     memory-efficient kernel may fill with NaN. The left-padded start before had such rows for every padded prompt."""
-    import torch.nn.functional as F
-    from test_gpu_path import empty_query_rows
-    calls, empty = [0], [0]
-    real = F.scaled_dot_product_attention
-
-    def counted(q, k, v, attn_mask=None, *a, **kw):
-        calls[0] += 1
-        empty[0] += empty_query_rows(attn_mask)
-        return real(q, k, v, attn_mask, *a, **kw)
-    monkeypatch.setattr(F, "scaled_dot_product_attention", counted)
+    from test_gpu_path import count_attention_rows
+    count = count_attention_rows(monkeypatch)
     torch.manual_seed(0)
     texts, _ = tiny_rlae.decode(["What is 1 + 2?", "What is 30 + 4 + 5 + 6 + 70?"], 2)
-    assert calls[0] > 0 and empty[0] == 0 and len(texts) == 4
+    assert count["calls"] > 0 and count["empty"] == 0 and len(texts) == 4
