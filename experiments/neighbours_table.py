@@ -292,8 +292,8 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(
         step = "–" if c["seconds_per_step"] is None else f"{c['seconds_per_step']:.1f}"
         L.append(f"| {part} | {c['seeds']} | {step} | {c['train_seconds']:.0f} | {c['eval_seconds']:.0f} | "
                  f"{c['load_seconds']:.0f} | {c['total_seconds']:.0f} |")
-    L += ["", f"The whole experiment: {total:.0f} s ({total / 3600:.2f} h) of process wall time, one process at a "
-          "time.", "", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+    L += ["", f"The whole experiment: {total:.0f} s ({total / 3600:.2f} h) of process wall time, summed over its "
+          "processes (provenance.txt says which ran at the same time).", "", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
     return "\n".join(L) + "\n"
 
 
