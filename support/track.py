@@ -77,8 +77,9 @@ class TensorBoard:
 
 
 class Trackio:
-    """Trackio (Hugging Face's local-first tracker with W&B's calls): init, log, finish. Untested here: the
-    tests run without trackio installed; these are its documented calls."""
+    """Trackio (Hugging Face's local-first tracker with W&B's calls): init, log, finish, into a local SQLite
+    database ($TRACKIO_DIR). Not a test dependency: tests/test_track.py reads that database back where trackio is
+    installed (it passed with 0.43.0) and is skipped elsewhere."""
 
     def __init__(self, args, start):
         import trackio
@@ -93,9 +94,9 @@ class Trackio:
 
 
 class WandB:
-    """Weights & Biases: wandb.init, run.log, run.finish. Untested here: the tests run without wandb installed
-    (and it needs an account or WANDB_MODE=offline); these are its documented calls. A --resume starts a new
-    W&B run of the same name."""
+    """Weights & Biases: wandb.init, run.log, run.finish (an account, or WANDB_MODE=offline and `wandb sync`
+    later). Not a test dependency: tests/test_track.py runs it offline where wandb is installed (it passed with
+    0.31.0) and is skipped elsewhere. A --resume starts a new W&B run of the same name."""
 
     def __init__(self, args, start):
         import wandb

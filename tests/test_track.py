@@ -1,7 +1,7 @@
 """What a run reports while it runs: tokens_per_s in each step's record (the step's completion tokens over its
 wall seconds), and --track (support/track.py): TensorBoard's event file holds every scalar of metrics.jsonl, a
-missing library is one line and exit code 2 before anything is written, and the tracker is closed however the
-run ends."""
+missing library is one line and exit code 2 before anything is written, the tracker is closed however the
+run ends, and where trackio or wandb is installed, the real library keeps each step's scalars."""
 import json
 import math
 import os
@@ -142,6 +142,56 @@ def test_the_tracker_gets_each_step_and_is_closed_however_the_run_ends(library, 
     ms = metrics(out)
     assert len(ms) == (2 if ending == "finished" else 1)
     assert [(step, finite(scalars)) for _, step, scalars in logs] == [(m["step"], flat(m)) for m in ms]
+
+
+def test_trackio_itself_stores_every_scalar_of_metrics_jsonl(tmp_path):
+    """The real Trackio (not in requirements-dev.txt: skipped where it is not installed; passed with trackio
+    0.43.0). Two smoke steps with --track trackio; its local database, read back with sqlite3, holds the run
+    (named after --out, config included) and each step's scalars at that step, equal to metrics.jsonl's."""
+    pytest.importorskip("trackio")
+    import sqlite3
+    import subprocess
+    out = str(tmp_path / "my-run")  # a process of its own: Trackio reads TRACKIO_DIR (its database) when imported
+    env = {**os.environ, "TRACKIO_DIR": str(tmp_path / "trackio"), "OMP_NUM_THREADS": "1"}
+    subprocess.run([sys.executable, "train.py", *SMOKE, "--track", "trackio", "--out", out], env=env, check=True,
+                   cwd=os.path.dirname(os.path.abspath(train.__file__)), capture_output=True)
+    db = sqlite3.connect(tmp_path / "trackio" / f"{track.PROJECT}.db")
+    rows = db.execute("SELECT run_name, step, metrics FROM metrics ORDER BY step").fetchall()
+    (run_name, config), = db.execute("SELECT run_name, config FROM configs").fetchall()
+    assert run_name == "my-run" and json.loads(config)["out"] == out
+    ms = metrics(out)
+    assert [(name, step) for name, step, _ in rows] == [("my-run", m["step"]) for m in ms] == [("my-run", 1),
+                                                                                             ("my-run", 2)]
+    for (_, _, stored), m in zip(rows, ms):
+        got = {k: v for k, v in json.loads(stored).items() if isinstance(v, (int, float))}  # NaN is stored as text
+        assert finite(got) == flat(m)
+
+
+def test_wandb_itself_takes_each_step_offline(tmp_path, monkeypatch):
+    """The real Weights & Biases in offline mode (no account; not in requirements-dev.txt: skipped where it is not
+    installed; passed with wandb 0.31.0). Two smoke steps with --track wandb: the run is named after --out under
+    the project, and just before finish its summary holds the scalars of step 1 (W&B commits a step's row when
+    the next step begins; finish commits the last), equal to metrics.jsonl's."""
+    wandb = pytest.importorskip("wandb")
+    monkeypatch.setenv("WANDB_MODE", "offline")
+    monkeypatch.setenv("WANDB_DIR", str(tmp_path))
+    monkeypatch.setenv("WANDB_SILENT", "true")
+    seen = {}
+    real_init = wandb.init
+
+    def init(**kw):  # the real wandb.init; its run's summary is read just before the real finish
+        run = real_init(**kw)
+        real_finish = run.finish
+        run.finish = lambda: (seen.update(name=run.name, project=run.project, summary=dict(run.summary)),
+                              real_finish())
+        return run
+    monkeypatch.setattr(wandb, "init", init)
+    out = str(tmp_path / "my-run")
+    train.main(SMOKE + ["--track", "wandb", "--out", out], score_batch=letter_reward)
+    assert (seen["name"], seen["project"]) == ("my-run", track.PROJECT)
+    summary = {k: v for k, v in seen["summary"].items() if not k.startswith("_")}  # W&B's own _step, _runtime
+    assert seen["summary"]["_step"] == 1 and finite(summary) == flat(metrics(out)[0])
+    assert list((tmp_path / "wandb").glob("offline-run-*/run-*.wandb"))  # the run's record, for `wandb sync`
 
 
 @pytest.mark.parametrize("library", ["tensorboard", "trackio", "wandb"])
