@@ -22,7 +22,8 @@ tests/test_adapter.py checks it token for token.
   decode               its token-by-token loop, from a prefill
   greedy_texts         a frozen writer's greedy answers (conductor workers, output_collab's hints)
   (support/low_precision.py: --rollout-dtype bfloat16 / int8, the rollout's matmuls on a
-                       low-precision copy of the weights)
+                       low-precision copy of the weights; support/kv_cache.py: the KV cache's
+                       keyword, and its room for the new tokens reserved up front)
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
   mlps_recomputed      (with gradient) the MLPs' activations recomputed in the backward pass
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
@@ -34,13 +35,11 @@ share `prefill`).
 Try it on CPU:  python -m pytest tests/test_adapter.py -q -k "positions or prefix"
 """
 import contextlib
-import functools
-import inspect
 
 import torch
-from transformers.cache_utils import DynamicLayer
 
 from lora import lora_merged
+from support.kv_cache import cache_kwargs, cache_of, preallocate
 from support.low_precision import low_precision_linears
 
 # --------------------------------------------------------------------------------------------------
@@ -164,24 +163,6 @@ def eos_token_ids(policy, tok):
 # The shared prefill
 
 
-def cache_kwargs(model, cache):
-    """The KV cache as a forward's keyword: `cache`, the name transformers 5.x moved to (the old
-    name, past_key_values, prints a FutureWarning on every call), or past_key_values where the
-    model has no other."""
-    return {cache_name(type(model)): cache}
-
-
-@functools.lru_cache(maxsize=None)
-def cache_name(model_class):
-    names = inspect.signature(model_class.forward).parameters
-    return "cache" if "cache" in names else "past_key_values"
-
-
-def cache_of(out):
-    """The KV cache a forward returned, by its name in this transformers version."""
-    return out.cache if "cache" in out else out.past_key_values
-
-
 def prefill(policy, prompt_ids, prompt_mask, C, G, position):
     """Run [x || C] once per prompt and make room for G completions of each. Returns (cache
     repeated G times, logits of y_0 [B*G, V], mask [B*G, P'], position of the last prefix token
@@ -296,8 +277,7 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     launch queue), so on a GPU it is asked every SYNC_EVERY tokens, and the tokens written after
     the last row ended (all padding) are cut at the end: the same output as asking every token."""
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
-    cache.layers = [_Preallocated(l, max_new_tokens) if type(l) is DynamicLayer else l
-                    for l in cache.layers]
+    preallocate(cache, max_new_tokens)  # each token written in place (support/kv_cache.py)
     logits = logits.float()                                               # (B*G, vocab)
     eos = torch.tensor(eos_ids, device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -348,29 +328,6 @@ def greedy_texts(model, tok, prompts, max_new_tokens):
 
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
-
-
-class _Preallocated(DynamicLayer):
-    """One layer of HF's DynamicCache with room for `extra` tokens reserved up front.
-    DynamicLayer.update torch.cat-s the whole history for every new token: O(T^2) copying, 35 %
-    of the rollout's time measured on the pocket policy (8 x 64 tokens after a 193-token prompt).
-    Here each token is written in place and keys/values are views of the filled part, so shapes
-    and masks are exactly DynamicLayer's."""
-
-    def __init__(self, layer, extra):
-        super().__init__()
-        (N, H, P, Dk), Dv = layer.keys.shape, layer.values.shape[-1]
-        self.k_buf = layer.keys.new_empty(N, H, P + extra, Dk)  # (B*G, heads, P + extra, head dim)
-        self.v_buf = layer.values.new_empty(N, H, P + extra, Dv)
-        self.k_buf[:, :, :P], self.v_buf[:, :, :P] = layer.keys, layer.values
-        self.n, self.keys, self.values = P, self.k_buf[:, :, :P], self.v_buf[:, :, :P]
-        self.dtype, self.device, self.is_initialized = layer.keys.dtype, layer.keys.device, True
-
-    def update(self, key_states, value_states, *args, **kwargs):
-        n = self.n + key_states.shape[-2]
-        self.k_buf[:, :, self.n:n], self.v_buf[:, :, self.n:n] = key_states, value_states
-        self.n, self.keys, self.values = n, self.k_buf[:, :, :n], self.v_buf[:, :, :n]
-        return self.keys, self.values
 
 
 # --------------------------------------------------------------------------------------------------

@@ -70,6 +70,7 @@ from experts import expert_text, load_model  # noqa: E402
 import rollout  # noqa: E402
 from rollout import policy_inputs  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
+from support import kv_cache  # noqa: E402
 
 TASK, TASK_CONFIG = "chain_sum", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 POLICY = "pocket:smollm2-135m-instruct"
@@ -309,7 +310,7 @@ class Policy:
             P = min(P, next((k for k, (u, v) in enumerate(zip(ids[0], s)) if u != v), P))
         self.P = P
         out = self.model(input_ids=torch.tensor([ids[0][:P]]), use_cache=True)
-        self.prefix_kv = [(l.keys, l.values) for l in rollout.cache_of(out).layers]
+        self.prefix_kv = [(l.keys, l.values) for l in kv_cache.cache_of(out).layers]
 
     def _fast_prefill(self, questions, C, extra_embeds=None, extra_mask=None, logits_to_keep=1):
         """[prefix | pad | tail | C | extra]: the tail without gradient, C and extra with it."""
@@ -322,14 +323,14 @@ class Policy:
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         with torch.no_grad():
             self.model(input_ids=tails, attention_mask=mask, position_ids=pos[:, self.P:],
-                       **rollout.cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
+                       **kv_cache.cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=1)
         x = C.to(self.embed.weight.dtype)
         mask = torch.cat([mask, torch.ones(C.shape[:2], dtype=torch.bool)], 1)
         if extra_embeds is not None:
             x, mask = torch.cat([x, extra_embeds], 1), torch.cat([mask, extra_mask], 1)
         pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
         out = self.model(inputs_embeds=x, attention_mask=mask, position_ids=pos[:, -x.shape[1]:],
-                         **rollout.cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=logits_to_keep)
+                         **kv_cache.cache_kwargs(self.model, cache), use_cache=True, logits_to_keep=logits_to_keep)
         return out, mask, pos
 
     def gold_logprobs(self, items_, C, fast=None):
@@ -352,7 +353,7 @@ class Policy:
                               greedy=True)
         else:
             o, mask, pos = self._fast_prefill([q for q, _ in items_], C)
-            cache, logits, pos, toks = rollout.cache_of(o), o.logits[:, -1], pos[:, -1:], []
+            cache, logits, pos, toks = kv_cache.cache_of(o), o.logits[:, -1], pos[:, -1:], []
             done = torch.zeros(len(items_), dtype=torch.bool)
             for _ in range(max_new):
                 nxt = torch.where(done, torch.full_like(logits[:, 0], self.pad, dtype=torch.long), logits.argmax(-1))
@@ -362,8 +363,8 @@ class Policy:
                     break
                 mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
                 o = self.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                               **rollout.cache_kwargs(self.model, cache), use_cache=True)
-                cache, logits = rollout.cache_of(o), o.logits[:, -1]
+                               **kv_cache.cache_kwargs(self.model, cache), use_cache=True)
+                cache, logits = kv_cache.cache_of(o), o.logits[:, -1]
             out = torch.stack(toks, 1)
         return [self.tok.decode(row, skip_special_tokens=True) for row in out]
 

@@ -64,6 +64,7 @@ from channel import (CACHE, POLICY, RESPONSE, TASK, TASK_CONFIG, ChannelAdapter,
                      expert_input, expert_model, pad_left, teacher_forced)
 from experts import load_model  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
+from support import kv_cache  # noqa: E402
 from support.stats import paired_comparison  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "mechanism")
@@ -150,7 +151,7 @@ def sample(pol, questions, C, G, max_new, generator):
     prefill of B*G rows, once per sample, made the item screen 16x slower)."""
     qs = [q for q in questions for _ in range(G)]
     out, mask, pos = pol._fast_prefill(list(questions), C)
-    cache = rollout.cache_of(out)
+    cache = kv_cache.cache_of(out)
     cache.batch_repeat_interleave(G)                                                  # (B, ...) -> (B*G, ...)
     logits, mask, pos = (t.repeat_interleave(G, 0) for t in (out.logits[:, -1], mask, pos[:, -1:]))
     done, toks = torch.zeros(len(qs), dtype=torch.bool), []
@@ -165,8 +166,8 @@ def sample(pol, questions, C, G, max_new, generator):
             break
         mask, pos = torch.cat([mask, torch.ones_like(mask[:, :1])], 1), pos + 1
         o = pol.model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                      **rollout.cache_kwargs(pol.model, cache), use_cache=True)
-        cache, logits = rollout.cache_of(o), o.logits[:, -1]
+                      **kv_cache.cache_kwargs(pol.model, cache), use_cache=True)
+        cache, logits = kv_cache.cache_of(o), o.logits[:, -1]
     return torch.stack(toks, 1)
 
 
@@ -178,13 +179,13 @@ def completion_logprobs(pol, questions, C, comp, comp_mask):
     G = comp.shape[0] // len(questions)
     T = comp.shape[1]
     out, mask, pos = pol._fast_prefill(list(questions), C)                      # [tail | C | pre-fill], B rows
-    cache = rollout.cache_of(out)
+    cache = kv_cache.cache_of(out)
     cache.batch_repeat_interleave(G)                                            # (B, ...) -> (B*G, ...)
     first = out.logits[:, -1:].repeat_interleave(G, 0)                          # predicts y_0
     mask = torch.cat([mask.repeat_interleave(G, 0), comp_mask], 1)
     pos = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(1, T + 1)          # padding after EOS: unread
     o = pol.model(inputs_embeds=pol.embed(comp), attention_mask=mask, position_ids=pos,
-                  **rollout.cache_kwargs(pol.model, cache), use_cache=True, logits_to_keep=T)
+                  **kv_cache.cache_kwargs(pol.model, cache), use_cache=True, logits_to_keep=T)
     return rollout.token_logprobs(torch.cat([first, o.logits[:, :T - 1]], 1), comp)
 
 

@@ -82,10 +82,10 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-import rollout  # noqa: E402
 import rewards  # noqa: E402
 from experts import ENCODER_TYPES, expert_text, load_model  # noqa: E402
 from channel import ridge_probe  # noqa: E402
+from support import kv_cache  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "screen")
 RUNS = os.path.join(ROOT, "runs", "screen")
@@ -247,7 +247,7 @@ def prefix_cache(model, prefix):
     """KV cache of the shared prefix (batch 1), or None when there is none."""
     if not prefix:
         return None
-    return rollout.cache_of(model(input_ids=torch.tensor([prefix]), use_cache=True, logits_to_keep=1))
+    return kv_cache.cache_of(model(input_ids=torch.tensor([prefix]), use_cache=True, logits_to_keep=1))
 
 
 @torch.no_grad()
@@ -266,9 +266,9 @@ def suffix_forward(model, cache, P, suffixes, pad_id, hidden=False):
     if cache is not None:
         kv = copy.deepcopy(cache)
         kv.batch_repeat_interleave(B)
-    out = model(input_ids=ids, attention_mask=mask, position_ids=pos[:, P:], **rollout.cache_kwargs(model, kv),
+    out = model(input_ids=ids, attention_mask=mask, position_ids=pos[:, P:], **kv_cache.cache_kwargs(model, kv),
                 use_cache=True, output_hidden_states=hidden, logits_to_keep=1)
-    return out, rollout.cache_of(out), mask, pos[:, -1] + 1
+    return out, kv_cache.cache_of(out), mask, pos[:, -1] + 1
 
 
 @torch.no_grad()
@@ -300,8 +300,8 @@ def greedy_answers(model, tok, prompts, max_new, batch=16):
                 break
             mask = torch.cat([mask, torch.ones(B, 1, dtype=torch.long)], 1)
             out = model(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos[:, None],
-                        **rollout.cache_kwargs(model, kv), use_cache=True, logits_to_keep=1)
-            kv, pos = rollout.cache_of(out), pos + 1
+                        **kv_cache.cache_kwargs(model, kv), use_cache=True, logits_to_keep=1)
+            kv, pos = kv_cache.cache_of(out), pos + 1
             nxt = out.logits[:, -1].argmax(-1)
         texts += [tok.decode(g, skip_special_tokens=True) for g in gen]
     return texts

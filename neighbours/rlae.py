@@ -75,8 +75,9 @@ import rewards  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, frozen_dtype, is_encoder, load_model, pick_device  # noqa: E402
-from rollout import cache_kwargs, draw, encode_prompts, prefill_shared  # noqa: E402
+from rollout import draw, encode_prompts, prefill_shared  # noqa: E402
 from support import distributed  # noqa: E402
+from support.kv_cache import cache_kwargs  # noqa: E402
 from support.config import COUNT, build_parser, fail, parse, refuse_train_levers, remove_created  # noqa: E402
 from support.build import attach_lora, load_policy_and_data  # noqa: E402
 from support.checkpoint import sigkill_hook  # noqa: E402
