@@ -101,7 +101,7 @@ from support.build import attach_lora, load_policy_and_data  # noqa: E402
 from support.checkpoint import sigkill_hook  # noqa: E402
 from support.optim import clip_gradients, set_learning_rates  # noqa: E402
 from support.run import after_step, finish_run, open_run, progress_bar, release_folders  # noqa: E402
-from support.run import resume_run, step_if_finite, write_samples  # noqa: E402
+from support.run import resume_run, step_if_finite, wall_clock, write_samples  # noqa: E402
 from support.validation import neighbour_eval_args, restore_trained, save_eval, scored  # noqa: E402
 from support.validation import score_items, validation_items  # noqa: E402
 
@@ -566,7 +566,8 @@ def grpo_step(step, run, args, score_batch):
     if A is not None:
         rec["entropy"], rec["utilization"] = routing_stats(A)
         rec["utilization_names"] = cond.names
-    rec["seconds"] = time.time() - t0
+    # seconds, and tokens_per_s over the workflow tokens the policy wrote (the workers' answers not counted)
+    rec.update(wall_clock(t0, sum(int(b["comp_mask"].sum()) for b in batches)))
     return rec, batches
 
 

@@ -355,7 +355,7 @@ def log_line(rec, steps):
     if "entropy" in rec:
         parts.append(f"H {rec['entropy']:.3f}")
     parts.append(f"{rec['seconds']:.1f} s")
-    if "tokens_per_s" in rec:  # train.py's steps (the neighbours' do not count theirs)
+    if "tokens_per_s" in rec:  # every trainer's steps have it; a record written before it existed may not
         parts.append(f"{rec['tokens_per_s']:.0f} tok/s")
     if rec["skipped_update"]:
         parts.append("update skipped: non-finite loss, gradient or weights")

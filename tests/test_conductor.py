@@ -186,6 +186,8 @@ def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
           "--max-new-tokens", "8", "--out", out])
     ms = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     assert [m["step"] for m in ms] == [1, 2] and all(0 <= m["parse_rate"] <= 1 and m["kl"] == 0 for m in ms)
+    for m in ms:  # tokens_per_s: the workflow tokens the policy wrote (2 prompts x G 2) per second of the step
+        assert m["tokens_per_s"] * m["seconds"] == pytest.approx(m["completion_length"] * 2 * 2, rel=1e-9)
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     res = C.evaluate_run(cfg, 2, 2, state["lora"], state["method"])

@@ -191,6 +191,8 @@ def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
     for m in ms:
         assert len(m["utilization"]) == 3 and abs(sum(m["utilization"]) - 1) < 1e-5
         assert 0 <= m["entropy"] <= torch.log(torch.tensor(3.0)).item() + 1e-6
+        # tokens_per_s: the union-vocabulary units written (2 prompts x G 2) per second of the step
+        assert m["tokens_per_s"] * m["seconds"] == pytest.approx(m["completion_length"] * 2 * 2, rel=1e-9)
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert set(state["method"]) == {k for k, _ in state["method"].items() if k.startswith("agent.")}
