@@ -2,36 +2,37 @@
 The device check: one command that says how the paper's setting runs on one CUDA GPU, with no network and only
 this repository (the paper's models are built at their real shapes with RANDOM weights, support/shape_models.py).
 
-    python experiments/gpu_check.py --out OUT/gpu_check.json          # on a GPU: ~4-6 min on one H100 (estimate)
+    python experiments/gpu_check.py --out OUT/gpu_check.json          # on a GPU: ~8 min on an H200, every phase
     python experiments/gpu_check.py --tiny --out /tmp/gpu_check.json  # CPU, tiny models, seconds (the test suite)
 
 Phases, in order; each appends its record to the one JSON file as soon as it ends, so a timeout keeps what
 finished, and a phase that fails records its error and the next one runs:
-  env           versions, the card, which SDPA backends are enabled                              (estimate: 1 s)
+  env           versions, the card, which SDPA backends are enabled                              (0.02 s)
   tiny_parity   the tiny team on CPU vs on the device: log-probs of the same completions, greedy samples, the
                 LoRA gradient of one loss, and a 1-step smoke run in bfloat16 whose step-1 KL must be exactly 0
-                                                                                                  (~20 s)
+                                                                                                  (20 s)
   padded_rows   the 3B policy's shape (36 layers, bfloat16): a left-padded batch and the same batch with its
                 padding behind the first token (rollout.padding_behind_first_token), under each SDPA backend
                 alone: non-finite logits at real tokens, and the largest difference between the two layouts
-                                                                                                  (~30 s)
+                                                                                                  (2 s)
   writers       rollout.greedy_texts (output_collab's hints, the conductor's workers) of the tiny Qwen2 on CPU
-                and on the device, prompts of different lengths: the same texts in float32        (~5 s)
+                and on the device, prompts of different lengths: the same texts in float32        (0.2 s)
   decode        rollout.sample on the 3B shape at 32 and at 256 rows (64 new tokens, no EOS): tokens/s with
-                synchronisation, and CUDA kernels launched per decoded token (torch.profiler)     (~40 s)
+                synchronisation, and CUDA kernels launched per decoded token (torch.profiler)     (17 s)
   default_step  train.py --task arithmetic --team default --random-weights for 2 steps (the paper's settings:
                 32 prompts x G 8, 128 new tokens): seconds and peak allocated / reserved memory per phase of the
-                step (each phase timed with torch.cuda.synchronize), against --plan's figures     (~1-2 min)
+                step (each phase timed with torch.cuda.synchronize), against --plan's figures     (90 s)
   default_step_per_micro  the same for 1 step with --rollout-batch 1: a decode loop per micro-batch, as the
-                rollout ran before it sampled the whole step in one loop                           (~1.5 min)
+                rollout ran before it sampled the whole step in one loop                           (75 s)
   default_step_cached  1 step on precomputed expert states (--precompute-states, then --expert-cache): the
-                experts are never loaded, the peak is the policy's                                 (~1.5 min)
+                experts are never loaded, the peak is the policy's                                 (33 s)
   determinism   fresh processes of the smoke preset under coin rewards (so every step has a gradient), 4 steps:
                 two with --deterministic, one with --deterministic stopped after 2 steps and resumed, two
                 without the flag; each process's gradient norm and loss per step. ok = the three
                 --deterministic processes agree to the bit (without the flag they may not: the attention
-                backward adds with atomics on a GPU)                                              (~1 min)
-The estimates are rough; results/gpu.md holds what each run measured.
+                backward adds with atomics on a GPU)                                              (2 min)
+The times were measured on an H200 (results/gpu.md holds every run: 210 s for all phases but the last two at
+c11c835, plus ~40 s to install the wheels).
 
 A GPU machine of this project has no network: reasoning-gym and its dependencies (numpy included) travel as wheels
 (--task arithmetic needs them), built here by experiments/gpu_wheels.sh into .whl/ and installed there with
