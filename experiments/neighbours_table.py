@@ -253,8 +253,8 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(
                  + f" | {mean_sd(vals, 100)} |")
     for method in ("conductor", "rlae"):
         L += ["", f"## {method} against its controls (a − b on the same items, points)", "",
-              "| a − b | seeds | per seed | mean ± sd | seeds better / worse | sign-flip p | items: 95 % CI "
-              "(descriptive) | items better / worse |", "|---|---|---|---|---|---|---|---|"]
+              "| a − b | seeds | per seed | mean ± sd | seeds better / worse | sign-flip p (two-sided) "
+              "| items: 95 % CI (descriptive) | items better / worse |", "|---|---|---|---|---|---|---|---|"]
         for r in (r for m, r in rows if m == method):
             lo, hi = r["items_ci95"]
             L.append(f"| {r['label']} | {len(r['seeds'])} | {', '.join(f'{100 * d:+.1f}' for d in r['diffs'])} | "
@@ -273,7 +273,8 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(
                                   "steps) minus at step 1"),
                          (weights, f"RLAE's agent weights at the end (last {LAST} steps) minus uniform")):
         if rows_:
-            L += ["", f"## {title}", "", "| member | task reward | coins | task − coins, per seed | sign-flip p |",
+            L += ["", f"## {title}", "",
+                  "| member | task reward | coins | task − coins, per seed | sign-flip p (two-sided) |",
                   "|---|---|---|---|---|"]
             L += [f"| {w['member']} | {mean_sd(w['task'].values(), signed=True)} | "
                   f"{mean_sd(w['coins'].values(), signed=True)} | "
