@@ -356,19 +356,20 @@ def conductor_curves(runs, plt):
     for (task, team), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"]),
                                       lambda r: r["cfg"]["method"] == "conductor" and r["metrics"]):
         first = next((m["utilization_names"][0] for r in group for m in r["metrics"] if "utilization_names" in m), "")
-        fig, axes = plt.subplots(1, 4, figsize=(14, 3.2), sharex=True)
-        for run in group:
+        fig, axes = plt.subplots(1, 4, figsize=(15, 3.2), sharex=True)
+        for run in group:  # one colour per seed: its task-trained run solid, its coin-trained run dashed
             steps = [m["step"] for m in run["metrics"]]
-            coins = run["cfg"].get("reward") == "random"
-            label = f"seed {run['cfg'].get('seed', '?')}{' (coins)' if coins else ''}"
+            coins, seed = run["cfg"].get("reward") == "random", run["cfg"].get("seed", 0)
+            style = dict(marker="o", ms=3, ls="--" if coins else "-", color=plt.cm.tab10.colors[seed % 10],
+                         label=f"seed {seed}{' (coins)' if coins else ''}")
             for ax, key in zip(axes, ("parse_rate", "zero_std_fraction", "reward")):
-                ax.plot(steps, [m.get(key, np.nan) for m in run["metrics"]], marker="o", ls="--" if coins else "-",
-                        label=label)
+                ax.plot(steps, [m.get(key, np.nan) for m in run["metrics"]], **style)
             axes[3].plot(steps, [m["utilization"][0] if m.get("utilization") else np.nan for m in run["metrics"]],
-                         marker="o", ls="--" if coins else "-", label=label)
+                         **style)
         for ax, title in zip(axes, ("workflows that parse", "groups with equal rewards", "training reward",
                                     f"share of steps: {first}")):
-            ax.set_title(title, fontsize=9), ax.set_xlabel("step"), ax.legend(fontsize=6)
+            ax.set_title(title, fontsize=9), ax.set_xlabel("step")
+        axes[3].legend(fontsize=6, loc="center left", bbox_to_anchor=(1.02, 0.5))  # one legend, beside the plots
         for ax in (axes[0], axes[1], axes[3]):
             ax.set_ylim(-0.05, 1.05)
         yield f"conductor_{task}_{team}.png", fig
@@ -376,15 +377,15 @@ def conductor_curves(runs, plt):
 
 def rlae_weight_curves(runs, plt):
     """RLAE's agent over steps: each member's mean weight alpha / sum(alpha) (logged as agent_weights; mean and
-    band over seeds), trained on the task's reward (solid) and on coins (--reward random, dashed). An agent that
-    learns moves its weights away from uniform (dotted), and not the way coins move them."""
+    band over seeds), trained on the task's reward (solid; --reward exact too) and on coins (--reward random,
+    dashed). An agent that learns moves its weights away from uniform (dotted), and not the way coins move them."""
     for (task, team), group in by_key(runs, lambda r: (r["cfg"]["task"], r["cfg"]["team"]),
                                       lambda r: r["cfg"]["method"] == "rlae" and r["finished"]
                                       and any("agent_weights" in m for m in r["metrics"])):
         names = next(m["utilization_names"] for r in group for m in r["metrics"] if "utilization_names" in m)
         fig, ax = plt.subplots(figsize=(7, 4))
-        for reward, style, what in (("task", "-", "task reward"), ("random", "--", "coins")):
-            seeds = [r for r in group if r["cfg"].get("reward", "task") == reward]
+        for coins, style, what in ((False, "-", "task reward"), (True, "--", "coins")):  # exact is the task's too
+            seeds = [r for r in group if (r["cfg"].get("reward") == "random") == coins]
             if seeds:
                 T = min(len(r["metrics"]) for r in seeds)
                 W = series(seeds, "agent_weights", T)                              # (seeds, T, K)

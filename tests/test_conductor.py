@@ -463,3 +463,20 @@ def test_random_reward_pays_the_seeded_coins_and_runs_no_worker(tmp_path, monkey
     ms = [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
     for step, m in enumerate(ms):
         assert m["reward"] == pytest.approx(sum(rewards.coin_rewards(3, step, 0, 0, 8)) / 8)
+
+
+@pytest.mark.parametrize("reward", ["task", "exact"])
+def test_rlae_weight_curves_draw_the_task_trained_agent_beside_coins(reward):
+    """rlae_weights_*.png: the agents trained on the task (its own reward or --reward exact: full marks only) are
+    the solid lines, the coin-trained ones dashed. A run trained on exact was left out of the plot before."""
+    plt = pytest.importorskip("matplotlib.pyplot")
+    from support.report import rlae_weight_curves
+
+    def run(r, w):
+        return {"cfg": {"method": "rlae", "task": "gcd", "team": "pocket", "reward": r}, "finished": True,
+                "metrics": [{"step": s, "agent_weights": [w, 1 - w], "utilization_names": ["q", "s"]}
+                            for s in (1, 2)]}
+    (name, fig), = rlae_weight_curves([run(reward, 0.6), run("random", 0.45)], plt)
+    lines = {line.get_label(): (line.get_linestyle(), list(line.get_ydata())) for line in fig.axes[0].get_lines()}
+    assert lines["q, task reward (1)"] == ("-", [0.6, 0.6]) and lines["q, coins (1)"] == ("--", [0.45, 0.45])
+    plt.close(fig)
