@@ -8,9 +8,10 @@ Bit for bit holds on one kind of CPU only: torch's kernels sum in another order 
 when every run changed on purpose (the rollout samples the whole step in one decode loop, each micro-batch's rows
 drawing from uniforms seeded by that micro-batch, train.row_uniforms; and prompts keep their padding behind their
 first token, rollout.padding_behind_first_token; before that, the two --dynamic-sampling runs when flat groups came
-to keep their KL term). The AVX-512 fixture recorded at d7377e0 could not be re-recorded (no AVX-512 CPU at hand)
-and was removed: on a CPU with no fixture the test is skipped and says how to record one from a trusted commit. The pocket team's twin (recorded on AVX2) is run by
-hand:
+to keep their KL term). The AVX-512 fixture recorded at d7377e0 could not be re-recorded then (no AVX-512 CPU at
+hand) and was removed; metrics_tiny_avx512.json was recorded on 2026-11-27 at c11c835 on an AVX-512 CPU (AMD EPYC).
+On a CPU with no fixture the test is skipped and says how to record one from a trusted commit. The pocket team's
+twin (recorded on AVX2) is run by hand:
     python tests/fixtures/record_metrics.py --pocket --check tests/fixtures/metrics_pocket.json"""
 import json
 import os
@@ -21,7 +22,7 @@ import pytest
 import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-FIXTURES = {"AVX2": "metrics_tiny.json"}
+FIXTURES = {"AVX2": "metrics_tiny.json", "AVX512": "metrics_tiny_avx512.json"}
 NOT_RECORDED = {}  # runs a fixture does not hold (changed on purpose where no CPU of its kind was at hand)
 
 
