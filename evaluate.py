@@ -29,9 +29,10 @@ import numpy as np
 import torch
 
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
-from experts import check_models, frozen_dtype, load_model, pick_device, team_models
+from experts import frozen_dtype, load_model, pick_device, team_models
 from support.checkpoint import write_json
 from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, parse_args, remove_created
+from support.model_check import check_models
 from support.report import plot_runs, summarize
 from support.stats import paired_comparison
 from support.validation import read_run, restore_trained, score_items, scored, summary, validation_items

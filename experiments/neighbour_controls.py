@@ -41,7 +41,8 @@ sys.path.insert(0, ROOT)
 
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
-from experts import check_models, pick_device, team_models  # noqa: E402
+from experts import pick_device, team_models  # noqa: E402
+from support.model_check import check_models  # noqa: E402
 from neighbours import conductor, rlae  # noqa: E402
 from support.checkpoint import write_json  # noqa: E402
 from support.config import COUNT, ArgumentParser, fail  # noqa: E402

@@ -138,7 +138,8 @@ def check_input(a, base):
     """Every flag, checked before anything is written (one line, exit code 2): the neighbours' own parsers read
     the training flags, the team's models must exist, the task must load."""
     import rewards
-    from experts import check_models, team_models
+    from experts import team_models
+    from support.model_check import check_models
     from neighbours import conductor, rlae
     seed = ["--seed", str(a.seeds[0]), "--out", os.path.join(a.out, "check")]
     conductor.parse_args(base + seed)

@@ -3,6 +3,7 @@ Support code: what the core files (experts, adapter, lora, grpo, rollout, reward
 baselines) need but a reader of the algorithm can skip. Importing this package does nothing.
 
   config.py         every train.py flag, its default and checks, the presets; the one-line error
+  model_check.py    what a model flag may name, checked before anything loads (one line, exit code 2)
   checkpoint.py     save / load / --resume a run, atomic JSON writes
   distributed.py    torchrun: the micro-batches of each process, gathered metrics, summed gradients
   plan.py           --plan: the memory each device needs, on PyTorch's meta device

@@ -28,9 +28,10 @@ import torch
 
 import rewards
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
-from experts import POOLINGS, TEAMS, check_models, team_models
+from experts import POOLINGS, TEAMS, team_models
 from support import distributed
 from support.checkpoint import check_resume
+from support.model_check import check_models
 from support.track import BACKENDS, check_library
 
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."

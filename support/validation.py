@@ -196,7 +196,7 @@ def neighbour_eval_args(argv, script):
     checkpoint, the eval.json path, the folders made for it); bad input exits with code 2 and one line."""
     from types import SimpleNamespace
 
-    from experts import check_models
+    from support.model_check import check_models
     from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
                        "validation split, greedy -> eval.json")
