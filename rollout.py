@@ -267,6 +267,9 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
                       return_logprobs, allowed, uniforms)
 
 
+SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
+
+
 def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
            greedy=False, return_logprobs=False, allowed=None, uniforms=None):
     """The token-by-token loop of `sample`, from what `prefill` returned: draw (or argmax) a
@@ -325,9 +328,6 @@ def greedy_texts(model, tok, prompts, max_new_tokens):
     out = decode(model, *prefill_shared(model, ids, mask, None, "after"), max_new_tokens, 1.0, eos_ids,
                  tok.pad_token_id, greedy=True)              # (B, T): padding after each EOS
     return tok.batch_decode(out, skip_special_tokens=True)
-
-
-SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
 
 
 # --------------------------------------------------------------------------------------------------

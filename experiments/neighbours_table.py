@@ -294,7 +294,8 @@ def markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice=(
         L.append(f"| {part} | {c['seeds']} | {step} | {c['train_seconds']:.0f} | {c['eval_seconds']:.0f} | "
                  f"{c['load_seconds']:.0f} | {c['total_seconds']:.0f} |")
     L += ["", f"The whole experiment: {total:.0f} s ({total / 3600:.2f} h) of process wall time, summed over its "
-          "processes (provenance.txt says which ran at the same time).", "", "## Plots", ""] + [f"![{p}]({p})" for p in plots]
+          "processes (provenance.txt says which ran at the same time).", "", "## Plots", ""]
+    L += [f"![{p}]({p})" for p in plots]
     return "\n".join(L) + "\n"
 
 
