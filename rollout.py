@@ -15,8 +15,10 @@ tests/test_adapter.py checks it token for token.
   same_width           several micro-batches' prompts as one batch (one decode loop for a step)
   cut_padding          a loop's rows cut after their longest completion
   policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
-  prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0
-  prefill_shared       (evaluation) the rows' common beginning run once, their own tails at batch B
+  context_slot         where C goes: --context-position, or in front of the --context-split tokens
+  prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0;
+                       the prompts' common beginning (system prompt, worked example) run once
+  prefill_shared       prefill with G = 1 (evaluation, the neighbours' writers)
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
                        under a mask of allowed tokens: constrained decoding)
   decode               its token-by-token loop, from a prefill
@@ -54,6 +56,9 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
     and the completion follows directly). C: [B, m, D] or None (no context tokens). embed: the
     policy's input embedding module. The sequence is, with x_0 the first real token of the prompt:
         "after"   [pad.. x C]            Eq. 3
+        k (int)   [pad.. x_..-k C x_-k..] C in front of the prompt's last k tokens (--context-split:
+                                         the end of the response prefix follows C, e.g.
+                                         "<think>" C "</think><answer>", the mechanism test's slot)
         "before"  [x_0 C pad.. x_1..]    prefix tuning, kept behind the first token (see below)
     The mask hides the padding wherever it sits, and positions count only unmasked tokens, so a
     prompt gets the same positions whatever its batch-mates are. The reference policy gets
@@ -74,6 +79,10 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
         ones = torch.ones(C.shape[:2], dtype=torch.bool, device=mask.device)
         if position == "after":
             x, mask = torch.cat([x, C], 1), torch.cat([mask, ones], 1)
+        elif isinstance(position, int) and position > 0:  # C in front of the last k prompt tokens
+            k = position
+            x = torch.cat([x[:, :-k], C, x[:, -k:]], 1)                       # (B, T + m, D)
+            mask = torch.cat([mask[:, :-k], ones, mask[:, -k:]], 1)
         elif position == "before":
             first = mask & (mask.long().cumsum(-1) == 1)  # (B, T) one-hot: x_0 of each row
             x0 = x[first].unsqueeze(1)                                      # (B, 1, D)
@@ -81,7 +90,8 @@ def policy_inputs(embed, prompt_ids, prompt_mask, C=None, position="after"):
             # x_0's old column becomes padding
             mask = torch.cat([ones[:, :1], ones, mask & ~first], 1)
         else:
-            raise ValueError(f"--context-position must be 'after' or 'before', got {position!r}")
+            raise ValueError(f"--context-position must be 'after', 'before' or a number of tokens >= 1, "
+                             f"got {position!r}")
     return x, mask, position_ids(mask)
 
 
@@ -92,18 +102,36 @@ def position_ids(mask):
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
 
 
-def encode_prompts(tok, prompts, device):
+def encode_prompts(tok, prompts, device, split=""):
     """Token ids and mask of the policy's prompts [B, T]: every prompt ends at the last column, so
     completions follow directly, and its padding sits behind its first token
     (padding_behind_first_token). A chat template writes its own special tokens into the text; a
     model without one (a base model such as Gemma-3-270M, GPT-2) gets what its tokenizer adds to
     plain text, e.g. Gemma's <bos>, as the experts do (experts.py). Without its <bos> Gemma-3-270M
-    scored 0.0 on the pocket task, with it 8.3 % on 12 items (a bug we had)."""
+    scored 0.0 on the pocket task, with it 8.3 % on 12 items (a bug we had).
+
+    split (--context-split): the text every prompt ends with that follows C. It is tokenised on its
+    own and its tokens fill the last columns of every row, so C (context_slot) can go in front of
+    them and every method, with or without C, reads the same tokens."""
+    if split and not all(p.endswith(split) for p in prompts):
+        raise ValueError(f"--context-split {split!r} must be how every prompt ends (the end of "
+                         "--response-prefix)")
     tok.padding_side = "left"
-    batch = tok(prompts, return_tensors="pt", padding=True,
+    heads = [p[:len(p) - len(split)] for p in prompts]
+    batch = tok(heads, return_tensors="pt", padding=True,
                 add_special_tokens=not tok.chat_template)
     ids, mask = batch["input_ids"].to(device), batch["attention_mask"].bool().to(device)
+    if split:
+        tail = torch.tensor(tok(split, add_special_tokens=False)["input_ids"], device=device)  # (k,)
+        ids = torch.cat([ids, tail.expand(len(ids), -1)], 1)                    # (B, T + k)
+        mask = torch.cat([mask, torch.ones(len(ids), len(tail), dtype=torch.bool, device=device)], 1)
     return padding_behind_first_token(ids, mask)
+
+
+def context_slot(tok, position, split=""):
+    """Where C goes, as policy_inputs reads it: --context-position ("after", "before"), or with
+    --context-split the number of the split's tokens, which follow C."""
+    return len(tok(split, add_special_tokens=False)["input_ids"]) if split else position
 
 
 def padding_behind_first_token(ids, mask):
@@ -163,61 +191,72 @@ def eos_token_ids(policy, tok):
 # The shared prefill
 
 
-def prefill(policy, prompt_ids, prompt_mask, C, G, position):
+def prefill(policy, prompt_ids, prompt_mask, C, G, position, share=True, keep=1, min_shared=16):
     """Run [x || C] once per prompt and make room for G completions of each. Returns (cache
     repeated G times, logits of y_0 [B*G, V], mask [B*G, P'], position of the last prefix token
     [B*G, 1]). repeat_interleave is differentiable, so with gradient on, every completion's
     gradient flows back through the cache into LoRA and C, and the prefix's activations are
-    stored once."""
-    # (B, P', D)
+    stored once.
+
+    share: the leading input vectors that every prompt shares (system prompt, worked example, the
+    question's fixed opening; C too where it is the same for every row) run once, at batch 1, and
+    only each prompt's own tail runs at batch B: automatic prefix caching, as inference servers do
+    it, in sampling, the re-draw, the reference and the loss pass alike (with gradient through the
+    shared part: its cache is repeated B times, differentiably). Each row's real inputs (padding
+    dropped) are [s_1..s_P, t_1..t_L]: P at most the shortest row's length - `keep`, so every row
+    keeps its last `keep` inputs in its tail (support.gold.greedy_and_gold crops that many
+    columns). The new layout per row is [s_1..s_P, pad.., t_1..t_L]: the padding moves from the
+    front to the middle. The mask hides it and positions count only real inputs, so every real
+    input sees the same inputs at the same positions: the same function, another order of sums
+    (the prefix's matmuls run with 1 row instead of B; tests/test_shared_prefix.py compares
+    log-probs and gradients). Where fewer than `min_shared` inputs are shared (a single prompt, or
+    C differs per row and sits in front) the prompts run whole, as with share=False."""
     embed = policy.get_input_embeddings()
     x, mask, pos = policy_inputs(embed, prompt_ids, prompt_mask, C, position)  # (B, P', D)
-    out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True,
-                 logits_to_keep=1)
-    cache = cache_of(out)
-    cache.batch_repeat_interleave(G)                                      # (B, ...) -> (B*G, ...)
-    return (cache, out.logits[:, -1].repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
-            pos[:, -1:].repeat_interleave(G, 0))
+    rows = [x[b][mask[b]] for b in range(x.shape[0])] if share else []  # each row's real inputs
+    P = shared_length(rows, keep)
+    if len(rows) < 2 or P < min_shared:
+        out = policy(inputs_embeds=x, attention_mask=mask, position_ids=pos, use_cache=True,
+                     logits_to_keep=1)
+        cache = cache_of(out)
+    else:
+        out = policy(inputs_embeds=rows[0][None, :P], position_ids=torch.arange(P, device=x.device)[None],
+                     use_cache=True, logits_to_keep=1)                    # the shared part, batch 1
+        cache = cache_of(out)
+        cache.batch_repeat_interleave(len(rows))                          # (1, ...) -> (B, ...)
+        T = max(len(r) for r in rows) - P                                 # the longest tail
+        tails = x.new_zeros(len(rows), T, x.shape[-1])                    # (B, T, D), left-padded
+        tail_mask = torch.zeros(len(rows), T, dtype=torch.bool, device=mask.device)
+        for b, r in enumerate(rows):
+            tails[b, T - (len(r) - P):] = r[P:]
+            tail_mask[b, T - (len(r) - P):] = True
+        mask = torch.cat([torch.ones_like(tail_mask[:, :1]).expand(-1, P), tail_mask], 1)  # (B, P+T)
+        pos = position_ids(mask)
+        out = policy(inputs_embeds=tails, attention_mask=mask, position_ids=pos[:, P:],
+                     use_cache=True, logits_to_keep=1, **cache_kwargs(policy, cache))
+        cache = cache_of(out)
+    logits = out.logits[:, -1]
+    if G > 1:
+        cache.batch_repeat_interleave(G)                                  # (B, ...) -> (B*G, ...)
+        logits, mask, pos = (t.repeat_interleave(G, 0) for t in (logits, mask, pos))
+    return cache, logits, mask, pos[:, -1:]
 
 
-def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_shared=16):
-    """`prefill` with G = 1 for a batch whose rows begin alike: the leading input vectors that
-    every row shares (the system prompt and worked example, and C where it is the same for every
-    row) run once, at batch 1, and only each row's own tail runs at batch B. Automatic prefix
-    caching, as inference servers do it. Returns what `prefill` returns.
-
-    Each row's real inputs (padding dropped) are [s_1..s_P, t_1..t_L]: s the shared part, P at
-    most the shortest row's length - `keep`, so that every row keeps its last `keep` inputs in its
-    tail (support.gold.greedy_and_gold crops that many columns). The new layout per row is
-    [s_1..s_P, pad.., t_1..t_L]: the padding moves from the front of the row to the middle. The
-    mask hides it and positions count only real inputs, so every real input sees the same
-    inputs at the same positions as in `prefill`'s layout: the same function, another order of
-    sums (the prefix's matmuls run with 1 row instead of B). Where fewer than `min_shared`
-    inputs are shared (C differs per row and sits in front), it is `prefill` itself."""
-    embed = policy.get_input_embeddings()
-    x, mask, _ = policy_inputs(embed, prompt_ids, prompt_mask, C, position)  # (B, P', D)
-    rows = [x[b][mask[b]] for b in range(x.shape[0])]               # each row's real inputs
+def shared_length(rows, keep=1):
+    """How many leading input vectors every row shares (rows: each row's real inputs [L_b, D]), at
+    most the shortest row's length - keep."""
+    if len(rows) < 2:
+        return 0
     P = min(len(r) for r in rows) - keep
     for r in rows[1:]:
         P = min(P, int((r[:P] == rows[0][:P]).all(-1).long().cumprod(0).sum()))  # first mismatch
-    if len(rows) < 2 or P < min_shared:
-        return prefill(policy, prompt_ids, prompt_mask, C, 1, position)
-    prefix_pos = torch.arange(P, device=x.device)[None]                  # (1, P)
-    out = policy(inputs_embeds=rows[0][None, :P], position_ids=prefix_pos, use_cache=True,
-                 logits_to_keep=1)
-    cache = cache_of(out)
-    cache.batch_repeat_interleave(len(rows))                              # (1, ...) -> (B, ...)
-    T = max(len(r) for r in rows) - P                                     # the longest tail
-    tails = x.new_zeros(len(rows), T, x.shape[-1])                        # (B, T, D), left-padded
-    tail_mask = torch.zeros(len(rows), T, dtype=torch.bool, device=mask.device)
-    for b, r in enumerate(rows):
-        tails[b, T - (len(r) - P):] = r[P:]
-        tail_mask[b, T - (len(r) - P):] = True
-    full = torch.cat([torch.ones_like(tail_mask[:, :1]).expand(-1, P), tail_mask], 1)  # (B, P+T)
-    pos = position_ids(full)
-    out = policy(inputs_embeds=tails, attention_mask=full, position_ids=pos[:, P:],
-                 use_cache=True, logits_to_keep=1, **cache_kwargs(policy, cache))
-    return cache_of(out), out.logits[:, -1], full, pos[:, -1:]
+    return P
+
+
+def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_shared=16):
+    """`prefill` with G = 1 (evaluation, the neighbours' writers): the rows' common beginning once,
+    their own tails at batch B."""
+    return prefill(policy, prompt_ids, prompt_mask, C, 1, position, keep=keep, min_shared=min_shared)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -239,7 +278,7 @@ def draw(logits, temperature, u=None):
 @torch.no_grad()
 def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
            position="after", greedy=False, return_logprobs=False, dtype=None, allowed=None,
-           uniforms=None):
+           uniforms=None, share=True):
     """G completions per prompt from pi(. | [x || C]). Returns completion ids [B*G, T_new] (pad
     after EOS), and with return_logprobs the sampling log-probs [B*G, T_new] (tests compare them
     with the scoring pass; with dtype=bfloat16 or int8 they are the low-precision sampler's own,
@@ -255,14 +294,16 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
 
     uniforms [B*G, max_new_tokens] in [0, 1): the numbers each row's draws use, token by token
     (train.py draws them per micro-batch from its own seed, so a row's completion does not depend
-    on which other rows share its decode loop); None draws them from torch's generator."""
+    on which other rows share its decode loop); None draws them from torch's generator.
+
+    share: the prompts' common beginning runs once (prefill); False runs every prompt whole."""
     low = contextlib.nullcontext()
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
     # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32
     merge = contextlib.nullcontext() if dtype == torch.int8 else lora_merged(policy)
     with merge, low:
-        start = prefill(policy, prompt_ids, prompt_mask, C, G, position)
+        start = prefill(policy, prompt_ids, prompt_mask, C, G, position, share)
         return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
                       return_logprobs, allowed, uniforms)
 
@@ -335,7 +376,7 @@ def greedy_texts(model, tok, prompts, max_new_tokens):
 
 
 def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask,
-                        temperature, position="after", allowed_mask=None):
+                        temperature, position="after", allowed_mask=None, share=True):
     """log pi(y_t | [x || C], y_<t) for every completion token, fp32 [N, T].
 
     prompt_ids, prompt_mask [B, P] and C [B, m, D] have one row per *prompt*; completion_ids and
@@ -346,7 +387,8 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     gradients with one plain forward over G copies of [x || C || y]):
       1. Shared prefix (`prefill`): P + G*T tokens per group instead of G*(P + T). The prompt is
          often longer than the completion (system prompt, worked example), so this roughly halves
-         the policy and reference passes.
+         the policy and reference passes. With share, the beginning every prompt shares runs once
+         for the whole batch too (share=False: once per prompt).
       2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no
          [P, V] log-softmax over the prompt is ever built.
 
@@ -356,7 +398,7 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")
     with mlps_recomputed(policy):
-        cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position)
+        cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position, share)
         mask = torch.cat([mask, completion_mask], 1)                     # (N, P' + T)
         pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
         out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos,

@@ -24,7 +24,8 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
   2. Options the paper does not have, off by default: --inner-epochs (mu > 1 reuses a rollout; the
      paper's mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example /
      --response-prefix (a 135M policy never writes the answer tags with the paper's prompt: 0 of 64
-     samples did), --context-position before, and two controls: --reward random, --method identical
+     samples did), --context-position before, --context-split (C inside the pre-filled response),
+     --no-shared-prefix (every prompt run whole, the old path), and two controls: --reward random, --method identical
      / soft_prompt (baselines.py).
   3. The levers (each one call or one `if` in grpo_step, with a named helper below it):
      --format-bonus (training reward only), --dynamic-sampling, --rollout-dtype bfloat16 / int8
@@ -114,7 +115,7 @@ def grpo_step(step, run, args, score_batch):
                                      beta=args.beta, aggregation=args.loss_aggregation,
                                      is_weight=b.is_weight)  # is_weight: None without --tis-cap
             if args.channel_weight:  # lever: + lambda * grpo.channel_forcing_loss
-                loss, m = add_channel_forcing(loss, m, logp, b, C, run["policy"], args)
+                loss, m = add_channel_forcing(loss, m, logp, b, C, run, args)
             (loss / args.grad_accum).backward()  # each micro-batch holds B*G completions
             losses.append(loss.item())
             stats.append(m)
@@ -160,7 +161,7 @@ def context_and_prompts(run, args, items):
         # answers: read only by oracle experts (a diagnostic)
         ctx = run["method"](questions, answers)
     prompts = rewards.policy_prompts(run["tok"], questions, ctx.hints, args)
-    ids, mask = rollout.encode_prompts(run["tok"], prompts, run["device"])
+    ids, mask = rollout.encode_prompts(run["tok"], prompts, run["device"], args.context_split)
     return ctx, ids, mask
 
 
@@ -200,6 +201,12 @@ def row_uniforms(args, step, micro, draw, n):
     return torch.rand(n, args.max_new_tokens, generator=torch.Generator().manual_seed(seed))
 
 
+def slot(run, args):
+    """Where C goes in the policy's input (rollout.policy_inputs): --context-position, or in front
+    of the --context-split tokens that end every prompt."""
+    return rollout.context_slot(run["tok"], args.context_position, args.context_split)
+
+
 def sampler_dtype(args):
     """--rollout-dtype as a torch dtype for rollout.sample: None samples with the policy's own
     weights (LoRA merged in, at the frozen weights' dtype)."""
@@ -215,7 +222,8 @@ def sample_rows(run, args, ids, mask, C, uniforms, dtype):
     own = dtype is not None or frozen != torch.float32
     out = rollout.sample(run["policy"], ids, mask, C, args.group_size, args.max_new_tokens,
                          args.temperature, run["eos_ids"], run["tok"].pad_token_id,
-                         args.context_position, return_logprobs=own, dtype=dtype, uniforms=uniforms)
+                         slot(run, args), return_logprobs=own, dtype=dtype, uniforms=uniforms,
+                         share=not args.no_shared_prefix)
     return out if own else (out, None)
 
 
@@ -307,7 +315,7 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
     with torch.no_grad(), lora_disabled(policy):
         C0 = None if C is None else empty_context(method, C)
         return rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
-                                           args.context_position)
+                                           slot(run, args), share=not args.no_shared_prefix)
 
 
 def trained_context(run, b):
@@ -319,7 +327,8 @@ def trained_context(run, b):
 def policy_logprobs(run, args, b, C):
     """log pi_theta(y_t) [N, T], with gradient, under the C the completions were sampled with."""
     return rollout.completion_logprobs(run["policy"], b.ids, b.mask, C, b.comp, b.comp_mask,
-                                       args.temperature, args.context_position)
+                                       args.temperature, slot(run, args),
+                                       share=not args.no_shared_prefix)
 
 
 def tis_weights(b, args):
@@ -342,16 +351,16 @@ def dapo_advantages(batches, G, world, aggregation):
         b.adv = b.adv * grpo.signal_scale(b.signal, b.comp_mask, n_signal, n_all, aggregation)
 
 
-def add_channel_forcing(loss, metrics, logp, b, C, policy, args):
+def add_channel_forcing(loss, metrics, logp, b, C, run, args):
     """--channel-weight lambda: loss + lambda * grpo.channel_forcing_loss, where each prompt's
     mismatched context is the C of the next prompt of the micro-batch (a cyclic shift: no prompt
     keeps its own). With fewer than two prompts there is no other prompt: the term is 0."""
     if len(C) < 2:
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
     C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
-    logp_mismatched = rollout.completion_logprobs(policy, b.ids, b.mask, C_mismatched, b.comp,
-                                                  b.comp_mask, args.temperature,
-                                                  args.context_position)
+    logp_mismatched = rollout.completion_logprobs(run["policy"], b.ids, b.mask, C_mismatched, b.comp,
+                                                  b.comp_mask, args.temperature, slot(run, args),
+                                                  share=not args.no_shared_prefix)
     cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b.adv, b.comp_mask)
     return loss + args.channel_weight * cf, {**metrics, **m}
 

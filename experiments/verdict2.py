@@ -8,6 +8,14 @@ the router's learning rate chosen by a pilot before the verdict is pre-registere
     OMP_NUM_THREADS=1 taskset -c 1 python experiments/verdict2.py --pilot --seeds 1
     python experiments/verdict2.py --pilot --analyse        # results/verdict2/pilot/table.md from the records
 
+    # the verdict (amendment 2 of results/verdict2/preregistration.md), from a frozen clone at its commit: one pinned
+    # worker per core takes the plan's unfinished runs (a stopped run resumes from its last step's checkpoint),
+    # each finished run's record is archived and committed in the main checkout; start it again after any stop
+    python experiments/verdict2.py --verdict --cores 0 --out /work/runs/verdict2-campaign \
+        --records /work/main/results/verdict2/runs --commit-into /work/main
+    python experiments/verdict2.py --verdict --status --out ... --records ...   # archived, running, left
+    python experiments/verdict2.py --verdict --analyse      # results/verdict2/table.md from the records
+
 What changed against the first verdict (experiments/verdict.py, lcm, 48-token completions):
   testbed   gcd-2n-to100, chosen by the probe of the expert the arms read (results/screen/table.md)
   format    answer-only: reasoning-gym's "direct" system prompt with the worked example (121 prompt tokens
@@ -26,6 +34,7 @@ import argparse
 import os
 import subprocess
 import sys
+import time
 
 import numpy as np
 
@@ -33,7 +42,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-from verdict import costs, load, run_once  # noqa: E402
+from support.stats import holm, mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
+from verdict import costs, cpu_capability, load, run_once  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict2")
 TASK = ["--task", "gcd", "--task-config", '{"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 100}']
@@ -44,6 +54,34 @@ HYPER = ["--batch-size", "4", "--grad-accum", "1", "--group-size", "8", "--lr", 
          "--save-every", "10", "--dataset-size", "2000", "--dynamic-sampling", "1", "--keep-activations"]
 ANCHOR, NORM = ["--context-anchor", "newline"], ["--state-norm", "standardize", "--expert-depth", "1.0"]
 PILOT_LRS = ("1e-4", "3e-4", "1e-3")
+
+# The verdict, as amendment 2 of results/verdict2/preregistration.md fixes it (committed before its first run).
+# C's slot: the ceiling's and the mechanism test's (experiments/mechanism.py): the DeepSeekZero system prompt with
+# the worked example, the response pre-filled with "<think>", then C, then "</think>\n<answer>" (--context-split:
+# its tokens encoded on their own, as mechanism.py encodes them), then the policy's up to 8 tokens.
+VERDICT_PROMPT = ["--system-prompt", "DeepSeekZero", "--worked-example", "--response-prefix",
+                  "<think></think>\n<answer>", "--context-split", "</think>\n<answer>", "--context-position", "after",
+                  "--max-new-tokens", "8", "--reward", "exact"]
+VERDICT_STEPS, VERDICT_SEEDS, VERDICT_ROUTER_LR = 300, tuple(range(6)), "3e-4"
+VERDICT_HYPER = [*HYPER[:HYPER.index("--steps")], "--steps", str(VERDICT_STEPS), "--save-every", "1",
+                 *HYPER[HYPER.index("--dataset-size"):]]
+# (name, arm, comparator, endpoint): exact = the arm's exact solve rate - the comparator's; shuffle = the arm's with
+# its C - with shuffled C. One-sided exact sign-flip over the 6 seeds, Holm over the two.
+VERDICT_FAMILY = (("H1a", "ours_strong", "single", "exact"), ("H2", "ours_strong", None, "shuffle"))
+
+
+def verdict_arms():
+    """name -> train.py flags of the verdict's two arms (amendment 2)."""
+    return {"single": ["--method", "single", "--team", "pocket"],
+            "ours_strong": ["--method", "ours", "--team", "pocket", "--experts", STRONG, *ANCHOR, *NORM,
+                            "--router-lr", VERDICT_ROUTER_LR]}
+
+
+def verdict_plan():
+    """[(run name, train.py flags)] in the order workers take them: seed by seed, both arms of a seed together, so
+    that whatever has finished when the campaign stops is a set of paired seeds."""
+    return [(f"{arm}-s{seed}", [*TASK, *VERDICT_PROMPT, *VERDICT_HYPER, *flags, "--seed", str(seed)])
+            for seed in VERDICT_SEEDS for arm, flags in verdict_arms().items()]
 
 
 def pilot_arms():
@@ -128,17 +166,248 @@ def pilot_choice(runs, seeds=(0, 1)):
     return pick, ", ".join(f"{lr}: {gain[lr]:+.1f}" for lr in PILOT_LRS) + " points over `single`, mean of seeds"
 
 
+def item_exact(rec, cond="with_C"):
+    """Per item, 1.0 where the run's greedy answer under `cond` scored full marks, else 0.0 (None: no such
+    condition, e.g. `single` has no C to shuffle)."""
+    items = rec["eval"].get("per_item", {}).get(cond)
+    if not items or "n/a" in items:
+        return None
+    return [float(x == 1) for x in items["score"]]
+
+
+def verdict_rows(runs):
+    """The family's rows: per seed the endpoint, its mean ± sd, the one-sided exact sign-flip p over seeds and the
+    Holm-adjusted p over the family; with the item-level paired comparison (items' seed means) as exploratory."""
+    rows = []
+    for name, arm, comparator, endpoint in VERDICT_FAMILY:
+        per_seed, items = {}, []
+        for seed, rec in sorted(runs.get(arm, {}).items()):
+            a = item_exact(rec)
+            b = item_exact(rec, "shuffled_C") if endpoint == "shuffle" else (
+                item_exact(runs[comparator][seed]) if seed in runs.get(comparator, {}) else None)
+            if a is None or b is None:
+                continue
+            assert len(a) == len(b), f"{name}: seed {seed}'s two sides were scored on different items"
+            per_seed[seed] = 100 * (np.mean(a) - np.mean(b))
+            items.append((a, b))
+        d = list(per_seed.values())
+        row = {"name": name, "arm": arm, "comparator": comparator or "shuffled C", "per_seed": per_seed,
+               "p": sign_flip_p(d, "greater") if len(d) > 1 else float("nan")}
+        if d:
+            row["mean"], row["sd"] = mean_std(d)
+            row["ci"] = sign_flip_ci(d) if len(d) > 1 else None
+            row["items"] = paired_comparison(np.mean([x for x, _ in items], 0), np.mean([y for _, y in items], 0))
+        rows.append(row)
+    if all(np.isfinite(r["p"]) for r in rows):
+        for r, p in zip(rows, holm([r["p"] for r in rows])):
+            r["p_holm"] = p
+    return rows
+
+
+def verdict_outcome(rows, runs):
+    """"shown" when every test of the family has Holm p < 0.05 on all pre-registered seeds, "not shown" otherwise,
+    "incomplete" until every run of the plan is archived (a partial table is no claim)."""
+    done = sum(len(v) for v in runs.values())
+    total = len(verdict_plan())
+    if done < total or any(len(r["per_seed"]) < len(VERDICT_SEEDS) for r in rows):
+        return f"incomplete: {done} of {total} runs archived"
+    return "shown" if all(r["p_holm"] < 0.05 for r in rows) else "not shown"
+
+
+def verdict_markdown(runs, records):
+    rows = verdict_rows(runs)
+    L = ["# The second verdict (experiments/verdict2.py --verdict --analyse)", "",
+         f"**{verdict_outcome(rows, runs)}.** Pre-registered in preregistration.md (amendment 2): exact solve rates "
+         "on the same 100 validation items per seed; per seed one difference in points; p: exact one-sided "
+         "sign-flip over seeds, Holm over the family; the interval is the same test's by inversion; the item-level "
+         "comparison (the items' seed means, bootstrap interval, sign test) is exploratory.", "",
+         "| test | seeds | per seed (points) | mean ± sd | 95 % interval | p | Holm p | items: mean [95 %], "
+         "better / worse, p (exploratory) |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        n = len(r["per_seed"])
+        seeds = ", ".join(f"{v:+.0f}" for v in r["per_seed"].values()) or "–"
+        mean = f"{r['mean']:+.1f} ± {r['sd']:.1f}" if n else "–"
+        ci = f"[{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}]" if n > 1 and r["ci"] else "–"
+        it = r.get("items")
+        items = (f"{100 * it['diff']:+.1f} [{100 * it['ci95'][0]:+.1f}, {100 * it['ci95'][1]:+.1f}], "
+                 f"{it['better']} / {it['worse']}, {it['p_sign']:.3g}") if it else "–"
+        p = f"{r['p']:.3g}" if n > 1 else "–"
+        L.append(f"| {r['name']}: `{r['arm']}` − {r['comparator']} | {n} | {seeds} | {mean} | {ci} | {p} | "
+                 f"{r['p_holm']:.3g} |" if "p_holm" in r else f"| {r['name']}: `{r['arm']}` − {r['comparator']} | "
+                 f"{n} | {seeds} | {mean} | {ci} | {p} | – |")
+        L[-1] += f" {items} |"
+    L += ["", "| run | exact with C | C = anchor | shuffled C | gold log-prob C − shuffled (nats) | "
+          "C rms / token rms, first → last step | reward, first 10 → last 10 steps | flat groups |",
+          "|---|---|---|---|---|---|---|---|"]
+    for arm in sorted(runs):
+        for seed, rec in sorted(runs[arm].items()):
+            r = [m["reward"] for m in rec["metrics"]]
+            flat = np.mean([m.get("zero_std_fraction", np.nan) for m in rec["metrics"]])
+            d0, d1 = c_drift(rec)
+            L.append(f"| {arm}-s{seed} | {exact(rec):.0f} | {num(exact(rec, 'zero_C'), '.0f')} | "
+                     f"{num(exact(rec, 'shuffled_C'), '.0f')} | {num(gold(rec) - gold(rec, 'shuffled_C'), '+.2f')} | "
+                     f"{num(d0, '.2f')} → {num(d1, '.2f')} | {np.mean(r[:10]):.2f} → {np.mean(r[-10:]):.2f} | "
+                     f"{flat:.2f} |")
+    return "\n".join(L) + "\n\n## Wall time\n\n" + costs(records)
+
+
+# --------------------------------------------------------------------------------------------------
+# The campaign: one worker per pinned core takes the plan's unfinished runs one at a time, resumes any that a stop
+# interrupted, archives each finished run's record and commits it.
+
+
+def finished(records, name):
+    """Whether a run's record is archived whole (its evaluation is the last thing written)."""
+    d = os.path.join(records, name)
+    return os.path.exists(os.path.join(d, "eval_paired.json" if name.startswith("ours") else "eval.json"))
+
+
+def claim(out, name):
+    """Take a run for this process: OUT/NAME.claim created exclusively with our pid. A claim whose process is gone
+    (a stop, a kill) is taken over. Returns whether the run is ours."""
+    path = os.path.join(out, name + ".claim")
+    for _ in range(2):
+        try:
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+        except FileExistsError:
+            try:
+                pid = int(open(path).read().strip() or 0)
+            except (OSError, ValueError):
+                pid = 0
+            if pid and alive(pid):
+                return False
+            os.unlink(path)  # its process is gone: the run is resumed from its last checkpoint
+            continue
+        with os.fdopen(fd, "w") as f:
+            f.write(str(os.getpid()))
+        return True
+    return False
+
+
+def alive(pid):
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def commit_record(repo, records, name):
+    """git add + commit of one run's record in `repo` (the main checkout, not the frozen clone), only those paths;
+    a failure (a busy index, no repo) is printed and left for the next run's commit, which adds the whole folder."""
+    rel = os.path.relpath(records, repo)
+    for attempt in range(5):
+        add = subprocess.run(["git", "add", "--", rel], cwd=repo, capture_output=True, text=True)
+        done = add.returncode == 0 and subprocess.run(
+            ["git", "commit", "-q", "-m", f"verdict2: record of {name} (experiments/verdict2.py --verdict)", "--",
+             rel], cwd=repo, capture_output=True, text=True).returncode == 0
+        if done:
+            return True
+        time.sleep(5 * (attempt + 1))
+    print(f"  (could not commit {name}'s record in {repo}: commit it by hand)", flush=True)
+    return False
+
+
+def worker(a, records):
+    """Run the plan's unfinished runs one after another until none is left that no other worker holds."""
+    log = os.path.join(a.out, f"log-core{a.core}.txt")
+    for name, flags in verdict_plan():
+        if finished(records, name) or not claim(a.out, name):
+            continue
+        try:
+            run_once(os.path.join(a.out, name), [*flags, "--expert-cache", os.path.join(a.out, "expert-states")],
+                     a.n_eval, name.startswith("ours"), log, records)
+            if a.commit_into:
+                commit_record(a.commit_into, records, name)
+        finally:
+            os.unlink(os.path.join(a.out, name + ".claim"))
+
+
+def frozen_clone_problem():
+    """Why this checkout cannot run the verdict (it must be a clone at a commit, its tracked files unchanged), or
+    None."""
+    status = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], cwd=ROOT,
+                            capture_output=True, text=True)
+    if status.returncode != 0:
+        return f"{ROOT} is not a git checkout: run the verdict from a clone at the pre-registered commit"
+    if status.stdout.strip():
+        return (f"{ROOT} has changed tracked files: the verdict runs from a clean clone at the pre-registered "
+                "commit (git clone; git checkout COMMIT)")
+    return None
+
+
+def campaign(a, records):
+    """Start one pinned worker per --cores entry, wait for them, then write the table."""
+    problem = frozen_clone_problem()
+    if problem:
+        sys.exit(f"error: {problem}")
+    os.makedirs(a.out, exist_ok=True)
+    os.makedirs(records, exist_ok=True)
+    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
+    with open(os.path.join(os.path.dirname(records), "provenance.txt"), "a") as f:
+        f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: campaign started at commit {commit} on "
+                f"cores {a.cores} ({cpu_capability()}), runs in {a.out}\n")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+    procs = [subprocess.Popen(["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--verdict",
+                               "--worker", "--core", str(core), "--out", a.out, "--records", records,
+                               "--n-eval", str(a.n_eval), *(["--commit-into", a.commit_into] if a.commit_into else [])],
+                              env=env)
+             for core in a.cores]
+    codes = [p.wait() for p in procs]
+    print(status(records, a.out))
+    return max(codes)
+
+
+def status(records, out):
+    """Which runs of the plan are archived, in progress (claimed by a live process) or left."""
+    done, running, left = [], [], []
+    for name, _ in verdict_plan():
+        path = os.path.join(out, name + ".claim")
+        pid = int(open(path).read().strip() or 0) if os.path.exists(path) else 0
+        (done if finished(records, name) else running if pid and alive(pid) else left).append(name)
+    return (f"verdict2: {len(done)} of {len(done) + len(running) + len(left)} runs archived; in progress: "
+            f"{', '.join(running) or 'none'}; left: {', '.join(left) or 'none'}")
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    p.add_argument("--pilot", action="store_true", help="the router-lr pilot (the only stage so far)")
-    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="seeds (the pilot: 0 and 1)")
-    p.add_argument("--arms", nargs="+", default=None, help="a subset of the arms (default: all)")
+    p.add_argument("--pilot", action="store_true", help="the router-lr pilot")
+    p.add_argument("--verdict", action="store_true", help="the verdict (amendment 2): start or resume its campaign")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1], help="the pilot's seeds (0 and 1)")
+    p.add_argument("--arms", nargs="+", default=None, help="a subset of the pilot's arms (default: all)")
     p.add_argument("--n-eval", type=int, default=100, help="validation items per run")
-    p.add_argument("--out", default=os.path.join(ROOT, "runs", "verdict2"), help="folder for the runs")
+    p.add_argument("--out", default=None, help="folder for the runs (default runs/verdict2, the verdict's "
+                   "runs/verdict2-campaign)")
     p.add_argument("--analyse", action="store_true", help="only read the archived records and write table.md")
+    p.add_argument("--status", action="store_true", help="the verdict: which runs are archived, running, left")
+    p.add_argument("--cores", nargs="+", type=int, default=[0, 1], help="the verdict: one pinned worker per core")
+    p.add_argument("--records", default=os.path.join(RESULTS, "runs"), help="the verdict: where each finished "
+                   "run's record goes (results/verdict2/runs of a checkout)")
+    p.add_argument("--commit-into", default=None, help="the verdict: a git checkout (the main one, not the frozen "
+                   "clone) in which each finished run's record is committed; --records should lie inside it")
+    p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one core's loop (campaign starts it)
+    p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
-    if not a.pilot:
-        p.error("only --pilot exists so far: the verdict's arms are pre-registered after the pilot")
+    if a.pilot == a.verdict:
+        p.error("give --pilot or --verdict")
+    if a.verdict:
+        a.out = a.out or os.path.join(ROOT, "runs", "verdict2-campaign")
+        records = os.path.abspath(a.records)
+        if a.status:
+            print(status(records, a.out))
+        elif a.worker:
+            worker(a, records)
+        elif not a.analyse:
+            campaign(a, records)
+        if a.analyse or not (a.status or a.worker):
+            md = verdict_markdown(load(records), records)
+            with open(os.path.join(os.path.dirname(records), "table.md"), "w") as f:
+                f.write(md)
+            print(md)
+        return
+    a.out = a.out or os.path.join(ROOT, "runs", "verdict2")
     table, results = pilot_arms(), os.path.join(RESULTS, "pilot")
     unknown = set(a.arms or []) - set(table)
     if unknown:

@@ -279,6 +279,12 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "around which a small C is a small change (adapter.py, deviation 4)")
     a("--context-position", default="after", choices=["after", "before"],
       help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
+    a("--context-split", default="", help="a deviation: C goes in front of this ending of --response-prefix "
+      "instead of after the whole prompt, e.g. --response-prefix '<think></think>\\n<answer>' --context-split "
+      "'</think>\\n<answer>' puts C inside the empty reasoning block (the mechanism test's slot); its tokens "
+      "are encoded on their own, for every method alike (rollout.encode_prompts; '': off)")
+    a("--no-shared-prefix", action="store_true", help="run every prompt whole in every pass, instead of the "
+      "beginning all of a step's prompts share once (rollout.prefill; the same function, another order of sums)")
     a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
       help="reasoning-gym system prompt")
     a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
@@ -365,6 +371,10 @@ def check_args(p, args):
                "pass a folder with train.jsonl and test.jsonl, or --eval-items 0"),
               (args.experts is None or all(name.strip() for name in args.experts.split(",")),
                f"--experts {args.experts!r} has an empty model name (a stray comma?)"),
+              (not args.context_split or (args.context_position == "after"
+                                          and args.response_prefix.endswith(args.context_split)),
+               f"--context-split {args.context_split!r} must be how --response-prefix ends "
+               f"({args.response_prefix!r}), with --context-position after"),
               (args.out != "", "--out needs a folder, got ''"),
               (args.expert_cache != "", "--expert-cache needs a folder, got ''"),
               (not (args.experts and args.method == "single"), "--experts is not used by --method single"),

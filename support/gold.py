@@ -21,8 +21,8 @@ import torch
 
 from grpo import completion_mask
 from lora import lora_merged
-from rollout import (cache_kwargs, completion_logprobs, decode, encode_prompts, prefill, prefill_shared,
-                     token_logprobs)
+from rollout import (cache_kwargs, completion_logprobs, context_slot, decode, encode_prompts, prefill,
+                     prefill_shared, token_logprobs)
 
 
 def answer_bridge(response_prefix):
@@ -40,14 +40,16 @@ def gold_logprobs(policy, tok, prompts, golds, C, args, device):
     tokens, per item: sees a change in how likely the right answer is even where greedy accuracy
     does not move. Uses the training's own scoring pass (rollout.completion_logprobs), so
     positions are those of the rollout."""
-    bridged = [p + answer_bridge(args.response_prefix) for p in prompts]
-    ids, mask = encode_prompts(tok, bridged, device)
+    bridge = answer_bridge(args.response_prefix)
+    split = getattr(args, "context_split", "")  # a run recorded before the flag existed has none
+    split = split + bridge if split else ""  # C stays in front of the split, the bridge follows it
+    ids, mask = encode_prompts(tok, [p + bridge for p in prompts], device, split)
     tok.padding_side = "right"  # completions start right after the prompt's last column
     ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True,
               add_special_tokens=False)
     comp, comp_mask = ans["input_ids"].to(device), ans["attention_mask"].bool().to(device)
     logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0,
-                               args.context_position)  # (B, T)
+                               context_slot(tok, args.context_position, split))  # (B, T)
     return torch.where(comp_mask, logp, torch.zeros_like(logp)).sum(-1).tolist()
 
 
@@ -64,20 +66,23 @@ def greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos_ids, sh
     rollout.sample (the same prefill and loop); the log-probs equal gold_logprobs' up to float
     rounding (LoRA merged, another order of sums; tests/test_collaboration.py). The crop needs C
     in front ("before") or no C: with C after the prompt ("after") C sits in the cropped
-    columns, and the gold pass runs on its own.
+    columns, and the gold pass runs on its own (so it does with --context-split, whose tokens are
+    encoded apart from the prompt's).
 
     share_prefix: the prefill is rollout.prefill_shared, which runs the items' common beginning
     (system prompt, worked example, and C when it is the same for every item) once per batch
     instead of once per item; it keeps each item's last k columns in its own tail for the crop.
     The same function in another order of sums: on the verdict's runs the scores were identical
     item for item (results/performance.md)."""
-    shared = golds is not None and (C is None or args.context_position == "before")
+    split = getattr(args, "context_split", "")  # its tokens are encoded apart: no crop (gold_inputs)
+    slot = context_slot(tok, args.context_position, split)
+    shared = golds is not None and (C is None or slot == "before") and not split
     bridge = gold_inputs(tok, prompts, golds, args) if shared else None  # None: k is too long
     keep = max(1, bridge[0]) if bridge else 1  # the columns the gold pass crops stay in each tail
     with lora_merged(policy):
         cache, first, pmask, pos = (
-            prefill_shared(policy, ids, mask, C, args.context_position, keep) if share_prefix
-            else prefill(policy, ids, mask, C, 1, args.context_position))
+            prefill_shared(policy, ids, mask, C, slot, keep) if share_prefix
+            else prefill(policy, ids, mask, C, 1, slot, share=False))
         gold = gold_from_prefill(policy, tok, cache, pmask, pos, *bridge) if bridge else \
             gold_logprobs(policy, tok, prompts, golds, C, args, ids.device) if shared else None
         comp = decode(policy, cache, first, pmask, pos, args.max_new_tokens, 1.0, eos_ids,

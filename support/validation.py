@@ -46,6 +46,11 @@ def context_depends_on_prompt(C_all):
     return len(C_all) > 1 and bool((C_all != C_all[:1]).any())
 
 
+def split(args):
+    """--context-split of the run (a run recorded before the flag existed has none)."""
+    return getattr(args, "context_split", "")
+
+
 @torch.no_grad()
 def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",), batch_size=50,
                 share_prefix=True):
@@ -83,7 +88,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             C = None if C_cond is None else C_cond[s:s + len(batch)]
             questions = [it["question"] for it in batch]
             prompts = rewards.policy_prompts(tok, questions, hints[s:s + len(batch)], args)
-            ids, mask = encode_prompts(tok, prompts, device)
+            ids, mask = encode_prompts(tok, prompts, device, split(args))
             # neighbours/conductor.py, neighbours/rlae.py write the answer their own way (greedy)
             golds = [it["answer"] for it in batch] if len(conditions) > 1 else None
             if hasattr(method, "answer"):

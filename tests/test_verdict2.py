@@ -3,6 +3,8 @@ pilot's table reads exact solve rates (score == 1), C − shuffled C and C's dri
 import os
 import sys
 
+import pytest
+
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from verdict2 import HYPER, PILOT_LRS, PROMPT, TASK, pilot_arms, pilot_choice, pilot_table  # noqa: E402
@@ -91,3 +93,91 @@ def test_run_once_trains_resumes_evaluates_and_skips(tmp_path, monkeypatch):
     calls.clear()
     verdict.run_once(out, ["--seed", "0"], 100, True, "log", "into")
     assert calls == []
+
+
+def test_the_verdicts_arms_parse_with_the_power_and_slot_of_amendment_2():
+    """Amendment 2: router lr x steps at least the mechanism test's where its channel opened (3e-4 x 300), C in the
+    ceiling's slot ("<think>" C "</think>\\n<answer>"), 6 seeds of two arms."""
+    from verdict2 import VERDICT_SEEDS, verdict_plan
+    plan = verdict_plan()
+    assert [n for n, _ in plan[:2]] == ["single-s0", "ours_strong-s0"] and len(plan) == 2 * len(VERDICT_SEEDS) == 12
+    for name, flags in plan:
+        args = parse_args(flags)
+        assert args.system_prompt == "DeepSeekZero" and args.worked_example and args.reward == "exact"
+        assert args.response_prefix == "<think></think>\n<answer>" and args.context_split == "</think>\n<answer>"
+        assert args.steps == 300 and args.save_every == 1 and args.max_new_tokens == 8
+        if name.startswith("ours"):
+            assert args.router_lr * args.steps >= 3e-4 * 300 and args.experts == "pocket:qwen2.5-coder-1.5b-instruct"
+
+
+def items_record(with_c, shuffled=None, n=100):
+    """A run's record whose per-item exact scores give `with_c` (and `shuffled`) right answers of n."""
+    def scores(k):
+        return {"score": [1.0] * k + [0.5] * (n - k), "gold_logprob": [-1.0] * n}  # 0.5: partial credit, not exact
+    per_item = {"with_C": scores(with_c)}
+    if shuffled is not None:
+        per_item.update(zero_C=scores(0), shuffled_C=scores(shuffled))
+    return {"eval": {"per_item": per_item, "score": 0.0, "solve_rate": with_c / n}, "metrics": [
+        {"step": 1, "reward": 0.1, "zero_std_fraction": 0.5}], "cfg": {}}
+
+
+def test_the_verdicts_table_tests_each_seed_and_says_nothing_until_complete():
+    from verdict2 import VERDICT_SEEDS, verdict_outcome, verdict_rows
+    single = {s: items_record(20) for s in VERDICT_SEEDS}
+    ours = {s: items_record(25 + s, shuffled=21) for s in VERDICT_SEEDS}
+    rows = verdict_rows({"single": single, "ours_strong": ours})
+    h1a, h2 = rows
+    assert h1a["per_seed"] == pytest.approx({s: 5.0 + s for s in VERDICT_SEEDS}) and h2["per_seed"][0] == pytest.approx(4.0)
+    assert h1a["p"] == 1 / 64 and h1a["p_holm"] == 2 / 64       # every seed up: the smallest p, Holm over two
+    assert verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "shown"
+    ours[3] = items_record(15, shuffled=21)                     # one seed below single and below shuffled C
+    rows = verdict_rows({"single": single, "ours_strong": ours})
+    assert rows[0]["p_holm"] > 0.05 and verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "not shown"
+    del ours[5]
+    rows = verdict_rows({"single": single, "ours_strong": ours})
+    assert verdict_outcome(rows, {"single": single, "ours_strong": ours}).startswith("incomplete: 11 of 12")
+
+
+def test_a_claim_is_exclusive_and_a_dead_workers_claim_is_taken_over(tmp_path):
+    from verdict2 import claim
+    assert claim(str(tmp_path), "single-s0") and not claim(str(tmp_path), "single-s0")   # ours, live: held
+    (tmp_path / "ours_strong-s0.claim").write_text("999999999")                          # no such process
+    assert claim(str(tmp_path), "ours_strong-s0")
+    assert (tmp_path / "ours_strong-s0.claim").read_text() == str(os.getpid())
+
+
+def test_the_worker_runs_what_is_unfinished_and_commits_each_record(tmp_path, monkeypatch):
+    """A stopped campaign started again: archived runs are skipped, the others run (run_once resumes a run from its
+    checkpoint), and each finished record is committed in the main checkout, only its own paths."""
+    import subprocess
+    from types import SimpleNamespace
+    import verdict2
+    repo = tmp_path / "main"
+    records = repo / "results" / "verdict2" / "runs"
+    records.mkdir(parents=True)
+    git = lambda *a: subprocess.run(["git", "-c", "user.name=t", "-c", "user.email=t@t", *a], cwd=repo,  # noqa
+                                    check=True, capture_output=True)
+    git("init", "-q")
+    (repo / "other.txt").write_text("staged, not the worker's")
+    git("add", "other.txt")
+    plan = verdict2.verdict_plan()
+    for name, _ in plan[:3]:                                    # three runs archived before the stop
+        (records / name).mkdir()
+        (records / name / ("eval_paired.json" if name.startswith("ours") else "eval.json")).write_text("{}")
+    ran = []
+
+    def fake_run_once(out, flags, n_eval, has_context, log, into):
+        ran.append(os.path.basename(out))
+        os.makedirs(os.path.join(into, os.path.basename(out)), exist_ok=True)
+        name = "eval_paired.json" if has_context else "eval.json"
+        open(os.path.join(into, os.path.basename(out), name), "w").write("{}")
+    monkeypatch.setattr(verdict2, "run_once", fake_run_once)
+    monkeypatch.setenv("GIT_AUTHOR_NAME", "t"), monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@t")
+    monkeypatch.setenv("GIT_COMMITTER_NAME", "t"), monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@t")
+    out = tmp_path / "runs"
+    out.mkdir()
+    verdict2.worker(SimpleNamespace(out=str(out), core=0, n_eval=100, commit_into=str(repo)), str(records))
+    assert ran == [n for n, _ in plan[3:]] and not list(out.glob("*.claim"))
+    log = subprocess.run(["git", "log", "--format=%s", "--name-only"], cwd=repo, capture_output=True, text=True).stdout
+    assert log.count("verdict2: record of") == len(plan) - 3 and "other.txt" not in log
+    assert "verdict2: 12 of 12 runs archived" in verdict2.status(str(records), str(out))
