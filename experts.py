@@ -115,12 +115,13 @@ ENCODER_TYPES = {"bert", "roberta", "xlm-roberta", "distilbert", "mpnet", "elect
 # Loading: hub id, local folder, GGUF file, pocket package, tiny config
 
 
-def load_model(spec, device="cpu", dtype=torch.float32, head=True):
+def load_model(spec, device="cpu", dtype=torch.float32, head=True, attention=None):
     """Return (model, tokenizer) in eval mode, frozen, on `device` in `dtype`. Causal LMs come with
     their LM head, unless head=False (an expert that is only read: the head of Qwen2.5-Coder-7B
     alone is 1 GiB in bfloat16, and only output_collab's experts generate); encoders come as the
     bare encoder. Hub models and `shape:` models are built on `device` directly; tiny and pocket
-    ones (small) on the CPU, then moved."""
+    ones (small) on the CPU, then moved. attention (train.py --attention: auto, grouped, sdpa; the
+    policy's): its attention function (support/attention.py); None keeps the model's own."""
     spec = spec.removeprefix(ORACLE)  # an oracle is an ordinary model that reads another text
     if spec.startswith("shape:"):
         from support import shape_models
@@ -139,6 +140,9 @@ def load_model(spec, device="cpu", dtype=torch.float32, head=True):
     for p in model.parameters():
         p.requires_grad_(False)
     share_frozen_weights(model, (spec, str(device), dtype))
+    if attention is not None:
+        from support import attention as attention_functions
+        attention_functions.use(model, attention_functions.resolve(attention, model, device))
     if tok.pad_token is None:  # padding is always masked, so any id works; eos is the usual choice
         tok.pad_token = tok.eos_token or tok.unk_token
     return model, tok

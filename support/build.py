@@ -36,7 +36,7 @@ def load_policy_and_data(args, device):
                                        args.data_path, args.task_config)
     dtype = frozen_dtype(args.dtype, device)
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
-    policy, tok = load_model(team["policy"], device, dtype)
+    policy, tok = load_model(team["policy"], device, dtype, attention=args.attention)
     return dict(team=team, train_items=train_items, dtype=dtype, policy=policy, tok=tok, device=device)
 
 

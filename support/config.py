@@ -261,6 +261,10 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--keep-activations", action="store_true", help="keep the MLPs' activations for the backward pass "
       "instead of computing them again there (rollout.mlps_recomputed): the same numbers, ~10 %% faster steps "
       "and ~1.1 GB more peak memory on the pocket policy")
+    a("--attention", default="auto", choices=["auto", "grouped", "sdpa"], help="the policy's attention: grouped "
+      "(support/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "
+      "own, which copies keys and values once per query head whenever a mask is passed) or auto: grouped on CUDA "
+      "for a policy with grouped key/value heads, else the model's own (on a CPU the numbers stay bit for bit)")
     a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
       "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
     a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
