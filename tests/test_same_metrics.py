@@ -4,13 +4,13 @@ bit-identical to those recorded before it (the wall-clock fields "seconds" and "
 
 Bit for bit holds on one kind of CPU only: torch's kernels sum in another order on another instruction set
 (AVX2 and AVX-512 differed from the first step's gradient norm on). So a fixture is per instruction set
-(torch.backends.cpu.get_cpu_capability()): metrics_tiny.json, recorded on AVX2, last re-recorded whole on 2026-11-26
-when every run changed on purpose (the rollout samples the whole step in one decode loop, each micro-batch's rows
-drawing from uniforms seeded by that micro-batch, train.row_uniforms; and prompts keep their padding behind their
-first token, rollout.padding_behind_first_token; before that, the two --dynamic-sampling runs when flat groups came
-to keep their KL term). The AVX-512 fixture recorded at d7377e0 could not be re-recorded then (no AVX-512 CPU at
-hand) and was removed; metrics_tiny_avx512.json was recorded on 2026-11-27 at c11c835 on an AVX-512 CPU (AMD EPYC).
-On a CPU with no fixture the test is skipped and says how to record one from a trusted commit. The pocket team's
+(torch.backends.cpu.get_cpu_capability()). Both were last re-recorded whole on 2026-11-27 at 135c924, when every
+train.py run changed on purpose in its last bits: a step's prompts run their common beginning once
+(rollout.prefill's share; the same function, another order of sums; the runs with a bfloat16 rollout then draw other
+tokens from step 2 on). The conductor, RLAE and the task-scorer run did not change. metrics_tiny.json (AVX2) was
+recorded on an AVX-512 CPU with torch's, MKL's and oneDNN's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2
+MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2): under those settings the commit before (8745e6c) reproduced
+the AVX2 fixture recorded on a real AVX2 CPU bit for bit, all 13 runs. On a CPU with no fixture the test is skipped and says how to record one from a trusted commit. The pocket team's
 twin (metrics_pocket.json on AVX2; metrics_pocket_avx512.json, recorded at c11c835, on AVX-512: its step 2 KL is
 0.0896 there against 0.0427 on AVX2) is run by hand:
     python tests/fixtures/record_metrics.py --pocket --check tests/fixtures/metrics_pocket.json"""
