@@ -31,10 +31,12 @@ import torch
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import frozen_dtype, load_model, pick_device, team_models
 from support.checkpoint import write_json
+from support.files import UnsafePath, WriteFailed, link_in_run_folder
 from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, parse_args, remove_created
 from support.model_check import check_models
 from support.report import plot_runs, summarize
 from support.stats import paired_comparison
+from support.stop import stopping_on_signals
 from support.validation import read_run, restore_trained, score_items, scored, summary, validation_items
 
 # --------------------------------------------------------------------------------------------------
@@ -183,6 +185,8 @@ def main(argv=None):
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
         cfg, state = read_run(a.run)
+        if msg := link_in_run_folder(a.run, "--run"):  # a link planted in a shared run folder
+            fail(msg)
         # a neighbour's run: its own script builds it
         if cfg["method"] not in METHODS:
             fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py "
@@ -197,24 +201,34 @@ def main(argv=None):
     made = create_folder(os.path.dirname(path), flag)
     if os.path.isdir(path):
         fail(f"{flag}: {path} is a folder; the result is written to that file name")
-    try:
-        check_models(models)
-        result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"),
-                          state.get("method"), a.no_context, untrained=a.untrained,
-                          device=pick_device(a.device),
-                          conditions=CONDITIONS if a.paired else None,
-                          share_prefix=not a.no_shared_prefix)
-    except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA
-        remove_created(made)
-        fail(str(e))
-    if "step" in state:
-        result["step"] = int(state["step"])
-    write_json(path, result)
-    if a.paired:  # eval.json too: the with-C scores are the run's validation score
-        write_json(os.path.join(os.path.dirname(path), "eval.json"),
-                   {**{k: v for k, v in result.items()
-                       if k not in ("conditions", "paired", "per_item")},
-                    "per_item": {"with_C": result["per_item"]["with_C"]}})
+    # Ctrl-C / SIGTERM: one line, exit code 130 / 143, within seconds, nothing half-written
+    with stopping_on_signals(lambda name: f"stopped by {name}: nothing written (the result is written at the "
+                             "end); run the same command again", cleanup=lambda: remove_created(made)):
+        try:
+            check_models(models)
+            result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"),
+                              state.get("method"), a.no_context, untrained=a.untrained,
+                              device=pick_device(a.device),
+                              conditions=CONDITIONS if a.paired else None,
+                              share_prefix=not a.no_shared_prefix)
+        except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA
+            remove_created(made)
+            fail(str(e))
+        except SystemExit:  # a signal's line
+            remove_created(made)
+            raise
+        if "step" in state:
+            result["step"] = int(state["step"])
+        try:
+            write_json(path, result)
+            if a.paired:  # eval.json too: the with-C scores are the run's validation score
+                write_json(os.path.join(os.path.dirname(path), "eval.json"),
+                           {**{k: v for k, v in result.items()
+                               if k not in ("conditions", "paired", "per_item")},
+                            "per_item": {"with_C": result["per_item"]["with_C"]}})
+        except (WriteFailed, UnsafePath) as e:  # a full disk, a link planted in the run folder
+            fail(f"{e}; nothing half-written was left. Free space there (or make it writable), then run "
+                 "the same command again", code=4 if isinstance(e, WriteFailed) else 2)
     print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "
           f"solved {100 * result['solve_rate']:.1f} | n {result['n']} -> {path}")
     if "paired" in result:

@@ -5,6 +5,8 @@ baselines) need but a reader of the algorithm can skip. Importing this package d
   config.py         every train.py flag, its default and checks, the presets; the one-line error
   model_check.py    what a model flag may name, checked before anything loads (one line, exit code 2)
   checkpoint.py     save / load / --resume a run, atomic JSON writes
+  files.py          every write: exclusive temporary files, never through a link, nothing left on a full disk
+  stop.py           Ctrl-C and SIGTERM: one line, exit code 130 / 143, within seconds even in a long forward
   distributed.py    torchrun: the micro-batches of each process, gathered metrics, summed gradients
   plan.py           --plan: the memory each device needs, on PyTorch's meta device
   state_store.py    --expert-cache: the experts' pooled states on disk, one file per prompt

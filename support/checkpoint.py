@@ -13,6 +13,7 @@ pickled) is refused in one line that names the command converting it, for a file
 `python -m support.checkpoint PATH`.
 
   save_checkpoint    one file, written to a temporary name and renamed: it is the old one or the new one
+  check_checkpoint   before any model loads: readable, a format this code reads, LoRA's rank and g's latents
   load_checkpoint    refuses a file that does not fit the run, in one line that says why
   read_checkpoint    torch.load(weights_only=True), a refusal in one line (evaluate.py reads runs with it)
   check_resume       --resume refuses flags that would change the maths of the run it continues
@@ -20,8 +21,13 @@ pickled) is refused in one line that names the command converting it, for a file
   keep_metrics_upto  drops the log lines written after the checkpoint
   write_json         a JSON file written the same way (config.json, validation.json, evaluate.py's results)
 
+Every file here is written by support/files.py's `replaced` (exclusive temporary file, renamed; nothing left
+behind when the disk is full), never through a link. A checkpoint records its format (CHECKPOINT_FORMAT): a newer
+one is refused before any model loads, as is one whose LoRA rank or latent queries do not fit the run.
+
 Try it on CPU:  python -m pytest tests/test_hardening.py -q -k resume
 """
+import errno
 import json
 import os
 import random
@@ -32,6 +38,7 @@ import numpy as np
 import torch
 
 from lora import load_lora_state_dict, lora_state_dict
+from support.files import UnsafePath, refuse_link, replaced
 
 # Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
 # processes: a run may resume with another.)
@@ -40,6 +47,9 @@ RESUME_MAY_CHANGE = {"steps", "keep_activations", "device", "expert_device", "ex
                      "track"}
 
 
+# 1: a checkpoint written before the format was recorded; 2: the same keys, and "format". A newer one is refused.
+CHECKPOINT_FORMAT = 2
+MAX_CONFIG_BYTES = 1 << 20  # a config.json holds flag values: a few kB
 def sigkill_hook(point, step):
     """Inert unless NMUSK_TEST_SIGKILL=POINT:STEP is set (tests/test_hardening.py): die here, as a power cut
     or the OOM killer would, to show that --resume continues exactly. POINT:STEP:SIGTERM (or SIGINT) sends
@@ -50,14 +60,12 @@ def sigkill_hook(point, step):
 
 
 def save_checkpoint(path, step, policy, method, optimizer, pool):
-    state = {"step": step, "lora": lora_state_dict(policy), "method": method.state_dict(),
-             "optimizer": optimizer.state_dict(), "rng": rng_state(pool)}
-    tmp = f"{path}.tmp{os.getpid()}"
-    torch.save(state, tmp)
-    with open(tmp, "rb") as f:
-        os.fsync(f.fileno())
-    sigkill_hook("checkpoint", step)  # a kill here leaves the old checkpoint and a stray .tmp file
-    os.replace(tmp, path)
+    state = {"format": CHECKPOINT_FORMAT, "step": step, "lora": lora_state_dict(policy),
+             "method": method.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(pool)}
+    with replaced(path) as f:
+        torch.save(state, f)
+        f.flush()
+        sigkill_hook("checkpoint", step)  # a kill here leaves the old checkpoint and a stray .tmp file
 
 
 def rng_state(pool):
@@ -85,12 +93,17 @@ def set_rng_state(rng, pool):
         pool.generator.set_state(rng["experts"])
 
 
-def read_checkpoint(path, flag):
+def read_checkpoint(path, flag, mmap=False):
     """torch.load(path, weights_only=True). ValueError (one line, naming `flag`) for a file that is not a
     checkpoint, or one that holds other Python objects (an older checkpoint, or a crafted file), which are not
-    built: unpickling them could run code."""
+    built: unpickling them could run code. mmap: the tensors stay on disk until read (a check reads shapes)."""
     try:
-        return torch.load(path, map_location="cpu", weights_only=True)
+        refuse_link(path)
+        if os.path.isdir(path):
+            raise IsADirectoryError(errno.EISDIR, "a folder, not a file")
+        return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
+    except UnsafePath as e:
+        raise ValueError(f"{flag}: {e}") from None
     except Exception as e:
         if "Weights only load failed" in str(e) and "Unsupported global" in str(e):
             raise ValueError(f"{flag}: {path} holds Python objects other than tensors, numbers, strings, lists "
@@ -99,6 +112,47 @@ def read_checkpoint(path, flag):
                              f"support.checkpoint {path}") from None
         why = (str(e).splitlines() or [""])[0][:160]
         raise ValueError(f"{flag}: checkpoint {path} is unreadable ({type(e).__name__}: {why})") from None
+
+
+def check_checkpoint(path, args):
+    """--resume's checkpoint, before any model loads (minutes and gigabytes on the paper's team): readable, a
+    format this code reads, the keys save_checkpoint writes, LoRA's tensors of rank --lora-rank and g's latent
+    queries of --num-latents x --latent-dim, every trainable tensor finite. Returns the error message (naming
+    --resume) or None. load_checkpoint still checks every tensor against the built models."""
+    try:
+        state = read_checkpoint(path, "--resume", mmap=True)
+    except ValueError as e:
+        return str(e)
+    bad = f"--resume: checkpoint {path}"
+    if not isinstance(state, dict):
+        return f"{bad} is not a checkpoint (a {type(state).__name__}, not a dict)"
+    version = state.get("format", 1)
+    if not isinstance(version, int) or version > CHECKPOINT_FORMAT:
+        return (f"{bad} has format {version!r}, newer than this code reads ({CHECKPOINT_FORMAT}): update the code, "
+                "or start a new run in another --out")
+    kinds = {"step": int, "lora": dict, "method": dict, "optimizer": dict, "rng": dict}
+    wrong = [k for k, kind in kinds.items() if not isinstance(state.get(k), kind) or isinstance(state.get(k), bool)]
+    if wrong:
+        return f"{bad} is not a checkpoint of train.py: {wrong[0]} is missing or not a {kinds[wrong[0]].__name__}"
+    if not 0 <= state["step"] <= 10**9:
+        return f"{bad} holds step {state['step']}"
+    tensors = {**state["lora"], **state["method"]}
+    if not all(torch.is_tensor(v) for v in tensors.values()):
+        return f"{bad} holds LoRA or g_phi values that are not tensors"
+    for k, v in state["lora"].items():
+        rank = v.shape[0] if k.endswith("lora_A") else v.shape[-1] if k.endswith("lora_B") else None
+        if v.dim() != 2 or rank != args.lora_rank:
+            return (f"{bad}: LoRA tensor {k} has shape {tuple(v.shape)}, not rank --lora-rank {args.lora_rank} "
+                    "(a checkpoint of another run?)")
+    want = (getattr(args, "num_latents", None), getattr(args, "latent_dim", None))
+    for k, v in state["method"].items():
+        if k.endswith("latents") and tuple(v.shape) != want:
+            return (f"{bad}: {k} has shape {tuple(v.shape)}, not --num-latents x --latent-dim {want} (a checkpoint "
+                    "of another run?)")
+    non_finite = [k for k, v in tensors.items() if v.is_floating_point() and not torch.isfinite(v).all()]
+    if non_finite:  # it would train nothing: every step would be skipped
+        return f"{bad} holds non-finite weights in {non_finite[0]} and {len(non_finite) - 1} other tensors"
+    return None
 
 
 def load_checkpoint(path, policy, method, optimizer, pool):
@@ -123,6 +177,7 @@ def load_checkpoint(path, policy, method, optimizer, pool):
 def checkpoint_step(path):
     """The step a checkpoint holds, or None when there is none (or it cannot be read)."""
     try:
+        refuse_link(path)
         return int(torch.load(path, map_location="cpu", weights_only=True, mmap=True)["step"])
     except Exception:
         return None
@@ -135,10 +190,18 @@ def check_resume(args, config_path, default=lambda flag: None):
     if not os.path.exists(config_path):
         return f"--resume: no run to resume in --out {args.out} (no config.json)"
     try:
+        refuse_link(config_path)
+        if os.path.getsize(config_path) > MAX_CONFIG_BYTES:
+            return f"--resume: {config_path} is larger than {MAX_CONFIG_BYTES} bytes: not a config.json of train.py"
         with open(config_path) as f:
             saved = json.load(f)
-    except (ValueError, OSError) as e:
+    except ValueError as e:
+        return f"--resume: {e}" if "symbolic link" in str(e) or "plain file" in str(e) else \
+            f"--resume: cannot read {config_path} ({type(e).__name__})"
+    except (OSError, RecursionError) as e:
         return f"--resume: cannot read {config_path} ({type(e).__name__})"
+    if not isinstance(saved, dict):
+        return f"--resume: {config_path} is not a JSON object of flag values"
     for k, v in vars(args).items():
         was = saved[k] if k in saved else default(k)
         if k not in RESUME_MAY_CHANGE and was != v:
@@ -151,8 +214,9 @@ def read_log(path):
     """The records of a JSONL log (metrics.jsonl, samples.jsonl), [] when there is none. A last line without its
     newline is the torn write of a killed run and is left out; any other line that is not a JSON record with a
     step raises ValueError naming it: --resume drops nothing quietly."""
-    if not os.path.exists(path):
+    if not os.path.lexists(path):
         return []
+    refuse_link(path)
     with open(path) as f:
         lines = f.readlines()
     records = []
@@ -180,19 +244,16 @@ def keep_metrics_upto(path, step):
     with open(path) as f:
         total = sum(1 for _ in f)
     kept = [line for record, line in records if record["step"] <= step]
-    with open(path + ".tmp", "w") as f:
+    with replaced(path, "w") as f:
         f.writelines(kept)
-    os.replace(path + ".tmp", path)
     return total - len(kept)
 
 
 def write_json(path, obj):
     """Atomically: a reader (or a kill) sees the old file or the new one, never half of one."""
     os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with open(path + ".tmp", "w") as f:
+    with replaced(path, "w") as f:
         json.dump(obj, f, indent=2)
-    os.replace(path + ".tmp", path)
-
 
 
 def upgrade_checkpoint(path):
@@ -205,8 +266,8 @@ def upgrade_checkpoint(path):
         state["rng"]["numpy"] = {"name": name, "key": torch.from_numpy(np.asarray(key).astype(np.int64)),
                                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
     state["rng"]["python"] = [python_state[0], list(python_state[1]), python_state[2]]
-    torch.save(state, path + ".tmp")
-    os.replace(path + ".tmp", path)
+    with replaced(path) as f:
+        torch.save(state, f)
     read_checkpoint(path, "the converted file")  # it now loads with weights_only=True
 
 

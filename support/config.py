@@ -30,7 +30,7 @@ import rewards
 from baselines import METHODS, WITHOUT_TEAM_EXPERTS
 from experts import POOLINGS, TEAMS, team_models
 from support import distributed
-from support.checkpoint import check_resume
+from support.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume
 from support.model_check import check_models
 from support.track import BACKENDS, check_library
 
@@ -160,12 +160,14 @@ def replayed_values(p, path):
     reads it, support/checkpoint.py). A file that cannot be read, is not a JSON object, names a key that is no
     flag of `p` or holds a bad value fails in one line (exit code 2)."""
     try:
+        if os.path.isfile(path) and os.path.getsize(path) > MAX_CONFIG_BYTES:
+            fail(f"--config {path}: {os.path.getsize(path)} bytes, more than a config.json's {MAX_CONFIG_BYTES}")
         with open(path) as f:
-            saved = json.load(f)
+            saved = strict_json(f.read(MAX_CONFIG_BYTES + 1))
     except OSError as e:
         fail(f"--config {path}: cannot read it ({type(e).__name__}: {e.strerror})")
     except ValueError as e:  # json.JSONDecodeError: "Expecting value: line 1 column 1 (char 0)"
-        fail(f"--config {path}: not JSON ({e})")
+        fail(f"--config {path}: not JSON of flag values ({e})")
     if not isinstance(saved, dict):
         fail(f"--config {path}: not a JSON object of flag values")
     flags = {a.dest: a for a in p._actions if a.default is not argparse.SUPPRESS}  # --help has no value
@@ -387,12 +389,76 @@ def check_args(p, args):
     for ok, msg in checks:
         if not ok:
             p.error(msg)
+    if msg := text_problem(args) or (args.task_config and json_problem(args.task_config, "--task-config")):
+        p.error(msg)
     if msg := check_library(args.track):  # --track's library, imported here: before any model loads
         p.error(msg)
     if args.steps is None:
         args.steps = 233 if args.task == "gsm8k" else 500
     args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
     return args
+
+
+MAX_TEXT = 100_000  # characters in a text flag's value: a prompt part far beyond any model's context
+MAX_JSON_DEPTH = 8  # nesting of --task-config (reasoning-gym's configs are flat)
+
+
+def text_problem(args):
+    """A text flag (from the command line or a --config file) longer than MAX_TEXT characters, or holding a NUL:
+    one line naming it, or None. A 2 MB --response-prefix used to be accepted and died allocating 4 TB after the
+    models loaded; what a prompt part must fit is checked in tokens once the tokenizer is there
+    (support/run.check_prompt_lengths)."""
+    for k, v in vars(args).items():
+        if isinstance(v, str) and (len(v) > MAX_TEXT or "\0" in v):
+            why = "holds a NUL character" if "\0" in v else f"is {len(v)} characters, above {MAX_TEXT}"
+            return f"--{k.replace('_', '-')} {why}: far beyond any model's context"
+    return None
+
+
+def strict_json(text, depth=MAX_JSON_DEPTH):
+    """json.loads that holds a value to a flag's rules: finite numbers only (JSON's NaN, Infinity and 1e400 are
+    refused), nesting at most `depth` deep. ValueError with a one-line reason."""
+    def finite(v):
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"{v} is not a finite number")
+        return v
+
+    def no_constant(name):
+        raise ValueError(f"{name} is not a finite number")
+
+    # nesting counted before parsing: json.loads recurses once per level and a deep text overflows the stack
+    level, deepest, quoted, escaped = 0, 0, False, False
+    for ch in text:
+        if quoted:  # inside a string: brackets do not count
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "[{":
+            level += 1
+            deepest = max(deepest, level)
+        elif ch in "]}":
+            level -= 1
+    if deepest > depth:
+        raise ValueError(f"nested {deepest} deep, more than {depth}")
+    return json.loads(text, parse_float=finite, parse_constant=no_constant)
+
+
+def json_problem(text, flag):
+    """--task-config's JSON held to a flag's rules: an object, finite numbers, MAX_JSON_DEPTH deep; one line or
+    None (reasoning-gym then checks the values themselves)."""
+    try:
+        value = strict_json(text)
+    except ValueError as e:
+        return f"{flag} {text[:60]!r} is not a JSON object of finite values: {e}"
+    if not isinstance(value, dict):
+        return f"{flag} {text[:60]!r} is not a JSON object (a {type(value).__name__})"
+    return None
 
 
 def low_precision_frozen(args):
@@ -478,10 +544,20 @@ def check_run(args, world, config_path):
     or raises ValueError / FileNotFoundError with a one-line message; writes nothing. A folder whose run never
     finished a step (it failed while loading, or ran out of memory in its first step: a config.json, no
     checkpoint, no metrics) is no run to keep: the same command may start it again."""
+    from support.files import link_in_run_folder
+    if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # a shared folder's planted link
+        fail(msg)
     if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
         fail(msg)
     elif not args.resume and holds_a_run(args.out):
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
+    checkpoint = os.path.join(args.out, "checkpoint.pt")
+    if args.resume and os.path.exists(checkpoint) and (msg := check_checkpoint(checkpoint, args)):
+        fail(msg)  # before any model loads: minutes and gigabytes on the paper's team
+    if args.expert_cache and os.path.isdir(args.expert_cache):
+        from support.state_store import cache_problem
+        if msg := cache_problem(args.expert_cache, "--expert-cache"):
+            fail(msg)
     if args.data_path and os.path.isdir(args.data_path) and not os.path.isfile(os.path.join(args.data_path,
                                                                                               "train.jsonl")):
         fail(f"--data-path {args.data_path}: a folder to train on must hold train.jsonl")

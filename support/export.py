@@ -26,6 +26,7 @@ import os
 
 from lora import save_peft
 from support.checkpoint import write_json
+from support.files import replaced, replaced_folder
 
 
 def base_model_path(spec, out):
@@ -36,7 +37,8 @@ def base_model_path(spec, out):
         from support import tiny_models
         model, _ = tiny_models.load(spec[5:])
         folder = os.path.abspath(os.path.join(out, "base_model"))
-        model.save_pretrained(folder)
+        with replaced_folder(folder) as tmp:  # written whole, never through a link planted in OUT
+            model.save_pretrained(tmp)
         return folder
     if spec.startswith("pocket:"):
         from support import pocket_models
@@ -48,13 +50,15 @@ def base_model_path(spec, out):
 
 def export_run(out, policy, tok, method, args, team):
     """OUT/lora_peft (adapter, resolvable base, tokenizer), OUT/g_phi.safetensors and OUT/g_phi.json."""
-    from safetensors.torch import save_file
-    folder = os.path.join(out, "lora_peft")
-    save_peft(policy, folder, base_model_path(team["policy"], out))
-    tok.save_pretrained(folder)
+    from safetensors.torch import save
+    base = base_model_path(team["policy"], out)
+    with replaced_folder(os.path.join(out, "lora_peft")) as folder:  # whole, never through a planted link
+        save_peft(policy, folder, base)
+        tok.save_pretrained(folder)
     # detached copies on the CPU: safetensors refuses tensors that share memory
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in method.state_dict().items()}
-    save_file(state, os.path.join(out, "g_phi.safetensors"))
+    with replaced(os.path.join(out, "g_phi.safetensors")) as f:
+        f.write(save(state))
     write_json(os.path.join(out, "g_phi.json"),
                {"method": args.method, "context_tokens": method.context_tokens,
                 "team_models": team, "flags": {k: v for k, v in vars(args).items()

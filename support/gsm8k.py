@@ -45,17 +45,27 @@ def load(split, size, seed, data_path):
 
 
 
+MAX_FILE_BYTES = 1 << 30  # GSM8K's train split is 4 MB
+MAX_ROW_CHARS = 100_000  # a question and its answer: far beyond any policy's context (GSM8K's longest: ~1,000)
+
+
 def read_file(path, data_path):
     """The rows of a GSM8K jsonl; ValueError naming --data-path and the line for one that is not a
-    {"question": str, "answer": str} object."""
+    {"question": str, "answer": str} object, or longer than MAX_ROW_CHARS (a 1 MB question never ended its
+    first step), or for a file above MAX_FILE_BYTES or not a plain file (a pipe would block)."""
+    if not path.is_file() or path.stat().st_size > MAX_FILE_BYTES:
+        raise ValueError(f"--data-path {data_path}: {path} is not a plain file of at most {MAX_FILE_BYTES} bytes")
     rows = []
     with open(path, encoding="utf-8", errors="replace") as f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
+            if len(line) > MAX_ROW_CHARS:
+                raise ValueError(f"--data-path {data_path}: line {n} of {path} is {len(line)} characters, above "
+                                 f"{MAX_ROW_CHARS}: far beyond any policy's context")
             try:
                 row = json.loads(line)
-            except ValueError:
+            except (ValueError, RecursionError):
                 row = None
             if not (isinstance(row, dict) and isinstance(row.get("question"), str)
                     and isinstance(row.get("answer"), str)):

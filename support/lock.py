@@ -12,15 +12,18 @@ before any model loads, and a second run on the same folder exits with code 2 at
 Who holds the lock is decided by flock(2) on the open file, not by the process id written in it: the kernel
 drops a flock when its process dies, however it dies (SIGKILL, the out-of-memory killer), so a lock file
 whose flock is free is stale, and two processes that find the same stale file cannot both take it (only one
-flock succeeds). Where fcntl is missing (Windows) a lock file that exists counts as held. Nothing here is in
-the paper.
+flock succeeds). Where fcntl is missing (Windows) a lock file that exists counts as held. The lock file is never
+opened through a link (O_NOFOLLOW) and must be a plain file of its own: a `.lock` planted in a shared folder as a
+link to another file would otherwise be truncated and written (ValueError). Nothing here is in the paper.
 
 Try it on CPU:  python -m pytest tests/test_run_safety.py -q -k lock
 """
 import os
+import stat
 from dataclasses import dataclass
 
 LOCK_NAME = ".lock"
+NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
 
 
 @dataclass
@@ -58,16 +61,25 @@ def _holder(path):
 
 def take_lock(out):
     """Create and hold out/.lock (out must exist). Returns a Lock. Raises LockHeld when a live process holds
-    it, OSError when the folder cannot be written."""
+    it, OSError when the folder cannot be written, ValueError when .lock is a link or not a plain file."""
     path = os.path.join(out, LOCK_NAME)
     for _ in range(3):  # a holder may release the file between our open and our flock: try again
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o644)
+            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR | NOFOLLOW, 0o644)
         except FileExistsError:
-            try:
-                fd = os.open(path, os.O_RDWR)  # someone's lock file: stale if nobody holds its flock
+            try:  # someone's lock file: stale if nobody holds its flock; never a link to another file
+                fd = os.open(path, os.O_RDWR | os.O_NONBLOCK | NOFOLLOW)
             except FileNotFoundError:  # released in between
                 continue
+            except OSError:
+                if os.path.islink(path):
+                    raise ValueError(f"{path} is a symbolic link (to {os.readlink(path)}), not a lock file; "
+                                     "remove it") from None
+                raise
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode) or st.st_nlink > 1:
+                os.close(fd)
+                raise ValueError(f"{path} is not a plain lock file of its own; remove it")
             if not _flock(fd):  # held by a live process (or, without flock, there at all)
                 os.close(fd)
                 raise LockHeld(_holder(path)) from None

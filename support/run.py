@@ -27,8 +27,8 @@ evaluate.py scores for the seed.
 
 Try it on CPU:  python -m pytest tests/test_hardening.py tests/test_run_safety.py -q
 """
+import contextlib
 import ctypes
-import glob
 import json
 import os
 import shlex
@@ -45,10 +45,13 @@ from adapter import context_probes
 from experts import pick_device
 from support import distributed
 from support.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
-from support.checkpoint import write_json
+from support.checkpoint import sigkill_hook, write_json
 from support.config import check_run, create_folder, fail, folder_problem, holds_a_run, remove_created
+from support.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
+from support.files import remove_stray_temporary_files, replaced_name
 from support.export import export_run
 from support.lock import LockHeld, release_lock, take_lock
+from support.stop import answer_signals, restore_signals
 from support.track import open_tracker
 from support.validation import validation_scores
 
@@ -103,31 +106,95 @@ def resume_run(run, args, world):
         fail(str(e))
     if start > args.steps:
         fail(f"--steps {args.steps} is below the step {start} of the checkpoint in --out {args.out}")
+    check_prompt_lengths(run, args, start)  # before the first forward: every prompt fits the policy's context
     # every process has checked everything; joining waits for all, so rank 0 writes only after that
     distributed.init(world, run["device"])
     run.update(world=world, writer=world.rank == 0, start=start)  # only rank 0 writes
     if not run["writer"]:
         return start
     # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
-    if args.resume:
-        for name in ("metrics", "samples"):
-            dropped = keep_metrics_upto(paths[name], start)
-            if dropped and name == "metrics":
-                print(f"resume: from step {start}; {dropped} log line(s) after it dropped (those steps run "
-                      "again)", file=sys.stderr, flush=True)
-        for tmp in glob.glob(paths["checkpoint"] + ".tmp*"):  # left by a run killed while saving
-            os.remove(tmp)
-    else:  # what a run that failed before its first step may have left (check_run let it start again)
-        for name in ("metrics", "samples", "validation"):
-            if os.path.exists(paths[name]):
-                os.remove(paths[name])
-    write_json(paths["config"], {**vars(args), "team_models": run["team"],
-                                 "device_used": str(run["device"]), "processes": world.size})
+    remove_stray_temporary_files(args.out)  # left by a run killed while writing (SIGKILL, a power cut)
+    with writes_or_fail(run, args):
+        if args.resume:
+            for name in ("metrics", "samples"):
+                dropped = keep_metrics_upto(paths[name], start)
+                if dropped and name == "metrics":
+                    print(f"resume: from step {start}; {dropped} log line(s) after it dropped (those steps run "
+                          "again)", file=sys.stderr, flush=True)
+        else:  # what a run that failed before its first step may have left (check_run let it start again)
+            for name in ("metrics", "samples", "validation"):
+                if os.path.exists(paths[name]):
+                    os.remove(paths[name])
+        write_json(paths["config"], {**vars(args), "team_models": run["team"],
+                                     "device_used": str(run["device"]), "processes": world.size})
     run["tracker"] = open_tracker(args, start)  # --track: each step's record, live (None without it)
     if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
         before = validation_scores(run, args)
-        write_json(paths["validation"], {"items": args.eval_items, "before": before})
+        sigkill_hook("validation", 0)  # tests: a kill after validating, before its file
+        with writes_or_fail(run, args):
+            write_json(paths["validation"], {"items": args.eval_items, "before": before})
     return start
+
+
+@contextlib.contextmanager
+def writes_or_fail(run, args):
+    """A write the system refuses (a full disk, a read-only folder, a permission: support/checkpoint.WriteFailed,
+    its temporary file already removed) ends the run in one line, exit code 4, saying what to free and how to
+    continue; a link planted in --out while the run ran, in one line, exit code 2."""
+    try:
+        yield
+    except (WriteFailed, UnsafePath) as e:
+        from tqdm import tqdm
+        if any(not bar.disable for bar in tqdm._instances):  # the line gets a line of its own
+            print(file=sys.stderr)
+        if isinstance(e, UnsafePath):
+            fail(f"--out {args.out}: {e}")
+        fail(write_failed_message(e, run, args), code=4)
+
+
+def write_failed_message(e, run, args):
+    """What a failed write says: which file and why, what is kept, what to free, the command that continues."""
+    paths, folder = run["paths"], os.path.dirname(os.path.abspath(e.path))
+    step = checkpoint_step(paths["checkpoint"])
+    kept = f"{paths['checkpoint']} holds step {step}" if step is not None else "no checkpoint was written yet"
+    again = (f"continue with: {resume_command(args)}" if os.path.exists(paths["config"]) and step is not None
+             else "run the same command again")
+    return (f"{e}; nothing half-written was left and {kept}. Free space on the disk that holds {folder} "
+            f"(df -h {folder}) or make it writable, then {again}")
+
+
+def check_prompt_lengths(run, args, start):
+    """Every prompt the run will read, tokenised as the policy reads it (the question in the --system-prompt,
+    --worked-example and --response-prefix, then the --num-latents context tokens and --max-new-tokens), must
+    fit the policy's context (max_position_embeddings): one too long fails here, naming the item and the flags,
+    before the first forward; a forward over a 1 MB question never ended and ignored SIGTERM. The experts read
+    the question truncated to their own context (experts.ExpertPool), and output_collab's hints are bounded by
+    --max-new-tokens but not counted here. Checks this run's training items (steps start..--steps) and its
+    --eval-items validation items."""
+    limit = getattr(run["policy"].config, "max_position_embeddings", None) or \
+        getattr(run["policy"].config, "n_positions", None)
+    if not limit:
+        return
+    items = run["train_items"]
+    picks = sorted({i for step in range(start, args.steps) for micro in range(args.grad_accum)
+                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, len(items),
+                                                   args.seed)})
+    checked = [("training item", i, items[i]["question"]) for i in picks]
+    if args.eval_items:
+        from support.validation import validation_items
+        checked += [("validation item", i, it["question"])
+                    for i, it in enumerate(validation_items(args, args.eval_items))]
+    extra = (args.num_latents if args.method not in ("single", "output_collab") else 0) + args.max_new_tokens
+    for s in range(0, len(checked), 256):
+        chunk = checked[s:s + 256]
+        prompts = rewards.policy_prompts(run["tok"], [q for _, _, q in chunk], [None] * len(chunk), args)
+        lengths = [len(ids) for ids in run["tok"](prompts, add_special_tokens=False)["input_ids"]]
+        for (kind, i, question), n in zip(chunk, lengths):
+            if n + extra > limit:
+                fail(f"the {kind} {i} ({len(question)} characters: {question[:40]!r}...) is {n} tokens in the "
+                     f"policy's prompt; with --num-latents and --max-new-tokens {args.max_new_tokens} that is "
+                     f"{n + extra}, above the policy's context of {limit} tokens: shorten it (--task-config, "
+                     "--data-path, --response-prefix, --system-prompt) or lower --max-new-tokens")
 
 
 def claim_folders(args, world):
@@ -141,6 +208,8 @@ def claim_folders(args, world):
     except LockHeld as e:
         fail(f"--out {args.out} is in use by process {e} (another run writes there; one run per folder). If no "
              f"such process runs, delete {os.path.join(args.out, '.lock')}")
+    except ValueError as e:  # .lock is a link or not a plain file
+        fail(f"--out {args.out}: {e}")
     except OSError as e:
         remove_created(made)
         fail(f"--out {args.out} cannot be written ({type(e).__name__}: {e.strerror})")
@@ -150,9 +219,14 @@ def claim_folders(args, world):
             if msg := folder_problem(args.expert_cache, "--expert-cache"):
                 raise ValueError(msg)
             os.makedirs(args.expert_cache, exist_ok=True)
-            probe = os.path.join(args.expert_cache, f".probe{os.getpid()}")
-            open(probe, "w").close()
-            os.remove(probe)
+            fd, probe = exclusive_temporary(os.path.join(args.expert_cache, ".probe"))  # a file made, removed
+            os.close(fd)
+            remove_quietly(probe)
+            PENDING.discard(probe)
+        except WriteFailed as e:
+            release_folders({"claim": claim})
+            fail(f"--expert-cache {args.expert_cache} cannot be written ({type(e.error).__name__}: "
+                 f"{e.error.strerror})")
         except (OSError, ValueError) as e:
             release_folders({"claim": claim})
             fail(str(e) if isinstance(e, ValueError) else
@@ -166,15 +240,17 @@ def release_folders(run):
     tracker = run.pop("tracker", None)
     if tracker:
         tracker.close()
+    let_go_of_folders(run)
+    restore_signals(run.pop("signal_handlers", None))
+
+
+def let_go_of_folders(run):
+    """The lock on --out removed, and the folders claim_folders made removed again if still empty."""
     claim = run.get("claim")
     if claim:
         release_lock(claim["lock"])
         remove_created(claim["made"])
         run["claim"] = None
-    restore = run.pop("signal_handlers", {})
-    if threading.current_thread() is threading.main_thread():
-        for sig, handler in restore.items():
-            signal.signal(sig, handler)
 
 
 def stop_on_signals(run, args):
@@ -182,23 +258,13 @@ def stop_on_signals(run, args):
     written whole or not at all, so it is safe at any moment) and the command that continues from it; exit
     code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. A step's log
     line, samples and checkpoint being written are finished first; nothing else is saved on the way out: what
-    ran after the checkpoint is lost, and --resume runs it again. Under torchrun support/distributed.py turns
-    SIGTERM (another rank failed) into its own line."""
+    ran after the checkpoint is lost, and --resume runs it again. Within a few seconds even inside a forward
+    that does not return for minutes (answer_signals). Under torchrun support/distributed.py turns SIGTERM
+    (another rank failed) into its own line."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return
-
-    def stop(signum, frame):
-        if run.get("writing"):  # a step's log line and checkpoint are written first (after_step)
-            run["signal"] = signum
-            return
-        from tqdm import tqdm
-        if any(not bar.disable for bar in tqdm._instances):  # a progress bar (training, validation) keeps its line
-            print(file=sys.stderr)
-        fail(stopped_message(signal.Signals(signum).name, run, args), code=128 + signum)
-
-    # a signal the process was started ignoring stays ignored (a shell's background job ignores Ctrl-C)
-    run["signal_handlers"] = {sig: signal.signal(sig, stop) for sig in (signal.SIGINT, signal.SIGTERM)
-                              if signal.getsignal(sig) is not signal.SIG_IGN}
+    run["signal_handlers"] = answer_signals(run, lambda name: stopped_message(name, run, args),
+                                            cleanup=lambda: let_go_of_folders(run))
 
 
 def stopped_message(name, run, args):
@@ -325,15 +391,15 @@ def after_step(run, args, step, rec, bar, bad_steps):
         return bad_steps
     run["writing"] = True  # the step's line, samples and checkpoint are written whole: signals wait
     try:
-        with open(run["paths"]["metrics"], "a") as f:  # strict JSON: NaN is written as null
-            f.write(json.dumps({k: None if isinstance(v, float) and not np.isfinite(v) else v
-                                for k, v in rec.items()}) + "\n")
-        if run.get("tracker"):  # --track: the same record, live
-            run["tracker"].log(rec)
-        bar.write(log_line(rec, args.steps))
-        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
-            parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
-            save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
+        with writes_or_fail(run, args):  # a full disk: one line, exit code 4, the last good checkpoint kept
+            append_lines(run["paths"]["metrics"], json.dumps({k: None if isinstance(v, float) and not np.isfinite(v)
+                                                              else v for k, v in rec.items()}) + "\n")  # strict JSON
+            if run.get("tracker"):  # --track: the same record, live
+                run["tracker"].log(rec)
+            bar.write(log_line(rec, args.steps))
+            if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
+                parts = (run["policy"], run["method"], run["optimizer"], run["pool"])
+                save_checkpoint(run["paths"]["checkpoint"], step + 1, *parts)
     finally:
         run["writing"] = False
     if run.get("signal"):  # Ctrl-C or SIGTERM came while writing: now it stops the run
@@ -372,13 +438,21 @@ def write_samples(run, args, step, question, answer, texts, rewards_trained):
     n = min(args.group_size, 4)
     golds = [answer] * n if args.format_bonus_strict else None
     bonus = rewards.format_bonus(texts[:n], args.format_bonus, golds) if args.format_bonus else [0.0] * n
-    with open(run["paths"]["samples"], "a") as f:
-        for k in range(n):
-            rec = {"step": step + 1, "question": question, "answer": answer, "completion": texts[k],
-                   "reward": rewards_trained[k].item() - bonus[k]}
-            if args.format_bonus:
-                rec["reward_with_bonus"] = rewards_trained[k].item()
-            f.write(json.dumps(rec) + "\n")
+    lines = []
+    for k in range(n):
+        rec = {"step": step + 1, "question": question, "answer": answer, "completion": texts[k],
+               "reward": rewards_trained[k].item() - bonus[k]}
+        if args.format_bonus:
+            rec["reward_with_bonus"] = rewards_trained[k].item()
+        lines.append(json.dumps(rec) + "\n")
+    run["writing"] = True  # whole lines: a signal waits for them
+    try:
+        with writes_or_fail(run, args):
+            append_lines(run["paths"]["samples"], "".join(lines))
+    finally:
+        run["writing"] = False
+    if run.get("signal"):
+        signal.raise_signal(run.pop("signal"))
 
 
 def finish_run(run, args):
@@ -388,16 +462,20 @@ def finish_run(run, args):
     distributed.finish(run["world"])  # the other ranks are done; rank 0 writes the rest alone
     if not run["writer"]:
         return args.out
-    export_run(args.out, run["policy"], run["tok"], run["method"], args, run["team"])  # support/export.py
+    with writes_or_fail(run, args):
+        export_run(args.out, run["policy"], run["tok"], run["method"], args, run["team"])  # support/export.py
     from support.plot import plot_run
     if args.eval_items:
         with open(run["paths"]["validation"]) as f:
             before = json.load(f)["before"]
         after = validation_scores(run, args)
+        sigkill_hook("validation", args.steps)  # tests: a kill after validating, before its file
         scores = {"items": args.eval_items, "before": before, "after": after}
-        write_json(run["paths"]["validation"], scores)
+        with writes_or_fail(run, args):
+            write_json(run["paths"]["validation"], scores)
         print(validation_line(before, after), flush=True)
-    plot_run(args.out)  # after the validation, whose before/after scores it shows
+    with writes_or_fail(run, args), replaced_name(os.path.join(args.out, "plot.png"), ".png") as tmp:
+        plot_run(args.out, name=os.path.basename(tmp))  # after the validation, whose scores it shows
     return args.out
 
 

@@ -3,11 +3,21 @@ The frozen experts' pooled states on disk (train.py --expert-cache DIR): one sma
 read, prompt), so that runs and evaluations naming the same folder compute each state once, and a run on states
 precomputed by train.py --precompute-states never loads its experts (experts.ExpertPool reads and writes here;
 support/plan.py asks here what a run will not load).
+
+A shared cache is untrusted input, as a shared run folder is: a state file that cannot be read as one finite
+[d] tensor of the recorded width (truncated, foreign, a link, a crafted pickle: weights_only builds nothing else)
+counts as missing and is computed again, its file replaced; a width file that is not a number is refused in one
+line before any model loads (cache_problem). Writes are support/files.replaced's: exclusive, never through a
+link, nothing left behind on a full disk.
 """
+import glob
 import hashlib
 import os
+import stat
 
 import torch
+
+from support.files import replaced
 
 
 def store_identity(name, device, dtype, pooling, depth, max_length):
@@ -39,26 +49,54 @@ class StateStore:
 
     def dim(self):
         """The states' width, once a state was written (else None): what a run that never loads the
-        expert needs to build g_phi."""
-        path = self.path("\0width")[:-3] + ".width"
-        return int(open(path).read()) if os.path.exists(path) else None
+        expert needs to build g_phi. A width file that is not a number counts as none."""
+        return read_width(self.path("\0width")[:-3] + ".width")
 
     def set_dim(self, d):
         if self.dim() != d:
-            path = self.path("\0width")[:-3] + ".width"
             os.makedirs(self.folder, exist_ok=True)
-            with open(path + f".{os.getpid()}.tmp", "w") as f:
+            with replaced(self.path("\0width")[:-3] + ".width", "w") as f:
                 f.write(str(d))
-            os.replace(path + f".{os.getpid()}.tmp", path)
 
     def read(self, texts):
-        """{text: state} for the texts already on disk."""
-        return {t: torch.load(self.path(t), weights_only=True) for t in texts if os.path.exists(self.path(t))}
+        """{text: state} for the texts whose state on disk reads back as one finite [d] tensor (d: the recorded
+        width); any other file is left out, so its state is computed again and its file replaced."""
+        d, states = self.dim(), {}
+        for t in texts:
+            path = self.path(t)
+            try:
+                if not stat.S_ISREG(os.lstat(path).st_mode):  # a link or a pipe: never followed
+                    continue
+                h = torch.load(path, weights_only=True)
+            except Exception:  # missing, truncated, foreign, a pickle of other objects
+                continue
+            if torch.is_tensor(h) and h.dim() == 1 and h.is_floating_point() and (d is None or len(h) == d) \
+                    and bool(torch.isfinite(h).all()):
+                states[t] = h
+        return states
 
     def write(self, states):
         os.makedirs(self.folder, exist_ok=True)
         for text, h in states.items():
-            path = self.path(text)
-            torch.save(h.cpu().clone(), path + f".{os.getpid()}.tmp")  # clone: not the batch's storage
-            os.replace(path + f".{os.getpid()}.tmp", path)
+            with replaced(self.path(text)) as f:
+                torch.save(h.cpu().clone(), f)  # clone: not the batch's storage
 
+
+def read_width(path):
+    """The int a width file holds, or None (no file, or not a positive number)."""
+    try:
+        with open(path) as f:
+            text = f.read(32)
+        return int(text) if text.strip().isdigit() and int(text) > 0 else None
+    except (OSError, ValueError):
+        return None
+
+
+def cache_problem(folder, flag):
+    """Before any model loads: one line naming a width file of `folder` that is a link, not a plain file or not
+    a positive number (the width g_phi is built with when the expert is never loaded), or None."""
+    for path in glob.glob(os.path.join(glob.escape(folder), "*.width")):
+        if not stat.S_ISREG(os.lstat(path).st_mode) or read_width(path) is None:
+            return (f"{flag} {folder}: {os.path.basename(path)} is not a width (a positive number in a plain "
+                    "file); delete it and its expert's states are computed again")
+    return None
