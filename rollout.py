@@ -43,6 +43,7 @@ import torch
 from lora import lora_merged
 from support.kv_cache import cache_kwargs, cache_of, preallocate
 from support.low_precision import low_precision_linears
+import support.static_decode as static_decode
 
 # --------------------------------------------------------------------------------------------------
 # How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first
@@ -309,6 +310,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
 
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
+DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (support/static_decode.py); auto: graph on CUDA
 
 
 def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
@@ -319,7 +321,13 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
 
     "Has every row ended?" needs the GPU's answer on the host (a synchronisation that stalls the
     launch queue), so on a GPU it is asked every SYNC_EVERY tokens, and the tokens written after
-    the last row ended (all padding) are cut at the end: the same output as asking every token."""
+    the last row ended (all padding) are cut at the end: the same output as asking every token.
+    On CUDA the same loop runs with fixed shapes, its step captured as a CUDA graph (DECODE)."""
+    path = DECODE if DECODE != "auto" else "graph" if logits.device.type == "cuda" else "eager"
+    if path != "eager" and allowed is None and static_decode.supports(policy, cache):
+        return static_decode.decode(policy, cache, logits, mask, pos, max_new_tokens, temperature,
+                                    eos_ids, pad_id, greedy, return_logprobs, uniforms,
+                                    graph=path == "graph", sync_every=SYNC_EVERY)
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
     preallocate(cache, max_new_tokens)  # each token written in place (support/kv_cache.py)
     logits = logits.float()                                               # (B*G, vocab)
