@@ -308,22 +308,30 @@ def score_batch(entries, completions, timeout=2.0):
     assert len(entries) == len(completions), \
         f"{len(entries)} entries but {len(completions)} completions"
     answers = [extract_answer(c) for c in completions]
-    results = score_answers(entries, answers, timeout, dataset_config)  # reasoning-gym's and gsm8k
-    for i, (entry, answer) in enumerate(zip(entries, answers)):   # a fork's own tasks (TASKS), here
+    results = scored(entries, answers, timeout)
+    counts = {status: sum(s == status for _, s in results) for status in STATUSES}
+    counts["no_answer"] = sum(a is None for a in answers)
+    return [r for r, _ in results], counts
+
+
+def scored(entries, answers, timeout):
+    """(reward, status) per extracted answer: reasoning-gym's and GSM8K's scorers (safe_scoring),
+    and a fork's own tasks (TASKS) here. Every scoring path goes through this one function, so a
+    task registered in TASKS is scored alike in training, evaluation and `python rewards.py`."""
+    results = score_answers(entries, answers, timeout, dataset_config)
+    for i, (entry, answer) in enumerate(zip(entries, answers)):
         name = (entry.get("metadata") or {}).get("source_dataset")
         if name in TASKS and name not in SCORERS and answer is not None:
             try:
                 results[i] = (float(TASKS[name][1](answer, entry)), "ok")
             except Exception:  # noqa: BLE001  a scorer's bug costs the answer, not the run
                 results[i] = (0.0, "error")
-    counts = {status: sum(s == status for _, s in results) for status in STATUSES}
-    counts["no_answer"] = sum(a is None for a in answers)
-    return [r for r, _ in results], counts
+    return results
 
 
 def safe_score(entry, completion, timeout=2.0):
     """(reward in [0, 1], status in STATUSES) of one completion."""
-    return score_answers([entry], [extract_answer(completion)], timeout, dataset_config)[0]
+    return scored([entry], [extract_answer(completion)], timeout)[0]
 
 
 def score(entry, completion):

@@ -75,3 +75,14 @@ def test_your_own_scorer_scores_the_answer_block():
         m.setitem(rewards.TASKS, "parity", (load_parity, score_parity))
         got, counts = rewards.score_batch(entries, ["<answer>yes</answer>", "no answer block"])
     assert got == [1.0, 0.0] and counts["no_answer"] == 1 and counts["ok"] == 2 and SCORED[-1] == "yes"
+
+
+def test_a_task_of_your_own_is_scored_by_rewards_score_too(monkeypatch):
+    """Regression (a fork trap): a task registered in rewards.TASKS trained right (score_batch looked it up), but
+    rewards.score / safe_score, which `python rewards.py --task NAME` prints, never did: the right answer scored 0
+    with status "error"."""
+    monkeypatch.setitem(rewards.TASKS, "parity", (load_parity, score_parity))
+    entry = load_parity("val", 1, 0, None)[0]
+    assert rewards.safe_score(entry, f"<answer>{entry['answer']}</answer>") == (1.0, "ok")
+    assert rewards.score(entry, "<answer>maybe</answer>") == 0.0
+    assert rewards.score_batch([entry], [f"<answer>{entry['answer']}</answer>"])[0] == [1.0]
