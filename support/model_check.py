@@ -15,11 +15,27 @@ def hub_offline():
     return os.environ.get("HF_HUB_OFFLINE", "").lower() in ("1", "true", "yes", "on")
 
 
+def hub_reachable(timeout=3.0):
+    """Whether the model hub (HF_ENDPOINT, else huggingface.co) answers a TCP connection within
+    `timeout` seconds. Without a network huggingface_hub retries each file for ~half a minute (26 s
+    and 11 lines of retries were seen before one clear error), so a run that needs the hub asks
+    once, here, and fails in seconds."""
+    import socket
+    from urllib.parse import urlsplit
+    url = urlsplit(os.environ.get("HF_ENDPOINT") or "https://huggingface.co")
+    try:
+        socket.create_connection((url.hostname, url.port or (443 if url.scheme == "https" else 80)),
+                                 timeout=timeout).close()
+        return True
+    except OSError:
+        return False
+
+
 def check_models(specs):
     """specs: [(model, flag that chose it)]. Raise ValueError naming the flag for a local path
-    that does not exist or, offline, a hub id that is not in the cache: a bad flag fails in a
-    second, before anything loads (online, huggingface_hub would retry an unreachable hub for
-    half a minute per file)."""
+    that does not exist, or a hub id that is not in the cache while the hub is off or cannot be
+    reached: a bad flag fails in seconds, before anything loads (huggingface_hub would retry an
+    unreachable hub for half a minute per file)."""
     for spec, flag in specs:
         spec = spec.removeprefix(ORACLE)
         if spec.startswith("shape:"):
@@ -53,13 +69,17 @@ def check_models(specs):
             continue
         if spec.endswith(".gguf") or spec.startswith((".", "/", "~")) or spec.count("/") > 1:
             raise ValueError(f"{flag}: no such file or folder {spec!r}")
-        if hub_offline():
-            from huggingface_hub import try_to_load_from_cache
-            try:
-                cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
-            except ValueError:  # not a valid hub id either
-                cached = False
-            if not cached:
-                raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub "
-                                 "cache, and the hub is off (HF_HUB_OFFLINE); pass a local folder "
-                                 "or .gguf file (--policy, --experts) or use --team pocket")
+        from huggingface_hub import try_to_load_from_cache
+        try:
+            cached = isinstance(try_to_load_from_cache(spec, "config.json"), str)
+        except ValueError:  # not a valid hub id either
+            cached = False
+        if not cached and hub_offline():
+            raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub "
+                             "cache, and the hub is off (HF_HUB_OFFLINE); pass a local folder "
+                             "or .gguf file (--policy, --experts) or use --team pocket")
+        if not cached and not hub_reachable():
+            raise ValueError(f"{flag}: model {spec!r} is not a local path and not in the hub "
+                             "cache, and the hub (HF_ENDPOINT or huggingface.co) cannot be reached "
+                             "from this machine; pass a local folder or .gguf file (--policy, "
+                             "--experts) or use --team pocket")
