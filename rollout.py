@@ -27,6 +27,7 @@ tests/test_adapter.py checks it token for token.
                        low-precision copy of the weights; support/kv_cache.py: the KV cache's
                        keyword, and its room for the new tokens reserved up front)
   completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
+  head_logprobs        its LM head, one completion at a time, the logits recomputed in the backward pass
   mlps_recomputed      (with gradient) the MLPs' activations recomputed in the backward pass
   token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
 
@@ -399,20 +400,52 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
          for the whole batch too (share=False: once per prompt).
       2. Logits only for the completion positions: the prefix keeps one (it predicts y_0), and no
          [P, V] log-softmax over the prompt is ever built.
+      3. The completions' logits one completion at a time (head_logprobs), never [N, T, V] at
+         once, and with gradient recomputed in the backward pass instead of kept.
 
     allowed_mask [N, T, V] bool (constrained decoding): the tokens `sample`'s `allowed` let through
     at each step; the log-probs are then the masked, renormalised distribution's."""
     B, (N, T) = prompt_ids.shape[0], completion_ids.shape
     if B == 0 or N % B != 0:
         raise ValueError(f"{N} completions do not split into groups over {B} prompts")
+    plain = policy.config.model_type in PLAIN_HEADS  # logits = lm_head(h): the head can run apart
+    body = policy.base_model if plain else policy
     with mlps_recomputed(policy):
         cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position, share)
         mask = torch.cat([mask, completion_mask], 1)                     # (N, P' + T)
         pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
-        out = policy(input_ids=completion_ids, attention_mask=mask, position_ids=pos,
-                     use_cache=True, logits_to_keep=T, **cache_kwargs(policy, cache))
-    logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
-    return token_logprobs(logits, completion_ids, temperature, allowed_mask)   # (N, T)
+        out = body(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
+                   **({} if plain else {"logits_to_keep": T}), **cache_kwargs(body, cache))
+    if not plain:  # a head with more than a linear layer (e.g. Gemma's logit soft-capping)
+        logits = torch.cat([first[:, None], out.logits[:, :-1]], 1)  # (N, T, V) row t predicts y_t
+        return token_logprobs(logits, completion_ids, temperature, allowed_mask)   # (N, T)
+    y0 = None if allowed_mask is None else allowed_mask[:, :1]
+    rest = None if allowed_mask is None else allowed_mask[:, 1:]
+    return torch.cat([token_logprobs(first[:, None], completion_ids[:, :1], temperature, y0),   # (N, 1)
+                      head_logprobs(policy.get_output_embeddings(), out.last_hidden_state[:, :-1],
+                                    completion_ids[:, 1:], temperature, rest)], 1)           # (N, T)
+
+
+PLAIN_HEADS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")  # model types whose logits are lm_head(h)
+
+
+def head_logprobs(head, h, tokens, temperature=1.0, allowed_mask=None):
+    """token_logprobs(head(h), tokens), h [N, T, D] -> float32 [N, T], one completion at a time: its
+    logits [T, V] exist only while its row is computed, and with gradient they are not kept for
+    the backward pass but computed again there (non-reentrant torch.utils.checkpoint: the same
+    kernels on the same inputs; only h, which the model's graph holds anyway, is kept). Today's
+    path held the head's [N, T, V] output, a copy of it and float32 rows for the backward pass: on
+    the default team (N 32, T 128, V 151,936) ~4.6 GiB; here one row's, ~0.2 GiB. Exact: each
+    row's logits are rows of the same matmul (tests/test_memory.py compares values and gradients
+    with token_logprobs over the whole head output and with the model's own logits)."""
+    from torch.utils.checkpoint import checkpoint
+    rows = []
+    for n in range(h.shape[0]):
+        allowed = None if allowed_mask is None else allowed_mask[n:n + 1]
+        row = lambda x, n=n, allowed=allowed: token_logprobs(head(x), tokens[n:n + 1], temperature, allowed)  # noqa: E731
+        grad = torch.is_grad_enabled() and h.requires_grad
+        rows.append(checkpoint(row, h[n:n + 1], use_reentrant=False) if grad else row(h[n:n + 1]))
+    return torch.cat(rows) if rows else h.new_zeros(tokens.shape, dtype=torch.float32)    # (N, T)
 
 
 @contextlib.contextmanager

@@ -436,10 +436,25 @@ def deterministic_kernels():
     torch.use_deterministic_algorithms(True)
 
 
+def expandable_segments(args):
+    """On CUDA, PyTorch's caching allocator with expandable segments: a segment grows by mapping more
+    memory instead of each new size taking a new block, so freed blocks are reused across the step's
+    phases of different shapes (the rollout's cache, the loss pass's activations) rather than kept
+    reserved beside them (an H200 run reserved 138.9 GiB for a 62.7 GiB allocated peak). Allocation only:
+    the numbers are the same. Set where the run's device is CUDA and the user set neither
+    PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF; it must come before CUDA's allocator starts, which
+    reads it once."""
+    import os
+    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
+    if cuda and not ({"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ)):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the name every torch 2.x reads
+
+
 def main(argv=None, score_batch=None):
     """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's
     scorer (a fork's own reward, or the tests' synthetic one); by default rewards.score_batch."""
     args = parse_args(argv)
+    expandable_segments(args)  # before any CUDA work: the allocator reads its settings once
     if args.deterministic:  # before any CUDA work: cuBLAS reads its workspace setting once
         deterministic_kernels()
     world = distributed.world_from_env()  # torchrun's processes, or one

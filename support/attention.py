@@ -16,7 +16,8 @@ and in the loss pass autograd keeps the copies (~15.7 GiB). Here the n_rep query
 along the query axis instead, so one SDPA call over H_kv heads reads each group's K and V once:
 
     Q [B, H, q, d] -> [B, H_kv, n_rep * q, d]        row r * q + t: head g * n_rep + r at position t
-    M [B, 1, q, k] -> [B, 1, n_rep * q, k]           the same rows stacked alike (grouped_mask, once per forward)
+    M [B, 1, q, k] -> [B, 1, n_rep * q, k]           the same rows stacked alike (grouped_mask, once per forward;
+                                                     a decode step's one row broadcasts as it is)
 
 Every output is the same dot products, softmax and weighted sum over the same keys; only the batching of the
 matmuls changes, so values agree to float rounding (tests/test_attention.py: float64, forward and gradient, to
@@ -96,7 +97,8 @@ def grouped_mask(batch_size, q_length, kv_length, config=None, dtype=torch.float
         return None
     B, _, q, k = seen.shape
     n_rep = groups(config) if config is not None else 1
-    seen = seen[:, :, None].expand(B, 1, n_rep, q, k).reshape(B, 1, n_rep * q, k)  # row r * q + t: row t
+    if q > 1:  # one query (a decode step): its row broadcasts over the n_rep stacked rows as it is
+        seen = seen[:, :, None].expand(B, 1, n_rep, q, k).reshape(B, 1, n_rep * q, k)  # row r * q + t: row t
     return torch.zeros(seen.shape, dtype=dtype, device=seen.device).masked_fill_(~seen, -torch.inf)
 
 
@@ -104,7 +106,8 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                       **kwargs):
     """softmax(q K^T * s + M) V per head, each group of n_rep query heads against its one key/value head:
     query [B, H, q, d], key [B, H_kv, k, d], value [B, H_kv, k, d_v], attention_mask [B, 1, n_rep * q, k]
-    (grouped_mask's), [B, 1, q, k] (a mask built elsewhere: stacked here) or None. Returns ([B, q, H, d_v], None),
+    (grouped_mask's), [B, 1, q, k] (a 4-D mask built elsewhere, e.g. support/static_decode.py's: stacked here
+    where q > 1), [B, 1, 1, k] (one query) or None. Returns ([B, q, H, d_v], None),
     as transformers' attention functions do."""
     for name in ("softcap", "s_aux", "position_bias"):
         if kwargs.get(name) is not None:
@@ -120,7 +123,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
             t = torch.arange(q, device=query.device)[:, None] + (k - q)
             mask = torch.arange(k, device=query.device)[None] <= t                          # (q, k)
             mask = mask.repeat(n_rep, 1)[None, None]                                          # (1, 1, n_rep*q, k)
-    elif mask.shape[-2] == q and n_rep > 1:  # not stacked yet (a mask from another mask function)
+    elif mask.shape[-2] == q > 1 and n_rep > 1:  # not stacked yet (a 4-D mask built elsewhere)
         mask = mask.expand(mask.shape[0], 1, q, k).repeat(1, 1, n_rep, 1)                    # (B, 1, n_rep*q, k)
     if mask is not None and mask.dtype != torch.bool and mask.dtype != query.dtype:
         mask = mask.to(query.dtype)

@@ -69,22 +69,26 @@ def both():
     return run
 
 
-def test_the_function_is_the_attention_formula():
+@pytest.mark.parametrize("q", [3, 1])
+@pytest.mark.parametrize("made_by", ["grouped_mask", "elsewhere"])
+def test_the_function_is_the_attention_formula(q, made_by):
     """grouped_attention against softmax(q_h K_g^T s + M) V_g written out head by head, with a KV cache (the
-    queries are the last q of k keys), padding in the middle and its mask from grouped_mask."""
+    queries are the last q of k keys; q = 1: a decode step), padding in the middle, and its mask from grouped_mask
+    (stacked, additive) or a bool [B, 1, q, k] mask built elsewhere (support/static_decode.py builds its own)."""
     torch.manual_seed(0)
-    B, H, H_kv, q, k, d = 2, 6, 2, 3, 7, 5
+    B, H, H_kv, k, d = 2, 6, 2, 7, 5
     Q = torch.randn(B, H, q, d, dtype=torch.float64)
     K, V = torch.randn(B, H_kv, k, d, dtype=torch.float64), torch.randn(B, H_kv, k, d, dtype=torch.float64)
     seen = torch.ones(B, k, dtype=torch.bool)
     seen[1, 1:3] = False                                                      # row 1: two padding keys behind x_0
+    causal = torch.arange(k)[None] <= torch.arange(q)[:, None] + (k - q)                  # (q, k)
 
     class Config:
         num_attention_heads, num_key_value_heads = H, H_kv
 
-    M = attention.grouped_mask(B, q, k, config=Config, dtype=torch.float64, q_offset=k - q, attention_mask=seen)
+    M = attention.grouped_mask(B, q, k, config=Config, dtype=torch.float64, q_offset=k - q, attention_mask=seen) \
+        if made_by == "grouped_mask" else (causal & seen[:, None])[:, None]                 # (B, 1, q, k) bool
     out, _ = attention.grouped_attention(torch.nn.Module(), Q, K, V, M, scaling=0.3)         # (B, q, H, d)
-    causal = torch.arange(k)[None] <= torch.arange(q)[:, None] + (k - q)                  # (q, k)
     for b in range(B):
         for h in range(H):
             g = h // (H // H_kv)
