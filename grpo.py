@@ -1,98 +1,27 @@
 """
-GRPO, written out by hand: group-relative advantages, the clipped surrogate with a k3 KL penalty,
-the completion mask. Pure functions: tensors in, (loss, metrics) out. Where the policy runs (the
-rollout, the scoring pass and its per-token log-probs) is rollout.py.
+GRPO by hand (DeepSeekMath, Shao et al. 2024) for the paper's Eq. 4: pure functions, tensors in, (loss, metrics)
+out. Per prompt, G completions o_1..o_G with rewards r_1..r_G; for completion i and its token t:
 
-The paper (n-Musketeers, Eq. 4) trains the policy pi_theta and the adapter phi on the KL-regularised
-objective
+    A_i    = (r_i - mean(r)) / (std(r) + eps)                        group_advantages (Dr. GRPO: scale=False)
+    rho_it = exp(logp - logp_old)                                    the ratio to the sampling policy
+    S_it   = min(rho_it A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) A_i)
+    KL_it  = exp(logp_ref - logp) - (logp_ref - logp) - 1            k3, >= 0; pi_ref = the initial policy with
+                                                                     zero context tokens (paper section 4.1)
+    L      = -1/G sum_i 1/|o_i| sum_t (S_it - beta KL_it)            grpo_loss, aggregation "sequence"
+    L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta KL_it)        aggregation "token" (DAPO)
 
-    max_{theta, phi} E_{x ~ D, y ~ pi_theta(.|[x || C])} [ r(x, y) - beta^-1 log(pi_theta(y|[x ||
-    C]) / pi_ref(y|x)) ]
+beta = 0.04, eps_clip = 0.2, mu = 1 inner epoch (the caller passes logp_old = logp.detach(): the ratio is exactly 1,
+the clip never fires and the loss is about 0 while its gradient A * grad(logp) is not). Where the policy runs
+(sampling, the scoring pass, per-token log-probs) is rollout.py.
 
-with pi_ref the frozen initial policy fed zero-valued context tokens at the positions of C (paper
-section 4.1). It optimises it with GRPO (DeepSeekMath, Shao et al. 2024). For every prompt, sample a
-group of G completions o_1..o_G with rewards r_1..r_G, then for completion i and its token t (|o_i|
-= number of its tokens):
-
-    A_i    = (r_i - mean(r_1..r_G)) / (std(r_1..r_G) + eps)        group-relative advantage
-    rho_it = pi_theta(o_it | .) / pi_old(o_it | .) = exp(logp - logp_old)    importance ratio
-    S_it   = min(rho_it * A_i, clip(rho_it, 1 - eps_clip, 1 + eps_clip) * A_i)    surrogate
-    KL_it  = exp(logp_ref - logp) - (logp_ref - logp) - 1           k3 estimator, >= 0
-    L      = -1/G sum_i 1/|o_i| sum_t (S_it - beta * KL_it)         ("sequence" aggregation)
-    L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta * KL_it)     ("token" aggregation)
-
-Every choice, where it is set, and what to expect:
-| choice            | here                              | notes                                    |
-|-------------------|-----------------------------------|------------------------------------------|
-| advantage scaling | group_advantages(scale=True)      | False: A = r - mean (Dr. GRPO); std is   |
-|                   |                                   | torch.std (unbiased); a group with equal |
-|                   |                                   | rewards has A = 0 exactly, so it gives   |
-|                   |                                   | no signal: log the fraction              |
-| loss aggregation  | grpo_loss(aggregation="sequence") | "sequence": mean over a completion's own |
-|                   |                                   | tokens, then over completions (GRPO).    |
-|                   |                                   | "token": sum over all tokens / number of |
-|                   |                                   | tokens (DAPO): long and short            |
-|                   |                                   | completions weigh the same per token     |
-| KL estimator      | k3, per token, inside the loss    | not subtracted from the reward as in     |
-|                   |                                   | PPO-RLHF                                 |
-| KL coefficient    | beta = 0.04                       | paper section 4                          |
-| clip              | clip_eps = 0.2, symmetric         |                                          |
-| inner epochs mu   | the caller; logp_old is stored    | mu = 1: pass logp_old = logp.detach();   |
-|                   | from the rollout                  | the ratio is exactly 1, the clip never   |
-|                   |                                   | fires, and the loss is -mean(A) +        |
-|                   |                                   | beta*KL, about 0: this is expected (the  |
-|                   |                                   | gradient A * grad(logp) is not 0)        |
-| padding           | boolean mask, first EOS inclusive | padded positions contribute nothing,     |
-|                   |                                   | even if their logp is -inf or NaN        |
-
-Deviations and choices the paper leaves open (numbered):
-1. Eq. 4 writes the KL weight as beta^-1 yet calls beta = 0.04 "the KL coefficient"; we follow GRPO
-   and weight the KL by beta (beta^-1 = 25 would swamp rewards in [0, 1]).
-2. Eq. 4's KL is a sequence-level log-ratio; GRPO estimates it per token with k3 (unbiased,
-   non-negative, lower variance than the plain log-ratio). The paper does not say which estimator it
-   used.
-3. The paper does not name the loss aggregation; "sequence" (the GRPO paper's 1/G sum_i 1/|o_i|
-   sum_t) is the default, "token" is offered.
-4. A completion with zero tokens has its token count clamped to 1: it adds 0 to the loss and still
-   counts in the denominator G (the number of sampled completions), so the loss is finite and its
-   scale fixed.
-5. A group whose rewards are all equal gets advantage exactly 0 by an explicit test, not by trusting
-   (r - mean) to round to 0: in float32 eight rewards of 0.6 give (r - mean) = 6e-8 and std = 6e-8,
-   so (r - mean) / (std + eps) = +0.056 for every member, a spurious push that is not even
-   mean-zero.
-6. metrics: kl uses the loss's aggregation, over every completion passed in (with dynamic sampling
-   too, so every step logs it); clip_fraction and ratio_mean are means over all masked tokens.
-7. Not in the paper, off by default: when the rollout samples from a bfloat16 copy of the policy
-   (train.py --rollout-dtype), truncated_is_weights reweights each token's surrogate toward pi_old
-   (--tis-cap).
-8. Not in the paper, off by default: channel_forcing_loss (train.py --channel-weight), a
-   contrastive term that pays the policy for explaining a rewarded completion better with its own
-   prompt's C than with another prompt's; derived in its docstring.
-9. Not in the paper, off by default: DAPO's dynamic sampling (train.py --dynamic-sampling). Groups
-   whose rewards are all equal are drawn again; the surrogate is then averaged over the groups with
-   reward variance only, while the KL term stays on every group (signal_scale; derived below).
-
-Dynamic sampling keeps the KL on flat groups. With mu = 1 (ratio 1, no clip) the per-token
-gradient of GRPO's L (above) is, with w_i the aggregation's weight of completion i (1 / (N |o_i|)
-for "sequence"):
-
-    dL/dlogp_it = -w_i * A_i  +  beta * w_i * (1 - exp(logp_ref_it - logp_it))
-                   surrogate      KL: d/dx [exp(r - x) - (r - x) - 1] = 1 - exp(r - x)
-
-A flat group has A_i = 0, so its surrogate term is 0, but its KL term is not: it is > 0 where
-pi_theta gives the token more mass than pi_ref and < 0 where less, so a descent step moves logp
-toward logp_ref whatever the rewards. Plain GRPO keeps that pull. Leaving flat groups out with
-their KL (what --dynamic-sampling did before) removes it: a policy that stops writing answers gets
-reward 0 in every group, no loss remains, and nothing ever brings it back. So every group is
-trained, and only the surrogate's denominator follows DAPO, counting the groups with signal S:
-
-    L = -1/N_S sum_{i in S} 1/|o_i| sum_t S_it  +  beta/N sum_i 1/|o_i| sum_t KL_it   ("sequence")
-
-(N_S, N: completions in S and in all; "token" uses their token counts). train.py gets this from
-grpo_loss unchanged by multiplying a micro-batch's advantages by c = signal_scale(...) >= 0: the
-surrogate is linear in A for c > 0 (min(rho c A, clip(rho) c A) = c min(rho A, clip(rho) A)) and
-the KL does not see A. With no flat group c = 1 exactly (the loss is the one before); with no group
-with signal L = beta * KL, plain GRPO's loss on the same completions.
+Deviations and choices the paper leaves open (each derived beside the function it concerns):
+1. Eq. 4 weights the KL by beta^-1 but calls beta = 0.04 "the KL coefficient": we weight it by beta (25 x KL would
+   swamp rewards in [0, 1]).
+2. Eq. 4's KL is a sequence log-ratio; we estimate it per token with k3 (unbiased, non-negative, lower variance).
+3. The loss aggregation is not named: "sequence" (GRPO's) by default, "token" offered.
+4. Empty completions and flat groups are handled exactly (grpo_loss, group_advantages).
+5. Off by default, not the paper's: truncated_is_weights (--tis-cap), channel_forcing_loss (--channel-weight),
+   DAPO's dynamic sampling with every group's KL kept (signal_scale, --dynamic-sampling).
 
 Try it on CPU:  python -m pytest tests/test_grpo.py -q
 """
@@ -101,7 +30,12 @@ import torch
 # ----------------------------------------------------------------------------- advantage
 
 def group_advantages(rewards, group_size, scale=True, eps=1e-6):
-    """rewards [B*G], groups = consecutive blocks of G -> advantages [B*G] (float32)."""
+    """rewards [B*G], groups = consecutive blocks of G -> advantages [B*G] (float32).
+
+    A group whose rewards are all equal gets advantage exactly 0 by an explicit test, not by trusting
+    (r - mean) to round to 0: in float32 eight rewards of 0.6 give r - mean = 6e-8 and std = 6e-8, so
+    (r - mean) / (std + eps) = +0.056 for every member, a spurious push that is not even mean-zero.
+    Such a group gives no signal; train.py logs the fraction (zero_std_fraction)."""
     if rewards.dim() != 1:
         raise ValueError(f"rewards must be 1-D [B*G], got shape {tuple(rewards.shape)}")
     if group_size < 2:
@@ -129,8 +63,25 @@ def flat_groups(r, G):
 
 def signal_scale(signal, comp_mask, n_signal, n_all, aggregation="sequence"):
     """The factor c >= 0 on one micro-batch's advantages that makes its surrogate average over the
-    groups with reward variance only (DAPO), while its KL term keeps every completion (module
-    docstring, "Dynamic sampling keeps the KL on flat groups").
+    groups with reward variance only (DAPO), while its KL term keeps every completion.
+
+    Why the KL stays on flat groups. With mu = 1 (ratio 1, no clip) the per-token gradient of L is,
+    with w_i the aggregation's weight of completion i (1 / (N |o_i|) for "sequence"):
+
+        dL/dlogp_it = -w_i A_i  +  beta w_i (1 - exp(logp_ref_it - logp_it))
+                       surrogate   KL: d/dx [exp(r - x) - (r - x) - 1] = 1 - exp(r - x)
+
+    A flat group has A_i = 0, so its surrogate term is 0, but its KL term pulls logp toward
+    logp_ref whatever the rewards. Leaving flat groups out with their KL (what --dynamic-sampling
+    did before) removed that pull: a policy that stopped writing answers got reward 0 in every
+    group, no loss remained, and nothing brought it back. So every group is trained, and only the
+    surrogate's denominator follows DAPO, counting the completions in groups with signal S:
+
+        L = -1/N_S sum_{i in S} 1/|o_i| sum_t S_it  +  beta/N sum_i 1/|o_i| sum_t KL_it   ("sequence")
+
+    grpo_loss gives this unchanged when a micro-batch's advantages are multiplied by c: the
+    surrogate is linear in A for c > 0 (min(rho c A, clip(rho) c A) = c min(rho A, clip(rho) A)) and
+    the KL does not see A. With no flat group c = 1 exactly; with no group with signal L = beta KL.
 
     signal    [B] bool: the micro-batch's groups whose G rewards are not all equal
     comp_mask [B*G, T] bool: its completions' masks
@@ -161,10 +112,12 @@ def signal_scale(signal, comp_mask, n_signal, n_all, aggregation="sequence"):
 # ----------------------------------------------------------------------------- loss
 
 def _aggregate(x, mask, aggregation):
-    """x [N, T] per-token values -> scalar. The only place the mask weights a value."""
+    """x [N, T] per-token values -> scalar. The only place the mask weights a value. A completion with
+    zero tokens has its count clamped to 1: it adds 0 and still counts in the denominator N (the
+    sampled completions), so the loss is finite and its scale fixed."""
     x = torch.where(mask, x, torch.zeros_like(x))              # (N, T) padded positions -> 0
     if aggregation == "sequence":
-        n_tok = mask.sum(dim=1).clamp(min=1)  # (N,) tokens per completion, 0 -> 1 (deviation 4)
+        n_tok = mask.sum(dim=1).clamp(min=1)  # (N,) tokens per completion, 0 -> 1
         # mean over each completion, then over the N
         return (x.sum(dim=1) / n_tok).sum() / mask.shape[0]
     return x.sum() / mask.sum().clamp(min=1)  # "token": all tokens / number of tokens
@@ -182,7 +135,10 @@ def grpo_loss(logp, logp_old, logp_ref, advantages, mask, clip_eps=0.2, beta=0.0
     tokens were
               drawn by a sampler that is not exactly pi_old (a bfloat16 copy of it); the KL term is
               unweighted
-    Returns (loss: scalar tensor to minimise, metrics: dict of python floats).
+    Returns (loss: scalar tensor to minimise, metrics: dict of python floats). metrics' kl uses the
+    loss's aggregation over every completion passed in; clip_fraction and ratio_mean are means over
+    all masked tokens. Padding is safe: positions outside mask contribute nothing, even where their
+    logp is -inf or NaN.
     """
     if aggregation not in ("sequence", "token"):
         raise ValueError(f"aggregation must be 'sequence' or 'token', got {aggregation!r}")

@@ -73,7 +73,7 @@ def test_signal_scale_by_hand():
 @pytest.mark.parametrize("aggregation", ["sequence", "token"])
 def test_dynamic_sampling_gradient_is_dapo_surrogate_plus_kl_on_every_group(aggregation):
     """The loss of a micro-batch under --dynamic-sampling (train.py: advantages times signal_scale, one micro-batch
-    here) has, per token, the gradient derived in grpo.py's docstring: the surrogate's -A_i / U_sig on the groups
+    here) has, per token, the gradient derived in grpo.signal_scale's docstring: the surrogate's -A_i / U_sig on the groups
     with signal (DAPO's normalisation over them alone) plus beta * (1 - exp(logp_ref - logp)) / U on every
     completion, the flat group's included. Checked against those formulas written out by hand."""
     torch.manual_seed(0)
