@@ -15,6 +15,7 @@ Nothing here is in the paper. Every case runs in a scratch folder (--work, delet
 import argparse
 import json
 import os
+import random
 import shlex
 import shutil
 import signal
@@ -47,7 +48,117 @@ def fixtures(work):
         f.write('{"question": "1 + 1?"}\n')
     subprocess.run([sys.executable, "train.py", *SMOKE, "--steps", "2", "--save-every", "1", "--out", paths["run"]],
                    cwd=ROOT, capture_output=True, check=True)
+    # the cases of the write-safety round: a file outside every run folder, data and configs too large
+    paths["victim"] = os.path.join(work, "victim.txt")
+    for name, question in (("gsm8k_1mb", "1 + " * 250_000 + "1?"), ("gsm8k_5k", "1 + " * 1250 + "1?")):
+        paths[name] = os.path.join(work, name)
+        os.makedirs(paths[name])
+        for split in ("train", "test"):
+            with open(os.path.join(paths[name], f"{split}.jsonl"), "w") as f:
+                f.write((json.dumps({"question": question, "answer": "#### 5"}) + "\n") * 4)
+    configs = {"config_2mb": {"response_prefix": "x" * 2_000_000}, "config_nan": {"lr": float("nan")},
+               "config_nul": {"response_prefix": "a\u0000b"}}
+    for name, value in configs.items():
+        paths[name] = os.path.join(work, name + ".json")
+        with open(paths[name], "w") as f:
+            json.dump(value, f)
+    paths["config_deep"] = os.path.join(work, "config_deep.json")
+    with open(paths["config_deep"], "w") as f:
+        f.write('{"team": ' + "[" * 100_000 + "]" * 100_000 + "}")
+    paths["config_spaces"] = os.path.join(work, "config_spaces.json")
+    with open(paths["config_spaces"], "w") as f:
+        f.write(" " * 2_000_000 + "{}")
+    for name in ("fifo", "fifo_data"):
+        paths[name] = os.path.join(work, name)
+        os.mkfifo(paths[name])
+    paths["cache"] = os.path.join(work, "cache")  # an --expert-cache the finished run's flags filled
+    subprocess.run([sys.executable, "train.py", *SMOKE, "--out", os.path.join(work, "cache_run"), "--expert-cache",
+                    paths["cache"]], cwd=ROOT, capture_output=True, check=True)
     return paths
+
+
+def victim(p):
+    """(Re)write the file outside every run folder that no case may change."""
+    with open(p["victim"], "w") as f:
+        f.write("precious\n")
+    return p["victim"]
+
+
+def planted(p, name, kind, what="link"):
+    """A copy of the finished run (or, for kind "fresh", an empty folder) with `what` planted under `name`: a
+    symbolic link to the victim file (or to a folder outside), a hard link to it, a named pipe."""
+    out = os.path.join(os.path.dirname(p["run"]), f"planted-{name.strip('.')}-{what}-{kind}")
+    if kind == "fresh":
+        os.makedirs(out)
+    else:
+        shutil.copytree(p["run"], out)
+    path = os.path.join(out, name)
+    if os.path.isdir(path):
+        shutil.rmtree(path)
+    elif os.path.exists(path):
+        os.remove(path)
+    if what == "link":
+        os.symlink(victim(p) if name != "lora_peft" else os.path.dirname(p["victim"]), path)
+    elif what == "hardlink":
+        os.link(victim(p), path)
+    else:
+        os.mkfifo(path)
+    return out
+
+
+def damaged_checkpoint(p, kind):
+    """A copy of the finished run whose checkpoint is damaged as `kind` says."""
+    import torch
+    out = copy_run(p, f"ckpt-{kind.replace(' ', '_')}")
+    ckpt = os.path.join(out, "checkpoint.pt")
+    if kind == "empty":
+        open(ckpt, "wb").close()
+    elif kind == "truncated":
+        with open(ckpt, "rb") as f:
+            data = f.read()
+        with open(ckpt, "wb") as f:
+            f.write(data[:len(data) // 3])
+    elif kind == "a folder":
+        os.remove(ckpt)
+        os.mkdir(ckpt)
+    else:
+        state = torch.load(ckpt, weights_only=True)
+        if kind == "newer format":
+            state["format"] = 99
+        elif kind == "foreign":
+            state = {"model": torch.zeros(3), "epoch": 7}
+        elif kind == "rank 4":
+            state["lora"] = {k: v[:4] if k.endswith("lora_A") else v[:, :4] for k, v in state["lora"].items()}
+        torch.save(state, ckpt)
+    return out
+
+
+def damaged_cache(p, kind):
+    """A copy of the expert cache: a width file that is not a number, or every state file truncated."""
+    out = os.path.join(os.path.dirname(p["cache"]), f"cache-{kind}")
+    shutil.copytree(p["cache"], out)
+    for name in os.listdir(out):
+        path = os.path.join(out, name)
+        if kind == "width" and name.endswith(".width"):
+            with open(path, "w") as f:
+                f.write("lots")
+        elif kind == "states" and name.endswith(".pt"):
+            with open(path, "r+b") as f:
+                f.truncate(10)
+    return out
+
+
+# A run on a small tmpfs (mounted in a user namespace, as a user may): `python -c TMPFS ...` runs train.py there
+# and exits with its code, or 99 when the run left a temporary file or its lock behind.
+TMPFS = r"""
+import os, subprocess, sys
+mnt, size, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
+os.makedirs(mnt, exist_ok=True)
+script = (f'mount -t tmpfs -o size={size} tmpfs {mnt} && "$0" train.py "$@" --out {mnt}/run; code=$?; '
+          f'ls -a {mnt}/run | grep -q -e "\.tmp" -e "^\.lock$" && exit 99; exit $code')
+sys.exit(subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, sys.executable,
+                         *rest]).returncode)
+"""
 
 
 def copy_run(p, name, damage=None):
@@ -133,7 +244,217 @@ def cases(p, work):
                                                  os.path.join(work, "sigint")], "--resume", None, 130),
         ("SIGTERM during training", T + ["--steps", "40", "--save-every", "2", "--out", os.path.join(work, "sigterm")],
          "--resume", None, 143),
+    ] + write_safety_cases(p, work, T, out)
+
+
+def write_safety_cases(p, work, T, out):
+    """The write-safety round's cases (links, full disks, inputs too large, damaged checkpoints and caches,
+    signals everywhere): as cases() has them, with a sixth element of options: `victim` (a file outside that must
+    keep its text), `exit0` (a run that must finish: exit 0, no `error:` line), `signal` ((signal, the stdout
+    line that triggers it) or a test hook (NMUSK_TEST_SIGKILL)), `show` (the command as the table shows it)."""
+    R = T + ["--steps", "3", "--resume", "--out"]
+    V = {"victim": p["victim"]}
+    fresh = os.path.join(work, "fresh-OUT")
+    tmpfs = os.path.join(work, "tmpfs-OUT")
+    cases = [
+        # writes stay in the run folder: a link planted under each name a run writes
+        *[(f"--resume: {name} is a symbolic link to a file outside", R + [planted(p, name, "run")], "--out",
+           os.path.join(work, f"planted-{name.strip('.')}-link-run"), 2, V)
+          for name in ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "validation.json",
+                       "g_phi.safetensors", "plot.png", ".lock", "lora_peft")],
+        ("a fresh --out holding .lock as a link to a file outside", T + ["--out", planted(p, ".lock", "fresh")],
+         "--out", os.path.join(work, "planted-lock-link-fresh"), 2, V),
+        ("a fresh --out holding config.json.tmp as a link (the old temporary name)",
+         T + ["--out", planted(p, "config.json.tmp", "fresh")], None, None, 0, {**V, "exit0": True}),
+        ("--resume: metrics.jsonl is a hard link to a file outside", R + [planted(p, "metrics.jsonl", "run", "hardlink")],
+         "metrics.jsonl", os.path.join(work, "planted-metrics.jsonl-hardlink-run"), 2, V),
+        ("--resume: samples.jsonl is a named pipe", R + [planted(p, "samples.jsonl", "run", "fifo")], "--out",
+         os.path.join(work, "planted-samples.jsonl-fifo-run"), 2),
+        ("--out is a symbolic link to another folder", T + ["--out", os.path.join(work, "out-link")], "--out",
+         os.path.join(work, "out-link"), 2),
+        ("evaluate.py --run: eval.json.tmp planted as a link (the issue's case)",
+         ["evaluate.py", "--run", planted(p, "eval.json.tmp", "run"), "--n", "2"], None, None, 0, {**V, "exit0": True}),
+        ("evaluate.py --run: eval.json is a link to a file outside",
+         ["evaluate.py", "--run", planted(p, "eval.json", "run"), "--n", "2"], "--run",
+         os.path.join(work, "planted-eval.json-link-run"), 2, V),
+        # a full disk: a real one, a tmpfs in a user namespace
+        ("a full disk at the second checkpoint (tmpfs 20 MB, checkpoints 14 MB)",
+         ["-c", TMPFS, tmpfs, "20m", *SMOKE[:-2], "--steps", "3", "--save-every", "1"], "--resume", None, 4,
+         {"show": "train.py --preset smoke --eval-items 0 --steps 3 --save-every 1 --out TMPFS(20m)"}),
+        ("a full disk at the first checkpoint (tmpfs 5 MB)",
+         ["-c", TMPFS, tmpfs, "5m", *SMOKE], "run the same command again", None, 4,
+         {"show": "train.py --preset smoke --eval-items 0 --steps 1 --out TMPFS(5m)"}),
+        # inputs too large
+        ("gsm8k: a 1 MB question", T + ["--out", out, "--task", "gsm8k", "--data-path", p["gsm8k_1mb"]],
+         "--data-path", out, 2),
+        ("gsm8k: a question longer than the policy's context", T + ["--out", out, "--task", "gsm8k", "--data-path",
+                                                                    p["gsm8k_5k"]], "--data-path", out, 2),
+        ("gsm8k: --data-path is a named pipe", T + ["--out", out, "--task", "gsm8k", "--data-path", p["fifo_data"]],
+         "--data-path", out, 2),
+        ("--response-prefix of 200,000 characters", T + ["--out", out, "--response-prefix", "x" * 200_000],
+         "--response-prefix", out, 2, {"show": "train.py --preset smoke ... --response-prefix 'x' * 200000"}),
+        ("--response-prefix longer than the policy's context", T + ["--out", out, "--response-prefix", "x" * 5000],
+         "--response-prefix", out, 2, {"show": "train.py --preset smoke ... --response-prefix 'x' * 5000"}),
+        ("--max-new-tokens above the policy's context", T + ["--out", out, "--max-new-tokens", "5000"],
+         "--max-new-tokens", out, 2),
+        ("--task-config with NaN", T + ["--out", out, "--task-config", '{"min_terms": NaN}'], "--task-config", out, 2),
+        ("--task-config with 1e400", T + ["--out", out, "--task-config", '{"min_terms": 1e400}'], "--task-config",
+         out, 2),
+        ("--task-config nested 100,000 deep", T + ["--out", out, "--task-config", "[" * 100_000 + "]" * 100_000],
+         "--task-config", out, 2, {"show": "train.py --preset smoke ... --task-config '[' * 100000 + ']' * 100000"}),
+        ("--task-config whose questions outgrow the context", T + ["--out", out, "--task-config",
+                                                                   '{"min_terms": 1500, "max_terms": 1500}'],
+         "--task-config", out, 2),
+        ("--config with a 2 MB response prefix", ["train.py", "--config", p["config_2mb"], "--out", out], "--config",
+         out, 2),
+        ("--config nested 100,000 deep", ["train.py", "--config", p["config_deep"], "--out", out], "--config", out, 2),
+        ("--config with NaN for --lr", ["train.py", "--config", p["config_nan"], "--out", out], "--config", out, 2),
+        ("--config of 2 MB of spaces", ["train.py", "--config", p["config_spaces"], "--out", out], "--config", out, 2),
+        ("--config is a named pipe", ["train.py", "--config", p["fifo"], "--out", out], "--config", out, 2),
+        ("--config with a NUL character in a text", ["train.py", "--config", p["config_nul"], "--out", out],
+         "--response-prefix", out, 2),
+        # what --resume reads, checked before any model loads
+        *[(f"--resume: checkpoint.pt {kind}", R + [damaged_checkpoint(p, kind)], "--resume",
+           os.path.join(work, f"ckpt-{kind.replace(' ', '_')}"), 2)
+          for kind in ("empty", "truncated", "newer format", "foreign", "rank 4", "a folder")],
+        ("--expert-cache: a width file that is not a number", T + ["--out", out, "--expert-cache",
+                                                                    damaged_cache(p, "width")], "--expert-cache",
+         out, 2),
+        ("--expert-cache: every state file truncated (computed again)", T + ["--out", fresh, "--expert-cache",
+                                                                             damaged_cache(p, "states")],
+         None, None, 0, {"exit0": True}),
+        # signals everywhere
+        ("SIGTERM during validation before training", T + ["--eval-items", "8", "--steps", "2", "--out",
+                                                            os.path.join(work, "sig-validation")], "stopped by", None,
+         143, {"signal": "validation:0:SIGTERM"}),
+        ("SIGTERM in the middle of a checkpoint write", T + ["--steps", "4", "--save-every", "1", "--out",
+                                                              os.path.join(work, "sig-checkpoint")], "--resume", None,
+         143, {"signal": "checkpoint:2:SIGTERM"}),
+        ("evaluate.py: SIGTERM while scoring", ["evaluate.py", "--run", copy_run(p, "sig-eval"), "--n", "64",
+                                                 "--batch-size", "1"], "stopped by", None, 143,
+         {"signal": (signal.SIGTERM, "stderr:validation (with_C)")}),
+        ("conductor: SIGTERM during training", ["neighbours/conductor.py", *SMOKE, "--steps", "40", "--save-every",
+                                                 "2", "--out", os.path.join(work, "sig-conductor")], "--resume", None,
+         143, {"signal": (signal.SIGTERM, "step 2/")}),
+        ("rlae: Ctrl-C during training", ["neighbours/rlae.py", *SMOKE, "--steps", "40", "--save-every", "2", "--out",
+                                          os.path.join(work, "sig-rlae")], "--resume", None, 130,
+         {"signal": (signal.SIGINT, "step 2/")}),
     ]
+    os.symlink(os.path.join(work, "gsm8k"), os.path.join(work, "out-link"))
+    return cases
+
+
+# ----------------------------------------------------------------------------------------------------------
+# Chaos: a run killed at random moments and resumed each time must end where an uninterrupted run ends
+
+KILLS = ("SIGKILL", "SIGTERM", "checkpoint", "checkpoint:SIGTERM", "validation", "step")
+WALL_CLOCK = ("seconds", "tokens_per_s")  # the two fields that differ between two runs of the same numbers
+
+
+def chaos(command, out, steps, kills, seed=0, max_delay=10.0, env=None):
+    """Run `python *command --out OUT` to its end through `kills` interruptions, each kind of KILLS in turn at a
+    random moment: SIGKILL or SIGTERM after a random delay (in start-up, a step, a checkpoint write, validation,
+    the export: wherever it falls), or at a chosen point through the test hook (support/checkpoint.sigkill_hook):
+    in the middle of a checkpoint write (SIGKILL, or SIGTERM, which waits for the write), after validating and
+    before its file, after an update and before its log line. Each next start adds --resume once config.json is
+    there. Returns [(kind, where, exit code)] of the interrupted starts and the final start's (exit code, stderr)."""
+    rng, env = random.Random(seed), {**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})}
+    log = []
+    while len([x for x in log if x[2] != 0]) < kills:
+        kind = KILLS[len(log) % len(KILLS)]
+        done = checkpoint_step(os.path.join(out, "checkpoint.pt")) or 0
+        hook, where = "", f"{rng.uniform(0.5, max_delay):.2f} s"
+        if kind.startswith("checkpoint") and done < steps:
+            hook = where = f"checkpoint:{rng.randint(done + 1, steps)}" + kind[len("checkpoint"):]
+        elif kind == "validation":
+            hook = where = f"validation:{0 if done == 0 and rng.random() < 0.5 else steps}"
+        elif kind == "step" and done < steps:
+            hook = where = f"step:{rng.randint(done + 1, steps)}"
+        resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
+        proc = subprocess.Popen([sys.executable, *command, "--out", out, *resume], cwd=ROOT, stdout=subprocess.DEVNULL,
+                                stderr=subprocess.PIPE, text=True, env={**env, "NMUSK_TEST_SIGKILL": hook})
+        if not hook:
+            try:
+                proc.wait(timeout=float(where.split()[0]))
+            except subprocess.TimeoutExpired:
+                proc.send_signal(signal.SIGKILL if kind in ("SIGKILL", "checkpoint", "step") else signal.SIGTERM)
+        _, stderr = proc.communicate(timeout=600)
+        if proc.returncode not in (0, -9, -15, 143):
+            raise RuntimeError(f"chaos: {kind} at {where} ended with {proc.returncode}: {stderr[-2000:]}")
+        log.append((kind, where, proc.returncode))
+    resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
+    final = subprocess.run([sys.executable, *command, "--out", out, *resume], cwd=ROOT, capture_output=True, text=True,
+                           env=env)
+    return log, (final.returncode, final.stderr)
+
+
+def differences(got, want):
+    """What differs between two finished run folders, as lines (none: bit-identical): the file names, every
+    metrics.jsonl record but its wall clock, samples.jsonl, validation.json, every tensor of the checkpoint, and
+    the exported g_phi, LoRA and base model byte for byte; any temporary file or lock left is a difference."""
+    import torch
+    names = {path: sorted(os.path.relpath(os.path.join(d, n), path) for d, ds, ns in os.walk(path) for n in ns)
+             for path in (got, want)}
+    diffs = [f"stray file {n}" for n in names[got] if ".tmp" in n or n.endswith(".lock")]
+    if names[got] != names[want]:
+        diffs.append(f"files differ: {sorted(set(names[got]) ^ set(names[want]))}")
+
+    def lines(path, name):
+        with open(os.path.join(path, name)) as f:
+            return [json.loads(line) for line in f]
+
+    for name in ("metrics.jsonl", "samples.jsonl"):
+        a, b = ([{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in lines(p, name)] for p in (got, want))
+        if a != b:
+            diffs.append(f"{name}: {len(a)} vs {len(b)} records, first difference at record "
+                         f"{next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) + 1}")
+    for name in ("validation.json", "g_phi.safetensors", "lora_peft/adapter_model.safetensors",
+                 "base_model/model.safetensors"):
+        if os.path.exists(os.path.join(want, name)):
+            with open(os.path.join(got, name), "rb") as f, open(os.path.join(want, name), "rb") as g:
+                if f.read() != g.read():
+                    diffs.append(f"{name} differs")
+    a, b = (torch.load(os.path.join(p, "checkpoint.pt"), weights_only=True) for p in (got, want))
+
+    def same(x, y):
+        if torch.is_tensor(x):
+            return torch.is_tensor(y) and x.dtype == y.dtype and x.shape == y.shape and torch.equal(x, y)
+        if isinstance(x, dict):
+            return isinstance(y, dict) and x.keys() == y.keys() and all(same(x[k], y[k]) for k in x)
+        if isinstance(x, (list, tuple)):
+            return type(x) is type(y) and len(x) == len(y) and all(same(u, v) for u, v in zip(x, y))
+        return x == y
+
+    diffs += [f"checkpoint.pt: {k} differs" for k in a if not same(a[k], b.get(k))]
+    return diffs
+
+
+def chaos_rows(work, kills):
+    """The chaos run as a table row: a smoke run (4 steps, a checkpoint each, 8 validation items) killed `kills`
+    times at random moments and resumed each time, against the same run never killed."""
+    command = ["train.py", "--preset", "smoke", "--steps", "4", "--save-every", "1"]
+    t0 = time.time()
+    reference, out = os.path.join(work, "chaos-reference"), os.path.join(work, "chaos")
+    subprocess.run([sys.executable, *command, "--out", reference], cwd=ROOT, capture_output=True, check=True)
+    log, (code, stderr) = chaos(command, out, 4, kills, seed=46)
+    diffs = differences(out, reference) if code == 0 else [stderr.strip().splitlines()[-1:]]
+    killed = [x for x in log if x[2] != 0]
+    kinds = ", ".join(f"{k} {sum(x[0] == k for x in killed)}" for k in KILLS)
+    codes = ", ".join(f"{c}: {sum(x[2] == c for x in killed)}" for c in sorted({x[2] for x in killed}))
+    ok = code == 0 and not diffs and len(killed) == kills
+    same = ("bit-identical to the uninterrupted run (metrics but wall clock, samples, validation, checkpoint, "
+            "exports), no stray file") if not diffs else "; ".join(map(str, diffs))
+    return [f"| chaos: {kills} kills at random moments, each resumed | `{' '.join(command)} --out W/chaos` "
+            f"(killed and resumed; then compared with an uninterrupted run) | {code} | {len(killed)} starts "
+            f"interrupted ({kinds}; exit codes {codes}), {len(log) - len(killed)} that ended on their own, then "
+            f"one that finished | {same} | {time.time() - t0:.1f} | {'OK' if ok else 'NO'} |"]
+
+
+def checkpoint_step(path):
+    """The step a checkpoint holds, or None."""
+    sys.path.insert(0, ROOT)
+    from support.checkpoint import checkpoint_step as step
+    return step(path)
 
 
 def listing(path):
@@ -147,9 +468,11 @@ def listing(path):
             for d, _, names in os.walk(path) for n in names}
 
 
-def run_case(name, argv, watch, work):
-    """(exit code, stderr, seconds) of one case; the signal cases are stopped after their second step's line."""
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1"}
+def run_case(name, argv, watch, work, trigger=None):
+    """(exit code, stderr, seconds) of one case. trigger: (signal, the line that fires it: "step 2/" on stdout,
+    or "stderr:TEXT"), or a test hook NMUSK_TEST_SIGKILL=POINT:STEP:SIGNAL, or None."""
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
+           "NMUSK_TEST_SIGKILL": trigger if isinstance(trigger, str) else ""}
     holder = None
     if name.startswith("--out held"):  # another process that holds the run folder's lock
         holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); "
@@ -161,10 +484,15 @@ def run_case(name, argv, watch, work):
     proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,  # Ctrl-C's default, as at a terminal
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    if name.startswith("SIG"):
+    head = ""
+    if isinstance(trigger, tuple) and trigger[1].startswith("stderr:"):  # a progress bar: no newline to wait for
+        while trigger[1][7:] not in head and proc.poll() is None:
+            head += os.read(proc.stderr.fileno(), 4096).decode(errors="replace")
+        proc.send_signal(trigger[0])
+    elif isinstance(trigger, tuple):
         for line in proc.stdout:
-            if line.startswith("step 2/"):
-                proc.send_signal(signal.SIGINT if name.startswith("SIGINT") else signal.SIGTERM)
+            if line.startswith(trigger[1]):
+                proc.send_signal(trigger[0])
                 break
     try:
         stdout, stderr = proc.communicate(timeout=600)
@@ -175,7 +503,7 @@ def run_case(name, argv, watch, work):
     if holder is not None:
         holder.kill()
         holder.wait()
-    return proc.returncode, stderr, time.time() - t0
+    return proc.returncode, head + stderr, time.time() - t0
 
 
 def first_line(stderr):
@@ -193,39 +521,57 @@ def main():
     ap.add_argument("--work", default="/tmp/nmusk-bad-inputs", help="scratch folder (deleted first)")
     ap.add_argument("--out", default=None, help="write the Markdown table here (default: print it)")
     ap.add_argument("--only", default=None, help="run only the cases whose name contains this text")
+    ap.add_argument("--chaos", type=int, default=20, help="kills of the chaos run (0: none)")
     a = ap.parse_args()
     shutil.rmtree(a.work, ignore_errors=True)
     p = fixtures(a.work)
-    rows = ["| case | command | exit | first line | --out afterwards | ok |", "|---|---|---|---|---|---|"]
-    for i, (name, argv, flag, watch, want) in enumerate(cases(p, a.work)):
+    rows = ["| case | command | exit | first line | --out afterwards | s | ok |", "|---|---|---|---|---|---|---|"]
+    for i, (name, argv, flag, watch, want, *more) in enumerate(cases(p, a.work)):
         if a.only and a.only not in name:
             continue
-        argv = [x.replace("out-OUT", f"out-{i}") for x in argv]
-        watch = watch and watch.replace("out-OUT", f"out-{i}")
+        opts = more[0] if more else {}
+        argv = [x.replace("-OUT", f"-{i}") for x in argv]
+        watch = watch and watch.replace("-OUT", f"-{i}")
         if name.startswith("--out held"):
             os.makedirs(watch, exist_ok=True)
+        trigger = opts.get("signal") or ((signal.SIGINT if name.startswith("SIGINT") else signal.SIGTERM, "step 2/")
+                                         if name.startswith("SIG") else None)
         before = listing(watch) if watch else None
-        code, stderr, seconds = run_case(name, argv, watch, a.work)
+        code, stderr, seconds = run_case(name, argv, watch, a.work, trigger)
         line, n_errors, lines = first_line(stderr)
         after = listing(watch) if watch else None
         if name.startswith("--out held"):
             after = {k: v for k, v in (after or {}).items() if k != ".lock"}
             before = {k: v for k, v in (before or {}).items() if k != ".lock"}
         written = "unchanged" if before == after else f"changed: {sorted(set(after or {}) ^ set(before or {}))}"
-        resumed = True
-        if watch is None:  # a signal: run the command the line names, which must continue the run to its end
-            resume = line.partition("continue with: ")[2]
-            done = subprocess.run([sys.executable, *shlex.split(resume)[1:]], cwd=ROOT, capture_output=True,
-                                  env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True) if resume else None
+        resumed, kept = True, True
+        if "victim" in opts:
+            with open(opts["victim"]) as f:
+                kept = f.read() == "precious\n"
+        if opts.get("exit0"):  # a run that must finish, its target untouched
+            written = "the run finished" + ("; the file outside untouched" if "victim" in opts else "")
+        elif trigger is not None:  # the command the line names must continue the run to its end
+            resume = line.partition("with: ")[2] or (argv if "run the same command again" in line else "")
+            command = shlex.split(resume)[1:] if isinstance(resume, str) else resume
+            done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True,
+                                  env={**os.environ, "HF_HUB_OFFLINE": "1"}, text=True) if command else None
             resumed = done is not None and done.returncode == 0
-            written = f"the checkpoint; the command in the line resumed it: exit {done and done.returncode}"
+            written = f"the command in the line finished it: exit {done and done.returncode}"
+        elif watch is None:  # a tmpfs: gone with its namespace; 99 would say a temporary file or the lock was left
+            written = "no temporary file, no lock" if code != 99 else "a temporary file or the lock left behind"
+        if "victim" in opts:
+            written += "; the file outside untouched" if kept else "; THE FILE OUTSIDE CHANGED"
         traceback = any(ln.startswith("Traceback") for ln in lines)
-        ok = code == want and n_errors == 1 and not traceback and (flag is None or flag in line) and resumed and \
-            (watch is None or before == after) and not os.path.exists(os.path.join(a.work, "PWNED"))
-        command = " ".join(x.replace(a.work, "W").replace(ROOT + "/", "") for x in argv)
-        rows.append(f"| {name} | `{command}` | {code} | {line[:300].replace('|', '/').replace(a.work, 'W')} | {written} | "
-                    f"{'OK' if ok else 'NO'} |")
-        print(rows[-1], f"({seconds:.0f} s)", flush=True)
+        ok = code == want and n_errors == (0 if opts.get("exit0") else 1) and not traceback and kept and \
+            (flag is None or flag in line) and resumed and (watch is None or before == after) and \
+            not os.path.exists(os.path.join(a.work, "PWNED"))
+        command = opts.get("show") or " ".join(x.replace(a.work, "W").replace(ROOT + "/", "") for x in argv)
+        shown = line[:300].replace('|', '/').replace(a.work, 'W') if n_errors else "(no error line)"
+        rows.append(f"| {name} | `{command}` | {code} | {shown} | {written} | {seconds:.1f} | {'OK' if ok else 'NO'} |")
+        print(rows[-1], flush=True)
+    if a.chaos:  # the chaos run: a smoke run killed a.chaos times at random moments, resumed each time
+        rows += chaos_rows(a.work, a.chaos)
+        print("\n".join(rows[-1:]), flush=True)
     table = "\n".join(rows) + "\n"
     if a.out:
         with open(a.out, "w") as f:

@@ -160,6 +160,8 @@ def replayed_values(p, path):
     reads it, support/checkpoint.py). A file that cannot be read, is not a JSON object, names a key that is no
     flag of `p` or holds a bad value fails in one line (exit code 2)."""
     try:
+        if os.path.exists(path) and not os.path.isfile(path):  # a folder, or a pipe that would block the read
+            fail(f"--config {path}: not a file (a run's config.json)")
         if os.path.isfile(path) and os.path.getsize(path) > MAX_CONFIG_BYTES:
             fail(f"--config {path}: {os.path.getsize(path)} bytes, more than a config.json's {MAX_CONFIG_BYTES}")
         with open(path) as f:

@@ -48,7 +48,7 @@ from support.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoi
 from support.checkpoint import sigkill_hook, write_json
 from support.config import check_run, create_folder, fail, folder_problem, holds_a_run, remove_created
 from support.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
-from support.files import remove_stray_temporary_files, replaced_name
+from support.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
 from support.export import export_run
 from support.lock import LockHeld, release_lock, take_lock
 from support.stop import answer_signals, restore_signals
@@ -202,6 +202,8 @@ def claim_folders(args, world):
     --expert-cache made and written to, before any model loads. Returns what release_folders undoes."""
     if world.rank != 0:
         return {"lock": None, "made": []}
+    if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # before the lock is written there
+        fail(msg)
     made = create_folder(args.out, "--out")
     try:
         lock = take_lock(args.out)

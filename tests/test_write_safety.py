@@ -24,8 +24,7 @@ import torch
 
 import evaluate
 import train
-from support import checkpoint, files
-from support.state_store import StateStore, cache_problem
+from support import checkpoint
 from test_hardening import FLAGS, RUN_SCRIPT, letter_reward, read_metrics, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -144,6 +143,7 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, cap
 def test_each_writer_refuses_a_link_and_leaves_nothing(tmp_path):
     """The writers themselves (support/files.py), for every kind of write: replaced, replaced_name,
     replaced_folder, append_lines, write_json."""
+    from support import files
     victim = outside(tmp_path)
     link = tmp_path / "link"
     os.symlink(victim, link)
@@ -355,6 +355,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_model_loads(kind, finished, 
 
 
 def test_an_unreadable_expert_state_is_computed_again_and_a_bad_width_refused(tmp_path, capfd, monkeypatch):
+    from support.state_store import StateStore, cache_problem
     store = StateStore(str(tmp_path / "cache"), "tiny:qwen2|cpu|float32|last|1.0|1024")
     store.write({"a": torch.ones(4), "b": torch.ones(4)})
     store.set_dim(4)
@@ -379,15 +380,15 @@ def test_an_unreadable_expert_state_is_computed_again_and_a_bad_width_refused(tm
 # 5. A signal inside one long native call
 
 LONG_CALL = r"""
-import sys, torch
+import sys, threading, torch
 sys.path[:0] = [{root!r}, {tests!r}]
 torch.set_num_threads(1)
 import train, test_hardening
 real = train.sample_rows
 def sample_rows(*args, **kwargs):  # the step's forward, made one native call that runs for minutes
-    print("in the long call", flush=True)
-    a = torch.rand(1500, 1500, dtype=torch.float64)
-    torch.linalg.matrix_power(a, 2 ** 62)
+    a = torch.rand(3000, 3000, dtype=torch.float64)
+    threading.Timer(1.0, print, ["in the long call"], {{"flush": True}}).start()  # said from inside the call
+    torch.linalg.matrix_power(a, 2 ** 62 - 1)  # 124 products of 54 GFLOP: minutes on any CPU core
     print("the long call returned", flush=True)
     return real(*args, **kwargs)
 train.sample_rows = sample_rows
@@ -395,23 +396,24 @@ train.main(sys.argv[1:], score_batch=test_hardening.letter_reward)
 """.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
 
 EVAL_LONG_CALL = r"""
-import sys, torch
+import sys, threading, torch
 sys.path[:0] = [{root!r}]
 torch.set_num_threads(1)
 from support.stop import stopping_on_signals
 with stopping_on_signals(lambda name: f"stopped by {{name}}: nothing written; run the same command again"):
-    print("in the long call", flush=True)
-    torch.linalg.matrix_power(torch.rand(1500, 1500, dtype=torch.float64), 2 ** 62)
+    a = torch.rand(3000, 3000, dtype=torch.float64)
+    threading.Timer(1.0, print, ["in the long call"], {{"flush": True}}).start()  # said from inside the call
+    torch.linalg.matrix_power(a, 2 ** 62 - 1)
     print("the long call returned", flush=True)
 """.format(root=ROOT)
 
 
 @pytest.mark.parametrize("who", ["train", "evaluate"])
 def test_sigterm_inside_a_long_native_call_ends_the_process_in_seconds(who, tmp_path):
-    """One native call (here torch.linalg.matrix_power, minutes on one core) never returns to Python, where a
-    signal's handler runs: the run used to ignore SIGTERM until it returned. The watchdog ends it: exit code 143,
-    one line, no lock and no temporary file left. (The 120 s limit only stops a hung process: the call takes
-    several minutes.) `evaluate` is the block evaluate.py and the neighbours' evaluate run in."""
+    """One native call (here torch.linalg.matrix_power: 124 products of 3000 x 3000 matrices, minutes on one
+    core) never returns to Python, where a signal's handler runs: the run used to ignore SIGTERM until it
+    returned (and was killed here after 120 s). The watchdog ends it: exit code 143, one line, no lock and no
+    temporary file left. `evaluate` is the block evaluate.py and the neighbours' evaluate run in."""
     out = str(tmp_path / "out")
     script = LONG_CALL if who == "train" else EVAL_LONG_CALL
     argv = [*FLAGS, "--steps", "2", "--out", out] if who == "train" else []
