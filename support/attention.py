@@ -130,5 +130,8 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
     Q = query.reshape(B, H_kv, n_rep * q, d)                       # (B, H_kv, n_rep*q, d) heads of a group stacked
     out = torch.nn.functional.scaled_dot_product_attention(Q, key, value, attn_mask=mask, dropout_p=dropout,
                                                            scale=scaling)       # (B, H_kv, n_rep*q, d_v)
-    out = out.reshape(B, H, q, value.shape[-1])                                 # (B, H, q, d_v)
-    return out.transpose(1, 2).contiguous(), None                              # (B, q, H, d_v)
+    # row r * q + t of group g is head g * n_rep + r at position t; one copy into o_proj's layout. SDPA keeps its
+    # own output for the backward pass, so this copy is one [tokens, H * d_v] tensor more than the SDPA path keeps
+    # (whose kernels write their output in o_proj's layout already): support/plan.py counts it
+    out = out.view(B, H_kv, n_rep, q, value.shape[-1]).permute(0, 3, 1, 2, 4)   # (B, q, H_kv, n_rep, d_v)
+    return out.reshape(B, q, H, value.shape[-1]), None                          # (B, q, H, d_v)

@@ -18,10 +18,14 @@ What is counted, per device of one process (under torchrun every process holds t
   LoRA, g_phi  float32 weights + gradient + AdamW's two moments: 16 bytes a parameter
   rollout      one decode loop (train.sample_step: every micro-batch of the step, or --rollout-batch of them): a
                merged copy of the LoRA-wrapped weights (lora.lora_merged), the KV cache of its rows x (prompt + m +
-               new tokens) (and the prefill's cache while it is copied into it), the float32 logits of one
-               sampling step
+               new tokens) (and one layer of the prefill's cache while its buffer is filled: support/kv_cache.py),
+               the float32 logits of one sampling step
   loss pass    one micro-batch with gradient: what autograd keeps (ACTIVATIONS_PER_TOKEN_LAYER per token and
-               layer, the attention's keys and values, the float32 logits), and the G-fold repeated prefix cache
+               layer, the attention's keys and values: at the key/value heads' width with --attention grouped,
+               copied to every query head with sdpa, which also holds the G-fold cache beside the copies; with
+               grouped, each forward's stacked mask and SDPA's own output), the logits of y_0 and of one
+               completion at a time
+               (rollout.head_logprobs; every completion's where the head is more than a linear layer)
   runtime      on CPU, the resident memory of this very process (Python, torch, transformers imported, no model
                loaded), measured; on CUDA, the CUDA context, ~0.5 GB (a common figure, not measured here)
 peak = weights + LoRA/g_phi state + max(rollout, loss pass) + runtime.
@@ -40,8 +44,9 @@ import resource
 import torch
 
 import experts
+import rollout
 from lora import apply_lora, lora_layers
-from support import shape_models, tiny_models
+from support import attention, shape_models, tiny_models
 from support.shape_models import HUB_CONFIGS
 from support.state_store import StateStore, reads_stored_states, store_identity
 
@@ -54,8 +59,9 @@ GB = 2 ** 30
 # runs it again in the backward pass (before that it kept down_proj's input and SiLU's input, its output and the
 # up projection, 4 I more; with them, on SmolLM2-135M, B 4, G 4, 211 + 48 tokens, saved_tensors_hooks measured
 # 2.58 GiB of distinct saved storage besides the weights against 2.51 GiB counted). Keys and values are counted
-# apart, over the whole sequence and at the query's head count (transformers' SDPA path repeats grouped
-# key/value heads before attention). tests/test_plan.py checks the count on the tiny policy.
+# apart, over the whole sequence, at the key/value heads' count with --attention grouped (support/attention.py
+# reads them as the cache holds them) and at the query's head count with sdpa (transformers' SDPA path repeats
+# grouped key/value heads before attention). tests/test_plan.py checks the count on the tiny policy, both ways.
 ACTIVATIONS_PER_TOKEN_LAYER = lambda D: 6 * D  # noqa: E731
 DEFAULT_PROMPT_TOKENS = 256
 CUDA_CONTEXT = 0.5 * GB
@@ -192,14 +198,36 @@ def estimate(args, world_size=1):
     # one decode loop samples --rollout-batch micro-batches (0: all of a process's share of the step)
     per_process = -(-args.grad_accum // world_size)
     R = B * G * min(args.rollout_batch or per_process, per_process)      # rows of one decode loop
-    rollout = {"merged LoRA weights": merged * nbytes,
-               "KV cache": R * (2 * Pc + T) * kv_token,                 # the cache, and the prefill's while copied
-               "logits of a step": 3 * R * V * 4}                       # float32 logits, softmax, cdf
+    # the decode buffers, and one layer of the G-fold prefill cache while its buffer is filled (kv_cache.preallocate)
+    cache = R * (Pc + T) * kv_token + R * Pc * kv_token // L
+    rollout_parts = {"merged LoRA weights": merged * nbytes,
+                     "KV cache": cache,
+                     "logits of a step": 3 * R * V * 4}                 # float32 logits, softmax, cdf
     act = ACTIVATIONS_PER_TOKEN_LAYER(D) * L * nbytes
-    kv_saved = L * 2 * H * hd * nbytes                                  # keys and values as attention keeps them
+    grouped = attention.resolve(args.attention, policy, device) == attention.NAME
+    kv_saved = L * 2 * (KV if grouped else H) * hd * nbytes             # keys and values as attention keeps them
+    kv = (B * G * (Pc + T) + B * Pc) * kv_saved  # the scoring forward's and the prefill's (at most B rows)
+    if not grouped:  # the SDPA path keeps its copies; the G-fold cache itself lives beside them until the pass ends
+        kv += B * G * Pc * kv_token
+    if policy.config.model_type in rollout.PLAIN_HEADS:  # rollout.head_logprobs
+        # y_0's rows (the prefill's output, float32), and one completion's logits at a time: the head's output, its
+        # float32 copy and their gradient, computed again in the backward pass
+        logits = B * G * V * (nbytes + 4) + T * V * (nbytes + 8)
+    else:  # the head's [N, T, V] output, a copy, the float32 rows kept for the backward pass
+        logits = B * G * T * V * (2 * nbytes + 4)
+    # --attention grouped: each forward's mask, its rows stacked per query head of a group, additive, kept once for
+    # every layer (support/attention.grouped_mask): the prefill's (whole prompts; a shared beginning runs at batch 1)
+    # and the scoring forward's. SDPA's bool masks are converted inside each layer's call instead (not counted).
+    n_rep = H // KV
+    masks = n_rep * (B * Pc * Pc + B * G * T * (Pc + T)) * nbytes if grouped else 0
+    # --attention grouped: SDPA's output, kept for its backward pass, is not o_proj's input (a copy into the heads'
+    # order is), one [tokens, D] tensor a layer more than the SDPA path keeps
+    outputs = (B * Pc + B * G * T) * D * L * nbytes if grouped else 0
     loss = {"activations": (B * Pc + B * G * T) * act,
-            "keys and values": (B * G * (Pc + T) + B * Pc) * kv_saved + B * G * Pc * kv_token,  # + repeated cache
-            "logits": B * G * T * V * (2 * nbytes + 4),  # the lm head's output, its float32 rows, their gradient
+            "keys and values": kv,
+            "attention masks": masks,
+            "attention outputs": outputs,
+            "logits": logits,
             "one MLP recomputed": (B * Pc + B * G * T) * 4 * I * nbytes}  # in the backward pass, one layer at a time
     per_expert = []
     for m in expert_models:
@@ -213,14 +241,15 @@ def estimate(args, world_size=1):
     ex = plan.setdefault(str(expert_device), {})
     ex["expert weights"] = ex.get("expert weights", 0) + count(p for m in expert_models for p in m.parameters()) * nbytes
     ex["expert forward"] = ex.get("expert forward", 0) + (max(per_expert) if per_expert else 0)
-    pol["rollout (one decode loop)"] = sum(rollout.values())
+    pol["rollout (one decode loop)"] = sum(rollout_parts.values())
     pol["loss pass (one micro-batch)"] = sum(loss.values())
     for d in {str(device), str(expert_device)}:
         plan[d]["runtime"] = CUDA_CONTEXT if d.startswith("cuda") else \
             resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024   # Linux: kilobytes
     info = dict(prompt_tokens=P, prompt_measured=measured, context_tokens=ctx, dtype=str(dtype).split(".")[-1],
                 params=dict(policy=frozen, experts=count(p for m in expert_models for p in m.parameters()),
-                            lora=lora, g_phi=g_phi), rollout=rollout, loss=loss, processes=world_size)
+                            lora=lora, g_phi=g_phi), rollout=rollout_parts, loss=loss, processes=world_size,
+                attention=f"{'grouped' if grouped else 'sdpa'}: keys and values at {KV if grouped else H} of {H} heads")
     return plan, info
 
 
@@ -240,7 +269,7 @@ def main(args, world):
           f"g_phi {p['g_phi'] / 1e6:.2f} M")
     print(f"one micro-batch: {args.batch_size} prompts x G {args.group_size}, prompt {info['prompt_tokens']} tokens"
           f" ({'measured on the first micro-batch' if info['prompt_measured'] else 'assumed'}) + "
-          f"{info['context_tokens']} context + {args.max_new_tokens} new")
+          f"{info['context_tokens']} context + {args.max_new_tokens} new; attention {info['attention']}")
     for device, parts in plan.items():
         print(f"{device}: peak ~{peak(parts) / GB:.2f} GB")
         for k, v in parts.items():

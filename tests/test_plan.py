@@ -44,14 +44,15 @@ def test_plan_asks_a_new_method_for_its_context_tokens(monkeypatch):
     assert info["context_tokens"] == 3
 
 
-def test_activation_count_matches_what_autograd_keeps():
-    """The loss pass's saved tensors (distinct storages, weights excluded), measured with saved_tensors_hooks
-    on the tiny policy, against plan's count for the same shapes: within 10 %."""
+def saved_in_the_loss_pass(attention):
+    """(what autograd keeps in one loss pass of the tiny policy: {storage: (bytes, shape)}, weights excluded, plan's
+    estimate for the same shapes, (B, G, T, m, P))."""
     import rollout
     from experts import load_model
     from lora import apply_lora
-    args = train.parse_args(TINY + ["--batch-size", "2", "--group-size", "4", "--max-new-tokens", "16"])
-    policy, _ = load_model("tiny:llama")
+    args = train.parse_args(TINY + ["--batch-size", "2", "--group-size", "4", "--max-new-tokens", "16",
+                                    "--attention", attention])
+    policy, _ = load_model("tiny:llama", attention=attention)
     apply_lora(policy, 8, 16)
     B, G, T, m = 2, 4, 16, 4
     _, info = plan.estimate(args)
@@ -62,7 +63,7 @@ def test_activation_count_matches_what_autograd_keeps():
     def pack(t):
         ptr = t.untyped_storage().data_ptr()
         if ptr not in weights:
-            seen[ptr] = t.untyped_storage().nbytes()
+            seen[ptr] = (t.untyped_storage().nbytes(), tuple(t.shape))
         return t
 
     torch.manual_seed(0)
@@ -71,12 +72,38 @@ def test_activation_count_matches_what_autograd_keeps():
     comp, comp_mask = torch.randint(0, 250, (B * G, T)), torch.ones(B * G, T, dtype=torch.bool)
     with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
         rollout.completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0, "after")
+    return seen, info, (B, G, T, m, P)
+
+
+def test_grouped_attention_keeps_keys_and_values_at_their_own_width():
+    """--attention grouped on the tiny policy (4 query heads on 2 key/value heads): every key or value autograd
+    keeps has the 2 heads the cache holds (the SDPA path keeps them copied to 4), and the keys and values, the
+    stacked masks and SDPA's own outputs it keeps are plan's counts of them, each within 10 %."""
+    seen, info, (B, G, T, m, P) = saved_in_the_loss_pass("grouped")
+    H, KV, hd, Pc = 4, 2, 16, P + m
+    shapes = list(seen.values())
+    # [rows, heads, keys, d] (RoPE's cos and sin are [rows, 1, keys, d])
+    kv = [(n, s) for n, s in shapes if len(s) == 4 and s[1] > 1 and s[-1] == hd and s[2] in (Pc, Pc + T)]
+    masks = [n for n, s in shapes if len(s) == 4 and s[1] == 1 and s[2] in (2 * Pc, 2 * T)]     # [rows, 1, n_rep q, k]
+    outputs = [n for n, s in shapes if len(s) == 4 and s[1] == KV and s[2] in (2 * Pc, 2 * T)]  # packed query and out
+    assert kv and {s[1] for _, s in kv} == {KV}
+    assert sum(n for n, _ in kv) == pytest.approx(info["loss"]["keys and values"], rel=0.10)
+    assert sum(masks) == pytest.approx(info["loss"]["attention masks"], rel=0.10)
+    # the packed query is plan's "query (D)" among the activations; SDPA's output is the one more
+    assert sum(outputs) / 2 == pytest.approx(info["loss"]["attention outputs"], rel=0.10)
+
+
+def test_activation_count_matches_what_autograd_keeps():
+    """The loss pass's saved tensors (distinct storages, weights excluded), measured with saved_tensors_hooks
+    on the tiny policy, against plan's count for the same shapes: within 10 %."""
+    seen, info, (B, G, T, m, P) = saved_in_the_loss_pass("sdpa")
     loss = info["loss"]
-    V, D, L = policy.config.vocab_size, policy.config.hidden_size, policy.config.num_hidden_layers
+    V, D, L = 260, 64, 2                                                # the tiny policy's
     # each MLP's input is held by its checkpoint (rollout.mlps_recomputed), not as a tensor autograd saves
     held_by_checkpoints = (B * (P + m) + B * G * T) * D * L * 4
-    estimated = loss["activations"] - held_by_checkpoints + loss["keys and values"] + B * G * T * V * 4  # + float32 rows
-    assert sum(seen.values()) == pytest.approx(estimated, rel=0.10)
+    # + y_0's float32 logits (the completions' are computed again in the backward pass: rollout.head_logprobs)
+    estimated = loss["activations"] - held_by_checkpoints + loss["keys and values"] + B * G * V * 4
+    assert sum(n for n, _ in seen.values()) == pytest.approx(estimated, rel=0.10)
 
 
 def test_plan_prints_and_writes_nothing(tmp_path):
@@ -137,3 +164,36 @@ def test_plan_leaves_out_experts_whose_states_are_precomputed(tmp_path):
     assert before["cpu"]["expert weights"] > 0 and before["cpu"]["expert forward"] > 0
     assert after["cpu"]["expert weights"] == 0 and after["cpu"]["expert forward"] == 0
     assert info["params"]["experts"] == 0
+
+
+def test_plan_counts_keys_and_values_at_the_width_attention_reads_them():
+    """The default team's loss pass on CUDA: --attention grouped (auto there) keeps keys and values at Qwen2.5-3B's
+    2 key/value heads, sdpa at its 16 query heads plus the G-fold cache (the issue's 15.7 GiB); the plan says
+    which it counted. On a CPU auto is sdpa (the fixtures' path)."""
+    from support.shape_models import config
+    c = config("Qwen/Qwen2.5-3B-Instruct")
+    L, H, KV, hd = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
+    flags = ["--team", "default", "--device", "cuda", "--task", "arithmetic"]
+    (_, auto), (_, grouped), (_, sdpa) = (plan.estimate(train.parse_args(flags + extra))
+                                          for extra in ([], ["--attention", "grouped"], ["--attention", "sdpa"]))
+    B, G, T, Pc = 4, 8, 128, auto["prompt_tokens"] + auto["context_tokens"]
+    tokens = B * G * (Pc + T) + B * Pc
+    assert auto["loss"] == grouped["loss"] and auto["attention"].startswith("grouped")
+    assert grouped["loss"]["keys and values"] == tokens * L * 2 * KV * hd * 2
+    assert sdpa["loss"]["keys and values"] == tokens * L * 2 * H * hd * 2 + B * G * Pc * L * 2 * KV * hd * 2
+    assert sdpa["attention"] == f"sdpa: keys and values at {H} of {H} heads"
+    _, cpu = plan.estimate(train.parse_args(TINY))
+    assert cpu["attention"].startswith("sdpa")
+
+
+def test_plan_counts_one_completions_logits_and_one_prefill_layer():
+    """The loss pass's logits: y_0's rows and one completion's (rollout.head_logprobs), not [N, T, V]; the rollout's
+    cache: the decode buffers and one layer of the prefill's (kv_cache.preallocate), not a second whole cache."""
+    from support.shape_models import config
+    c = config("Qwen/Qwen2.5-3B-Instruct")
+    _, info = plan.estimate(train.parse_args(["--team", "default", "--device", "cuda", "--task", "arithmetic"]))
+    B, G, T, V, Pc = 4, 8, 128, c.vocab_size, info["prompt_tokens"] + info["context_tokens"]
+    assert info["loss"]["logits"] == B * G * V * (2 + 4) + T * V * (2 + 8)
+    kv_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
+    R = B * G * 8                                                       # the whole step's rows in one decode loop
+    assert info["rollout"]["KV cache"] == R * (Pc + T) * kv_token + R * Pc * kv_token // c.num_hidden_layers
