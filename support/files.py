@@ -52,7 +52,7 @@ def refuse_link(path):
     folder holds its own files, and a write through a link planted there lands outside it."""
     try:
         st = os.lstat(path)
-    except FileNotFoundError:
+    except (FileNotFoundError, NotADirectoryError):  # nothing there (or a file where its folder would be)
         return
     if stat.S_ISLNK(st.st_mode):
         raise UnsafePath(f"{path} is a symbolic link (to {os.readlink(path)}): a run folder holds its own files, "
@@ -180,12 +180,12 @@ RUN_FILES = ("config.json", "metrics.jsonl", "samples.jsonl", "checkpoint.pt", "
 def link_in_run_folder(out, flag="--out"):
     """The one-line refusal of a run folder that is a symbolic link or holds one (or a pipe, a device) under a
     name the run writes or reads, or None. A write through a link planted in a shared folder would land outside
-    it; writes are exclusive and never follow links anyway (support/checkpoint.replaced), this says so before
+    it; writes are exclusive and never follow links anyway (replaced), this says so before
     any model loads."""
     if os.path.islink(out.rstrip("/") or "/"):
         return (f"{flag} {out} is a symbolic link (to {os.readlink(out.rstrip('/'))}): pass the folder it points to, "
                 f"{os.path.realpath(out)}, if that is where the run belongs")
-    for name in RUN_FILES:
+    for name in RUN_FILES if os.path.isdir(out) else ():
         try:
             refuse_link(os.path.join(out, name))
         except UnsafePath as e:
