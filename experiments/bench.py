@@ -178,40 +178,67 @@ def floor_worker(o):
 
 
 def trl_worker(kind, o, reply, read):
-    """TRL runs its own loop: a callback waits for our command in on_step_begin and replies in on_step_end."""
+    """TRL runs its own loop: a callback waits for our command in on_step_begin and replies in on_step_end.
+    Options beyond this file's CPU benchmark (experiments/gpu_check.py's trl phase, on a GPU): policy, task,
+    dataset_size, device, bf16, grad_accum (micro-batches per optimiser step: TRL then generates the whole
+    step's completions at once, as train.py's one decode loop does), stand_in (shape: models tokenise with
+    support/stand_in_tokenizer.py: real prompt lengths), memory_cap_gib (the process capped, as gpu_check is)."""
+    import torch
     from datasets import Dataset
     from peft import LoraConfig
     from transformers import TrainerCallback
     from trl import GRPOConfig, GRPOTrainer
     import rewards
     from experts import load_model
-    policy, tok = load_model(POLICY)
+    device, cuda = o.get("device", "cpu"), o.get("device", "cpu") == "cuda"
+    if cuda and o.get("memory_cap_gib"):
+        total = torch.cuda.get_device_properties(0).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, o["memory_cap_gib"] * 2 ** 30 / total))
+    if o.get("stand_in"):
+        from support import shape_models, stand_in_tokenizer
+        shape_models.tokenizer = stand_in_tokenizer.tokenizer
+    policy, tok = load_model(o.get("policy", POLICY), device, torch.bfloat16 if o.get("bf16") else torch.float32)
     generation = timed(policy, "generate")  # PEFT's generate calls the wrapped model's
-    items = rewards.load_entries("chain_sum", "train", DATASET_SIZE, SEED)
+    items = rewards.load_entries(o.get("task", "chain_sum"), "train", o.get("dataset_size", DATASET_SIZE), SEED)
     rows = [it for k in range(o["n_steps"]) for it in step_items(items, k, o["prompts"])]
     data = Dataset.from_list([{"prompt": rewards.build_prompt(tok, it["question"]), "row": i}
                               for i, it in enumerate(rows)])
 
     def reward(prompts, completions, row, **_):
         return rewards.score_batch([rows[i] for i in row], completions)[0]
+    accum = o.get("grad_accum", 1)
     config = GRPOConfig(output_dir=tempfile.mkdtemp(prefix="bench-trl-"), per_device_train_batch_size=o["prompts"]
-                        * o["G"], num_generations=o["G"], max_completion_length=o["T"], beta=0.04, learning_rate=1e-4,
-                        max_steps=o["n_steps"], bf16=False, use_cpu=True, report_to="none", logging_strategy="no",
-                        save_strategy="no", disable_tqdm=True, shuffle_dataset=False, seed=SEED,
-                        generation_kwargs={} if o["natural_eos"] else {"min_new_tokens": o["T"]},
+                        * o["G"] // accum, gradient_accumulation_steps=accum, num_generations=o["G"],
+                        max_completion_length=o["T"], beta=0.04, learning_rate=1e-4,
+                        max_steps=o["n_steps"], bf16=bool(o.get("bf16")), use_cpu=not cuda, report_to="none",
+                        logging_strategy="no", save_strategy="no", disable_tqdm=True, shuffle_dataset=False,
+                        seed=SEED, generation_kwargs={} if o["natural_eos"] else {"min_new_tokens": o["T"]},
                         **({} if kind == "trl_default" else {"gradient_checkpointing": False}))
     t0 = {}
+
+    def sync():
+        if cuda:
+            torch.cuda.synchronize()
 
     class Clock(TrainerCallback):
         def on_step_begin(self, args, state, control, **kw):
             assert read()["step"] == state.global_step, "TRL runs its steps in order"
+            sync()
+            if cuda:
+                torch.cuda.reset_peak_memory_stats()
             t0["t"], generation["seconds"] = time.perf_counter(), 0.0
 
         def on_step_end(self, args, state, control, **kw):
+            sync()
             seconds = time.perf_counter() - t0["t"]
             lengths = trainer._metrics["train"].get("completions/mean_length") or [float("nan")]
+            memory = {} if not cuda else dict(
+                peak_allocated_gib=torch.cuda.max_memory_allocated() / 2 ** 30,
+                peak_reserved_gib=torch.cuda.max_memory_reserved() / 2 ** 30,
+                alloc_retries=torch.cuda.memory_stats().get("num_alloc_retries", 0),
+                ooms=torch.cuda.memory_stats().get("num_ooms", 0))
             reply(seconds=seconds, tokens=lengths[-1] * o["G"] * o["prompts"],
-                  generation=generation["seconds"])
+                  generation=generation["seconds"], **memory)
             release_memory()
     trainer = GRPOTrainer(model=policy, reward_funcs=reward, args=config, train_dataset=data, processing_class=tok,
                           peft_config=LoraConfig(r=8, lora_alpha=16, lora_dropout=0.0, target_modules=TARGETS),

@@ -1,49 +1,72 @@
 """
-The device check: one command that says how the paper's setting runs on one CUDA GPU, with no network and only
-this repository (the paper's models are built at their real shapes with RANDOM weights, support/shape_models.py).
+The device check: one command that says how the paper's setting runs on one CUDA GPU, before and after each change
+of issue 44, with no network and only this repository (the paper's models are built at their real shapes with
+RANDOM weights, support/shape_models.py; TRL's GRPOTrainer runs beside ours on the same card).
 
-    python experiments/gpu_check.py --out OUT/gpu_check.json          # on a GPU: ~8 min on an H200, every phase
-    python experiments/gpu_check.py --tiny --out /tmp/gpu_check.json  # CPU, tiny models, seconds (the test suite)
+THE COMMAND for a GPU session (the run tool: carry [".whl"], timeout_s 480; the wheels are built here first by
+`bash experiments/gpu_wheels.sh`, ~37 MB, so the tree travels whole under the 64 MiB a call may carry):
 
-Phases, in order; each appends its record to the one JSON file as soon as it ends, so a timeout keeps what
-finished, and a phase that fails records its error and the next one runs:
-  env           versions, the card, which SDPA backends are enabled                              (0.02 s)
-  tiny_parity   the tiny team on CPU vs on the device: log-probs of the same completions, greedy samples, the
-                LoRA gradient of one loss, and a 1-step smoke run in bfloat16 whose step-1 KL must be exactly 0
-                                                                                                  (20 s)
-  padded_rows   the 3B policy's shape (36 layers, bfloat16): a left-padded batch and the same batch with its
-                padding behind the first token (rollout.padding_behind_first_token), under each SDPA backend
-                alone: non-finite logits at real tokens, and the largest difference between the two layouts
-                                                                                                  (2 s)
-  writers       rollout.greedy_texts (output_collab's hints, the conductor's workers) of the tiny Qwen2 on CPU
-                and on the device, prompts of different lengths: the same texts in float32        (0.2 s)
-  decode        rollout.sample on the 3B shape at 32 and at 256 rows (64 new tokens, no EOS): tokens/s with
-                synchronisation, and CUDA kernels launched per decoded token (torch.profiler)     (17 s)
-  default_step  train.py --task arithmetic --team default --random-weights for 2 steps (the paper's settings:
-                32 prompts x G 8, 128 new tokens): seconds and peak allocated / reserved memory per phase of the
-                step (each phase timed with torch.cuda.synchronize), against --plan's figures     (90 s)
-  default_step_per_micro  the same for 1 step with --rollout-batch 1: a decode loop per micro-batch, as the
-                rollout ran before it sampled the whole step in one loop                           (75 s)
-  default_step_cached  1 step on precomputed expert states (--precompute-states, then --expert-cache): the
-                experts are never loaded, the peak is the policy's                                 (33 s)
-  determinism   fresh processes of the smoke preset under coin rewards (so every step has a gradient), 4 steps:
-                two with --deterministic, one with --deterministic stopped after 2 steps and resumed, two
-                without the flag; each process's gradient norm and loss per step. ok = the three
-                --deterministic processes agree to the bit (without the flag they may not: the attention
-                backward adds with atomics on a GPU)                                              (2 min)
-The times were measured on an H200 (results/gpu.md holds every run: 210 s for all phases but the last two at
-c11c835, plus ~40 s to install the wheels).
+    nvidia-smi > $OUT/nvidia-smi.txt; PYTHONUNBUFFERED=1 python experiments/gpu_check.py --wheels .whl
+        --budget-s 400 --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
 
-A GPU machine of this project has no network: reasoning-gym and its dependencies (numpy included) travel as wheels
-(--task arithmetic needs them), built here by experiments/gpu_wheels.sh into .whl/ and installed there with
-`python -m pip install --no-index --find-links .whl reasoning-gym==0.1.25`; everything else this check imports
-(torch, transformers, tqdm, safetensors, accelerate) is there.
+It writes $OUT/gpu_check.json after every phase (a timeout keeps what finished; a phase that fails records its
+error and the next one runs; a phase that would not end within --budget-s is skipped and says so), with "goals":
+the issue's performance goals read from the phases so far. On a CPU, every phase at tiny scale (what the test
+suite runs; TRL's phase too where TRL is installed):
+
+    python experiments/gpu_check.py --tiny --out /tmp/gpu_check.json
+
+Settings of the whole process: the card capped at --memory-cap-gib 78 (torch.cuda.set_per_process_memory_fraction:
+any larger card answers for an 80 GB one; every phase records the allocator's retries and out-of-memory events),
+CUDA's allocator with expandable segments (as train.py sets it; --allocator default for the old one), prompts of
+real length (--prompt-lengths real: support/stand_in_tokenizer.py, within 1 % of Qwen2.5's token counts; the
+byte-level stand-in made them ~4.1x longer and stays as the stress case).
+
+"before" is today's path as it was before issue 44, kept behind switches so that it re-runs on the same card in
+the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph,
+support/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after": auto = grouped,
+support/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once; "after": one completion
+at a time, rollout.head_logprobs). A switch this checkout lacks is recorded as absent, not failed (SWITCHES).
+
+Phases, in priority order (the default list; the seconds are estimates for an H200, the budget's guide):
+  env           versions, the card, the cap, the allocator, the wheels installed, SDPA backends         (1 s)
+  tiny_parity   the tiny team on CPU vs on the device (log-probs, greedy tokens, LoRA gradient, a bf16 smoke
+                step whose KL must be exactly 0), and the decode loops on the device: the eager loop vs the
+                captured graph from the same uniforms (tokens equal, log-prob difference)            (25 s)
+  decode        the 3B policy's decode at 32 and 256 rows (real prompts, 64 new tokens, no EOS): ms per decode
+                step (prefill timed apart), tokens/s, peak memory, for before (eager loop, SDPA, LoRA merged),
+                eager_grouped, after (graph, grouped, merged) and after_unmerged (no merged weight copy);
+                CUDA kernels per token for before                                                     (45 s)
+  default_step  train.py --task arithmetic --team default --random-weights, the paper's settings (32 prompts
+                x G 8, 128 new tokens), --steps steps (the first a warm-up): seconds and peak memory per phase of
+                the step (synchronised), --plan's figures beside them, retries and OOMs              (60 s)
+  default_step_before   the same on before's path                                                     (75 s)
+  default_step_single   --method single (no experts, no C): the like-for-like step for TRL            (40 s)
+  trl           TRL 1.16's GRPOTrainer (HF generate, PEFT LoRA r 8 on the same modules, bf16, gradient
+                checkpointing as its default, beta 0.04) on the same random-weight policy and prompts, 32 x G 8,
+                128 new tokens forced (min_new_tokens), one optimiser step of 8 micro-batches a step, in a process
+                of its own (experiments/bench.py's worker) capped alike: 1 warm-up + --trl-steps timed steps;
+                ours / TRL per step for `single` and for `ours` (the default team)                   (120 s)
+  default_step_stress   the after path with the byte-level stand-in (prompts ~4.1x long)              (60 s)
+  default_step_cached   1 step on precomputed expert states (--precompute-states, then --expert-cache) (60 s)
+  cuda_tests    pytest -m cuda on tests/test_static_decode.py and tests/test_gpu_path.py              (60 s)
+  default_step_stress_before   the stress case on before's path                                       (90 s)
+  padded_rows   the 3B shape's left-padded rows under each SDPA backend (measured before, unchanged) (5 s)
+  writers       rollout.greedy_texts on CPU and on the device (measured before)                        (3 s)
+Not in the default list (measured before, their code unchanged): default_step_per_micro (--rollout-batch 1),
+determinism (fresh processes with and without --deterministic).
+
+Wheels (--wheels DIR): reasoning-gym 0.1.25 and what it needs that the card lacks (pip resolves against what is
+installed), then TRL 1.16.0, datasets 4.8.4, dill, multiprocess and xxhash with --no-deps (TRL's other needs,
+accelerate, peft, pandas, pyarrow, are on the card); experiments/gpu_wheels.sh builds DIR.
 """
 import argparse
 import contextlib
 import json
 import os
 import platform
+import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -56,9 +79,19 @@ sys.path.insert(0, ROOT)
 
 import rollout  # noqa: E402
 from experts import load_model  # noqa: E402
-from lora import apply_lora  # noqa: E402
+from lora import apply_lora, lora_merged  # noqa: E402
 
 POLICY_3B = "shape:Qwen/Qwen2.5-3B-Instruct"
+# seconds on an H200 (estimates; the budget's guide): a phase that would end past --budget-s is skipped
+ESTIMATE_S = dict(env=1, tiny_parity=25, decode=45, default_step=60, default_step_before=75, default_step_single=40,
+                  trl=120, default_step_stress=60, default_step_cached=60, cuda_tests=60,
+                  default_step_stress_before=90, padded_rows=5, writers=3, default_step_per_micro=90, determinism=120)
+DEFAULT_PHASES = ["env", "tiny_parity", "decode", "default_step", "default_step_before", "default_step_single", "trl",
+                  "default_step_stress", "default_step_cached", "cuda_tests", "default_step_stress_before",
+                  "padded_rows", "writers"]
+# the issue's goals (default team, the paper's settings, real prompt lengths, capped at 78 GiB)
+GOALS = dict(step_s=6.0, decode_ms_256_rows=8.0, peak_gib_experts=40.0, peak_gib_precomputed=20.0, ours_vs_trl=0.25)
+TRL_WHEELS = ["trl==1.16.0", "datasets==4.8.4", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0"]
 
 
 def sync(device):
@@ -66,43 +99,178 @@ def sync(device):
         torch.cuda.synchronize(device)
 
 
-class Report:
-    """The JSON file: {"phases": [record, ...]}, written whole (and atomically) after every phase."""
+def memory_events(device):
+    """(allocator retries, out-of-memory events) so far: a retry is a cudaMalloc that failed, freed the cache
+    and tried again (slow); an OOM is one that failed again."""
+    if device.type != "cuda":
+        return 0, 0
+    stats = torch.cuda.memory_stats(device)
+    return stats.get("num_alloc_retries", 0), stats.get("num_ooms", 0)
 
-    def __init__(self, path):
-        self.path, self.phases = path, []
+
+class Report:
+    """The JSON file: {"phases": [record, ...], "goals": {...}}, written whole (and atomically) after every
+    phase. A phase that would end past the deadline (start + budget_s) is skipped and recorded as such."""
+
+    def __init__(self, path, device, budget_s=0.0, estimates=None):
+        self.path, self.device, self.phases = path, device, []
+        self.start, self.budget_s, self.estimates = time.time(), budget_s, estimates or ESTIMATE_S
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
+    def record(self, name):
+        return next((r for r in self.phases if r["phase"] == name and r.get("ok")), None)
+
     def run(self, name, fn, *args):
+        elapsed = time.time() - self.start
+        if self.budget_s and elapsed + self.estimates.get(name, 60) > self.budget_s:
+            rec = {"phase": name, "ok": None, "skipped": f"budget: {elapsed:.0f} s spent, ~{self.estimates.get(name, 60)}"
+                   f" s estimated, --budget-s {self.budget_s:.0f}"}
+            print(f"[gpu_check] {name}: skipped ({rec['skipped']})", flush=True)
+            return self.write(rec)
         t0 = time.time()
+        retries, ooms = memory_events(self.device)
         print(f"[gpu_check] {name} ...", flush=True)
         try:
             rec = {"phase": name, "ok": True, **fn(*args)}
         except Exception as e:  # noqa: BLE001  a failed phase is a result: record it, go on
-            rec = {"phase": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:2000],
-                   "traceback": traceback.format_exc()[-4000:]}
+            rec = {"phase": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
+                   "out_of_memory": isinstance(e, torch.OutOfMemoryError), "traceback": traceback.format_exc()[-4000:]}
+            _free(self.device)
         rec["seconds"] = round(time.time() - t0, 2)
-        self.phases.append(rec)
-        with open(self.path + ".tmp", "w") as f:
-            json.dump({"phases": self.phases}, f, indent=1, default=str)
-        os.replace(self.path + ".tmp", self.path)
+        after = memory_events(self.device)
+        rec["alloc_retries"], rec["ooms"] = after[0] - retries, after[1] - ooms
         print(f"[gpu_check] {name}: {'ok' if rec['ok'] else 'FAILED ' + rec['error']} ({rec['seconds']} s)",
               flush=True)
+        return self.write(rec)
+
+    def write(self, rec):
+        self.phases.append(rec)
+        with open(self.path + ".tmp", "w") as f:
+            json.dump({"phases": self.phases, "goals": goals(self), "wall_s": round(time.time() - self.start, 1)},
+                      f, indent=1, default=str)
+        os.replace(self.path + ".tmp", self.path)
         return rec
+
+
+def measured_steps(rec):
+    """A default_step record's step seconds after the first (a warm-up: CUDA's and the graph's first costs)."""
+    s = [x["seconds"] for x in (rec or {}).get("steps", [])]
+    return s[1:] or s
+
+
+def goals(report):
+    """Each of the issue's performance goals, with the figure measured so far (None where its phase has not run)."""
+    def median(x):
+        return statistics.median(x) if x else None
+    step, decode = report.record("default_step"), report.record("decode")
+    cached, trl = report.record("default_step_cached"), report.record("trl")
+    out = {"step_s": median(measured_steps(step)),
+           "decode_ms_256_rows": ((decode or {}).get("after", {}).get("rows_256") or {}).get("ms_per_decode_step"),
+           "peak_gib_experts": (step or {}).get("peak_allocated_gib"),
+           "peak_gib_precomputed": (cached or {}).get("peak_allocated_gib"),
+           "ours_vs_trl": (trl or {}).get("ours_vs_trl", {}).get("ours")}
+    res = {k: {"measured": v, "goal": GOALS[k], "met": None if v is None else v <= GOALS[k]} for k, v in out.items()}
+    ran = [r for r in report.phases if r.get("ok") is not None]
+    res["no_oom_no_retry"] = {"alloc_retries": sum(r.get("alloc_retries", 0) for r in ran),
+                              "ooms": sum(r.get("ooms", 0) for r in ran)
+                              + sum(1 for r in ran if r.get("out_of_memory"))}
+    res["no_oom_no_retry"]["met"] = not any(res["no_oom_no_retry"].values())
+    return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# The switches: prompt lengths, and today's path (before) against issue 44's (after)
+
+
+@contextlib.contextmanager
+def prompt_lengths(kind):
+    """real: `shape:` models tokenise with support/stand_in_tokenizer.py (Qwen2.5's counts within 1 %); bytes:
+    shape_models' own one-token-per-byte stand-in (~4.1x as many tokens: the stress case)."""
+    from support import shape_models, stand_in_tokenizer
+    own = shape_models.tokenizer
+
+    def real(vocab_size, chat=True):
+        try:
+            return stand_in_tokenizer.tokenizer(vocab_size, chat)
+        except ValueError:  # a vocabulary too small for the merges (none of the paper's models)
+            return own(vocab_size, chat)
+    if kind == "real":
+        shape_models.tokenizer = real
+    try:
+        yield kind
+    finally:
+        shape_models.tokenizer = own
+
+
+# today's path, module switches: (module, attribute, value before issue 44); absent ones are recorded as such
+SWITCHES = [(rollout, "DECODE", "eager"), (rollout, "PLAIN_HEADS", ())]
+BEFORE_FLAGS = [["--attention", "sdpa"]]  # train.py flags of today's path, passed where train.py knows them
+
+
+@contextlib.contextmanager
+def path(kind, record):
+    """kind "before": SWITCHES set to today's values for the phase (restored after); "after": as they are.
+    record gets the switches applied and those this checkout lacks."""
+    saved = []
+    if kind == "before":
+        for module, name, value in SWITCHES:
+            if hasattr(module, name):
+                saved.append((module, name, getattr(module, name)))
+                setattr(module, name, value)
+        record["switches"] = {n: repr(v) for m, n, v in SWITCHES if hasattr(m, n)}
+        record["switches_absent"] = [n for m, n, _ in SWITCHES if not hasattr(m, n)]
+    try:
+        yield
+    finally:
+        for module, name, value in saved:
+            setattr(module, name, value)
+
+
+def known_flags(argv, flags):
+    """Those of `flags` (each [flag, value]) that train.py's parser accepts on top of argv."""
+    from support.config import parse_args
+    ok = []
+    for flag in flags:
+        try:
+            with contextlib.redirect_stderr(open(os.devnull, "w")):
+                parse_args(argv + flag)
+            ok.append(flag)
+        except SystemExit:
+            pass
+    return ok
+
+
+def set_attention(model, name):
+    """support/attention.use where this checkout has it; returns what the model runs."""
+    try:
+        from support import attention
+    except ImportError:
+        return model.config._attn_implementation
+    attention.use(model, name)
+    return model.config._attn_implementation
 
 
 # ---------------------------------------------------------------------------------------------------------------
 # env
 
 
-def env(device):
+def env(device, args, installed):
     import transformers
     rec = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
-           "device": str(device), "cuda_available": torch.cuda.is_available()}
+           "device": str(device), "cuda_available": torch.cuda.is_available(), "prompt_lengths": args.prompt_lengths,
+           "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
+           "budget_s": args.budget_s, "wheels": installed, "commit": git("rev-parse", "HEAD"),
+           "uncommitted": git("status", "--porcelain", "--untracked-files=no").splitlines()}
+    for name in ("trl", "peft", "accelerate", "datasets", "reasoning_gym"):
+        try:
+            rec[name] = __import__(name).__version__
+        except Exception as e:  # noqa: BLE001  a missing extra is a fact to record
+            rec[name] = f"absent ({type(e).__name__})"
     if device.type == "cuda":
         p = torch.cuda.get_device_properties(device)
         rec.update(card=p.name, memory_gib=round(p.total_memory / 2 ** 30, 1), capability=f"{p.major}.{p.minor}",
                    multiprocessors=p.multi_processor_count, cuda=torch.version.cuda,
+                   memory_cap_gib=args.memory_cap_gib or None,
                    sdpa_enabled={"flash": torch.backends.cuda.flash_sdp_enabled(),
                                  "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
                                  "cudnn": torch.backends.cuda.cudnn_sdp_enabled(),
@@ -110,8 +278,26 @@ def env(device):
     return rec
 
 
+def git(*a):
+    return subprocess.run(["git", *a], capture_output=True, text=True, cwd=ROOT).stdout.strip()
+
+
+def install_wheels(folder):
+    """reasoning-gym from `folder` (pip resolves against what is installed), then TRL and the datasets library
+    with --no-deps. Returns each pip call's exit code and last lines: a failure here is recorded, and the phases
+    that need the package fail with its ImportError."""
+    calls = {"reasoning_gym": ["reasoning-gym==0.1.25"], "trl": ["--no-deps", *TRL_WHEELS]}
+    out = {}
+    for name, extra in calls.items():
+        r = subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--find-links", folder,
+                            *extra], capture_output=True, text=True)
+        out[name] = {"exit": r.returncode, "tail": (r.stdout + r.stderr).strip().splitlines()[-3:]}
+        print(f"[gpu_check] wheels {name}: exit {r.returncode}", flush=True)
+    return out
+
+
 # ---------------------------------------------------------------------------------------------------------------
-# tiny_parity
+# tiny_parity, padded_rows, writers
 
 
 def tiny_batch(tok, device, n=4):
@@ -256,44 +442,115 @@ def _free(device):
         torch.cuda.empty_cache()
 
 
+def loop_parity(device):
+    """The decode loops on the device from the same uniforms: the eager loop (rollout.decode's) vs the static one
+    captured as a CUDA graph (on a CPU: the static loop run eagerly): the tiny policy with a LoRA that is not a
+    no-op, float32, rows that run to the end (no EOS)."""
+    torch.manual_seed(0)
+    model, tok = load_model("tiny:llama", device, torch.float32)
+    model = _fresh(model)
+    apply_lora(model)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.copy_(0.05 * torch.randn(p.shape, generator=torch.Generator().manual_seed(1)).to(device))
+    ids, mask = tiny_batch(tok, device)
+    G, T = 4, 40
+    u = torch.rand(len(ids) * G, T, generator=torch.Generator().manual_seed(2)).to(device)
+    out = {}
+    for loop in ("eager", "graph" if device.type == "cuda" else "static"):
+        with switched(rollout, "DECODE", loop):
+            out[loop] = rollout.sample(model, ids, mask, None, G, T, 1.0, [-1], tok.pad_token_id,
+                                       return_logprobs=True, uniforms=u)
+    (a, la), (b, lb) = out.values()
+    return {"loops": list(out), "tokens_equal": (a == b).float().mean().item(),
+            "logp_max_abs_diff": (la - lb).abs().max().item()}
+
+
+@contextlib.contextmanager
+def switched(module, name, value):
+    saved = getattr(module, name)
+    setattr(module, name, value)
+    try:
+        yield
+    finally:
+        setattr(module, name, saved)
+
+
 # ---------------------------------------------------------------------------------------------------------------
 # decode
 
 
+def arithmetic_prompts(tok, n):
+    """The first n training prompts of the arithmetic family as train.py builds them (DeepSeekZero system prompt,
+    chat template), from reasoning-gym's generator (seed 0)."""
+    import rewards
+    return [rewards.build_prompt(tok, e["question"]) for e in rewards.load_entries("arithmetic", "train", n, 0)]
+
+
+@torch.no_grad()
+def sample_timed(model, device, *, ids, mask, u, G, T, loop, merged, pad_id):
+    """rollout.sample's work (LoRA merged or not, prefill, decode with rollout.DECODE = loop, no EOS) -> (completions,
+    prefill seconds, decode seconds), each synchronised."""
+    with switched(rollout, "DECODE", loop), lora_merged(model) if merged else contextlib.nullcontext():
+        sync(device)
+        t0 = time.perf_counter()
+        start = rollout.prefill(model, ids, mask, None, G, "after")
+        sync(device)
+        t1 = time.perf_counter()
+        comp = rollout.decode(model, *start, T, 1.0, [-1], pad_id, uniforms=u[:, :T])
+        sync(device)
+    return comp, t1 - t0, time.perf_counter() - t1
+
+
+DECODE_VARIANTS = {  # name: (rollout.DECODE, attention, LoRA merged as rollout.sample merges it)
+    "before": ("eager", "sdpa", True), "eager_grouped": ("eager", "grouped", True),
+    "after": ("graph", "grouped", True), "after_unmerged": ("graph", "grouped", False)}
+
+
 def decode(device, spec, rows_list, new_tokens):
+    """What rollout.sample does (LoRA merged or not, prefill, decode), timed apart: the prefill, then the decode
+    loop, each synchronised; no EOS (every row writes new_tokens)."""
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = load_model(spec, device, dtype)
     apply_lora(model)
-    res = {"model": spec, "new_tokens": new_tokens, "dtype": str(dtype)}
-    for rows in rows_list:
-        B, G = rows // 8, 8
-        ids, mask = padded_batch(tok, model.config.vocab_size, device, B=B, T=200)
-        ids, mask = rollout.padding_behind_first_token(ids, mask)
-        rollout.sample(model, ids, mask, None, G, 4, 1.0, [-1], tok.pad_token_id)  # warm-up
-        sync(device)
-        t0 = time.perf_counter()
-        comp = rollout.sample(model, ids, mask, None, G, new_tokens, 1.0, [-1], tok.pad_token_id)  # no EOS: all T
-        sync(device)
-        s = time.perf_counter() - t0
-        res[f"rows_{rows}"] = {"seconds": round(s, 3), "tokens": int(comp.numel()),
-                               "tokens_per_s": round(comp.numel() / s, 1),
-                               "ms_per_decode_step": round(1000 * s / comp.shape[1], 2)}
-    if device.type == "cuda":
+    prompts = arithmetic_prompts(tok, max(rows_list) // 8)
+    res = {"model": spec, "new_tokens": new_tokens, "dtype": str(dtype), "variants": DECODE_VARIANTS}
+    for name, (loop, attention, merged) in DECODE_VARIANTS.items():
+        if device.type != "cuda" and loop == "graph":
+            loop = "static"  # a CPU runs the static loop eagerly
+        res[name] = {"attention": set_attention(model, attention), "loop": loop}
+        for rows in rows_list:
+            B, G = rows // 8, 8
+            ids, mask = rollout.encode_prompts(tok, prompts[:B], device)
+            u = torch.rand(B * G, new_tokens, device=device)
+            run = dict(ids=ids, mask=mask, u=u, G=G, loop=loop, merged=merged, pad_id=tok.pad_token_id)
+            sample_timed(model, device, T=4, **run)  # warm-up
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats(device)
+            comp, prefill_s, decode_s = sample_timed(model, device, T=new_tokens, **run)
+            res[name][f"rows_{rows}"] = {
+                "prompt_columns": ids.shape[1], "prefill_seconds": round(prefill_s, 3),
+                "decode_seconds": round(decode_s, 3), "tokens": int(comp.numel()),
+                "tokens_per_s": round(comp.numel() / decode_s, 1),
+                "ms_per_decode_step": round(1000 * decode_s / comp.shape[1], 2),
+                **({"peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)}
+                   if device.type == "cuda" else {})}
+            del comp
+            _free(device)
+    if device.type == "cuda":  # launches per token of the eager loop (the graph's are one replay a token)
         from torch.profiler import ProfilerActivity, profile
-        ids, mask = padded_batch(tok, model.config.vocab_size, device, B=4, T=200)
+        set_attention(model, "sdpa")
+        ids, mask = rollout.encode_prompts(tok, prompts[:4], device)
         n = 8
-        with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with switched(rollout, "DECODE", "eager"), profile(activities=[ProfilerActivity.CUDA]) as prof:
             rollout.sample(model, ids, mask, None, 8, n, 1.0, [-1], tok.pad_token_id)
             sync(device)
         kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
-        res["cuda_kernels_per_token"] = round(kernels / n, 1)  # the prefill's included, spread over n tokens
+        res["before"]["cuda_kernels_per_token"] = round(kernels / n, 1)  # the prefill's included, spread over n
     del model
     _free(device)
     return res
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# default_step
 
 
 @contextlib.contextmanager
@@ -339,15 +596,27 @@ def phase_clock(device, times, run):
             setattr(owner, name, real)
 
 
-def default_step_cached(device, argv):
+def default_step_on(device, argv, kind, lengths):
+    """default_step on `kind`'s path ("before" / "after", see path) with prompts of `lengths` ("real" / "bytes")."""
+    rec = {"path": kind, "prompt_lengths": lengths}
+    if kind == "before":
+        flags = known_flags(argv, BEFORE_FLAGS)
+        argv = argv + [x for f in flags for x in f]
+        rec["flags_absent"] = [f[0] for f in BEFORE_FLAGS if f not in flags]
+    with prompt_lengths(lengths), path(kind, rec):
+        return {**rec, **default_step(device, argv)}
+
+
+def default_step_cached(device, argv, lengths):
     """default_step on precomputed expert states (--precompute-states, then --expert-cache): the experts are
     never loaded, so the peak is the policy's alone."""
     import train
-    t0 = time.perf_counter()
-    train.main(argv + ["--precompute-states"])
-    precompute = round(time.perf_counter() - t0, 2)
-    _free(device)
-    return {"precompute_seconds": precompute, **default_step(device, argv)}
+    with prompt_lengths(lengths):
+        t0 = time.perf_counter()
+        train.main(argv + ["--precompute-states"])
+        precompute = round(time.perf_counter() - t0, 2)
+        _free(device)
+        return {"precompute_seconds": precompute, "prompt_lengths": lengths, **default_step(device, argv)}
 
 
 def default_step(device, argv):
@@ -381,8 +650,8 @@ def default_step(device, argv):
             train.main(argv)
     finally:
         train.grpo_step = real_step
-    res = {"argv": argv, "steps": steps, "plan": planned, "plan_info": {k: info[k] for k in (
-        "prompt_tokens", "context_tokens", "dtype", "params")}}
+    res = {"argv": argv, "steps": steps, "measured_step_seconds": measured_steps({"steps": steps}),
+           "plan": planned, "plan_info": {k: info[k] for k in ("prompt_tokens", "context_tokens", "dtype", "params")}}
     if device.type == "cuda":
         peak = max(run.get("peak_bytes", 0), torch.cuda.max_memory_allocated(device))
         res["peak_allocated_gib"] = round(peak / 2 ** 30, 2)
@@ -390,6 +659,48 @@ def default_step(device, argv):
         res["peak_reserved_gib"] = round(reserved / 2 ** 30, 2)
     _free(device)
     return res
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# trl
+
+
+def trl(device, report, opts, warmup, steps):
+    """TRL's GRPOTrainer in a process of its own (experiments/bench.py's worker: its callback times each
+    optimiser step, synchronised, from on_step_begin to on_step_end), then ours / TRL per step: `ours` from
+    default_step, `single` from default_step_single, each the median of the steps after the first."""
+    sys.path.insert(0, os.path.join(ROOT, "experiments"))
+    import bench
+    log_dir = tempfile.mkdtemp(prefix="gpu_check_trl_")
+    opts = {**opts, "n_steps": warmup + steps}
+    w = bench.Worker("trl", "trl_default", opts, log_dir)
+    try:
+        info = w.recv()
+        replies = [w.run(step=k) for k in range(warmup + steps)]
+        w.close()
+    except Exception as e:  # noqa: BLE001  the worker's own error is in its log: bring its end along
+        w.proc.kill()
+        tail = open(os.path.join(log_dir, "trl.log")).read()[-3000:]
+        raise RuntimeError(f"{e}\n--- TRL worker log (end) ---\n{tail}") from e
+    seconds = [r["seconds"] for r in replies[warmup:]]
+    trl_s = statistics.median(seconds)
+    ours = {name: statistics.median(s) if (s := measured_steps(report.record(phase))) else None
+            for name, phase in (("ours", "default_step"), ("single", "default_step_single"))}
+    return {"options": opts, "gradient_checkpointing": info.get("gradient_checkpointing"), "dtype": info.get("dtype"),
+            "warmup_seconds": [r["seconds"] for r in replies[:warmup]], "step_seconds": seconds,
+            "median_step_seconds": trl_s, "replies": replies,
+            "ours_step_seconds": ours, "ours_vs_trl": {k: None if v is None else v / trl_s for k, v in ours.items()}}
+
+
+def cuda_tests(device):
+    """The CUDA-marked tests of the decode loops and the GPU path, in a process of their own."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
+                        "tests/test_static_decode.py", "tests/test_gpu_path.py"], cwd=ROOT, capture_output=True,
+                       text=True, timeout=600)
+    lines = (r.stdout + r.stderr).strip().splitlines()
+    if r.returncode:
+        raise AssertionError(f"pytest -m cuda: exit {r.returncode}: " + "\n".join(lines[-30:]))
+    return {"exit": r.returncode, "summary": lines[-1:]}
 
 
 def determinism(device, base, run_dir):
@@ -427,45 +738,101 @@ def determinism(device, base, run_dir):
 
 
 def main(argv=None):
-    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0], formatter_class=argparse.RawTextHelpFormatter)
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="gpu_check.json", help="the JSON file (rewritten after every phase)")
-    ap.add_argument("--tiny", action="store_true", help="CPU, tiny models, a few seconds: what the test suite runs")
-    ap.add_argument("--phases", default="env,tiny_parity,padded_rows,writers,decode,default_step,"
-                    "default_step_per_micro,default_step_cached,determinism",
-                    help="comma-separated phases to run, in order")
-    ap.add_argument("--steps", type=int, default=2, help="default_step: optimiser steps to run")
+    ap.add_argument("--tiny", action="store_true", help="CPU, tiny models, every phase in a few minutes: the dry run "
+                    "the test suite does")
+    ap.add_argument("--shallow", action="store_true", help="CPU, the GPU run's own branches at one layer: the 3B "
+                    "policy's shape and one expert's (shape:...@1), the arithmetic task, the stand-in tokenizer, TRL on "
+                    "that policy; 2 prompts x G 2 x 4 tokens (a dry run for typos, ~10 min on one core)")
+    ap.add_argument("--phases", default=",".join(DEFAULT_PHASES), help="comma-separated phases to run, in order; "
+                    f"known: {', '.join(ESTIMATE_S)}")
+    ap.add_argument("--budget-s", type=float, default=0.0, help="deadline in seconds from the start: a phase whose "
+                    "estimate (ESTIMATE_S) would end past it is skipped (0: none)")
+    ap.add_argument("--memory-cap-gib", type=float, default=78.0, help="cap this process (and TRL's) at this many "
+                    "GiB of the card (0: no cap)")
+    ap.add_argument("--allocator", default="expandable", choices=["expandable", "default"],
+                    help="CUDA's caching allocator: expandable segments (as train.py sets it) or the old default")
+    ap.add_argument("--prompt-lengths", default="real", choices=["real", "bytes"], help="the `shape:` models' "
+                    "tokenizer: real (Qwen2.5's counts) or bytes (~4.1x; the *_stress phases always use bytes)")
+    ap.add_argument("--wheels", default="", help="install reasoning-gym and TRL from this folder of wheels first "
+                    "(experiments/gpu_wheels.sh builds it)")
+    ap.add_argument("--steps", type=int, default=2, help="default_step*: optimiser steps (the first a warm-up)")
+    ap.add_argument("--trl-steps", type=int, default=2, help="trl: timed steps after one warm-up step")
     args = ap.parse_args(argv)
+    unknown = set(args.phases.split(",")) - set(ESTIMATE_S)
+    if unknown:
+        ap.error(f"--phases: unknown {', '.join(sorted(unknown))}; known: {', '.join(ESTIMATE_S)}")
+    assert args.steps >= 1 and args.trl_steps >= 1, "--steps and --trl-steps must be >= 1"
     os.environ.setdefault("HF_HUB_OFFLINE", "1")
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-    device = torch.device("cpu" if args.tiny or not torch.cuda.is_available() else "cuda")
-    if not args.tiny and device.type != "cuda":
-        print("error: no CUDA device here; run with --tiny for the CPU check", file=sys.stderr)
+    if args.allocator == "expandable" and not {"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ):
+        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # before CUDA starts: read once
+    installed = install_wheels(args.wheels) if args.wheels else None
+    assert not (args.tiny and args.shallow), "--tiny or --shallow, not both"
+    cpu = args.tiny or args.shallow
+    device = torch.device("cpu" if cpu or not torch.cuda.is_available() else "cuda")
+    if not cpu and device.type != "cuda":
+        print("error: no CUDA device here; run with --tiny or --shallow for the CPU checks", file=sys.stderr)
         return 2
-    spec = "tiny:llama" if args.tiny else POLICY_3B
+    if device.type == "cuda" and args.memory_cap_gib:
+        total = torch.cuda.get_device_properties(device).total_memory
+        torch.cuda.set_per_process_memory_fraction(min(1.0, args.memory_cap_gib * 2 ** 30 / total), device)
+    tiny, shallow = args.tiny, args.shallow
+    spec = "tiny:llama" if tiny else POLICY_3B + "@1" if shallow else POLICY_3B
     run_dir = tempfile.mkdtemp(prefix="gpu_check_run_")
-    if args.tiny:
+    if tiny:
         base = ["--preset", "smoke", "--eval-items", "0", "--device", "cpu"]
     else:
         base = ["--task", "arithmetic", "--team", "default", "--random-weights", "--eval-items", "0",
-                "--save-every", "1000", "--device", "cuda"]
+                "--save-every", "1000", "--device", device.type]
+    if shallow:  # the paper's policy and its first expert at one layer, a small step
+        base += ["--policy", spec, "--experts", "shape:Qwen/Qwen2.5-Math-1.5B-Instruct@1", "--batch-size", "2",
+                 "--grad-accum", "2", "--group-size", "2", "--max-new-tokens", "4", "--dataset-size", "64"]
     out = lambda name: ["--out", os.path.join(run_dir, name)]  # noqa: E731
-    phases = {"env": (env, device), "tiny_parity": (tiny_parity, device),
-              "padded_rows": (padded_rows, device, spec), "writers": (writers, device),
-              "decode": (decode, device, spec, (32, 256) if not args.tiny else (8, 16), 64 if not args.tiny else 8),
-              "default_step": (default_step, device, base + ["--steps", str(args.steps)] + out("run")),
-              "default_step_per_micro": (default_step, device,
-                                         base + ["--steps", "1", "--rollout-batch", "1"] + out("per_micro")),
-              "default_step_cached": (default_step_cached, device, base + [
-                  "--steps", "1", "--expert-cache", os.path.join(run_dir, "states")] + out("cached")),
-              "determinism": (determinism, device, ["--preset", "smoke", "--eval-items", "0", "--device",
-                                                    device.type], run_dir)}
-    report = Report(args.out)
+    steps = base + ["--steps", str(args.steps)]
+    lengths = args.prompt_lengths
+    if cpu:
+        trl_opts = dict(policy=spec, task="chain_sum" if tiny else "arithmetic", dataset_size=64, device="cpu",
+                        bf16=False, prompts=2, G=2, T=8 if tiny else 4, grad_accum=1 if tiny else 2, threads=1)
+    else:  # the paper's step: 32 prompts x G 8 as 8 micro-batches, 128 new tokens, bf16 on the card
+        trl_opts = dict(policy=spec, task="arithmetic", dataset_size=20000, device="cuda", bf16=True, prompts=32,
+                        G=8, T=128, grad_accum=8, threads=4, memory_cap_gib=args.memory_cap_gib)
+    trl_opts.update(natural_eos=False, stand_in=lengths == "real" and not tiny)
+    report = Report(args.out, device, args.budget_s, {k: (3 if cpu else v) for k, v in ESTIMATE_S.items()})
+    phases = {
+        "env": (env, device, args, installed),
+        "tiny_parity": (lambda: {**tiny_parity(device), "decode_loops": loop_parity(device)},),
+        "decode": (lambda: decode_at(device, spec, (8, 16) if cpu else (32, 256), 4 if shallow else 8 if tiny else 64,
+                                     lengths),),
+        "default_step": (default_step_on, device, steps + out("run"), "after", lengths),
+        "default_step_before": (default_step_on, device, steps + out("before"), "before", lengths),
+        "default_step_single": (default_step_on, device, steps + ["--method", "single"] + out("single"), "after",
+                                lengths),
+        "trl": (trl, device, report, trl_opts, 1, 1 if cpu else args.trl_steps),
+        "default_step_stress": (default_step_on, device, steps + out("stress"), "after", "bytes"),
+        "default_step_stress_before": (default_step_on, device, steps + out("stress_before"), "before", "bytes"),
+        "default_step_cached": (default_step_cached, device, base + [
+            "--steps", "1", "--expert-cache", os.path.join(run_dir, "states")] + out("cached"), lengths),
+        "default_step_per_micro": (default_step_on, device, base + ["--steps", "1", "--rollout-batch", "1"]
+                                   + out("per_micro"), "after", lengths),
+        "cuda_tests": (cuda_tests, device),
+        "padded_rows": (padded_rows, device, spec), "writers": (writers, device),
+        "determinism": (determinism, device, ["--preset", "smoke", "--eval-items", "0", "--device",
+                                              device.type], run_dir)}
     for name in args.phases.split(","):
         fn, *fn_args = phases[name]
         report.run(name, fn, *fn_args)
-    failed = [r["phase"] for r in report.phases if not r["ok"]]
-    print(f"[gpu_check] wrote {args.out}; failed phases: {failed or 'none'}")
+    failed = [r["phase"] for r in report.phases if r["ok"] is False]
+    skipped = [r["phase"] for r in report.phases if r["ok"] is None]
+    print(f"[gpu_check] wrote {args.out}; failed phases: {failed or 'none'}; skipped: {skipped or 'none'}")
+    print("[gpu_check] goals: " + json.dumps(goals(report)))
     return 1 if failed else 0
+
+
+def decode_at(device, spec, rows, new_tokens, lengths):
+    with prompt_lengths(lengths):
+        return {"prompt_lengths": lengths, **decode(device, spec, rows, new_tokens)}
 
 
 if __name__ == "__main__":

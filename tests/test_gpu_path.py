@@ -2,7 +2,8 @@
 no attention row with every key masked; every tensor of g_phi on the device asked for; LoRA computing in the
 activations' dtype and --plan counting what autograd keeps under bfloat16; the sampler's log-probs whenever the
 sampler is not the scoring pass; cached expert states that are copies; device/dtype combinations that cannot
-work refused before loading; one decode loop per optimiser step; the device check's CPU mode.
+work refused before loading; one decode loop per optimiser step; the device check's CPU mode (every phase at tiny
+scale).
 CUDA-only tests carry the `cuda` marker and are skipped without CUDA."""
 import json
 import os
@@ -203,21 +204,29 @@ def test_a_row_draws_the_same_completion_whichever_rows_share_its_decode_loop(tm
 
 
 def test_device_check_runs_on_cpu_at_tiny_scale(tmp_path):
-    """experiments/gpu_check.py --tiny: every phase runs and is recorded (so the GPU check cannot rot)."""
+    """experiments/gpu_check.py --tiny: every phase runs and is recorded (so the GPU check cannot rot). TRL's phase
+    and the CUDA tests' have tests of their own (tests/test_gpu_check.py)."""
     out = str(tmp_path / "gpu_check.json")
-    res = subprocess.run([sys.executable, "experiments/gpu_check.py", "--tiny", "--out", out], cwd=ROOT,
-                         capture_output=True, text=True, timeout=600,
+    phases = ["env", "tiny_parity", "decode", "default_step", "default_step_before", "default_step_single",
+              "default_step_stress", "default_step_cached", "default_step_stress_before", "padded_rows", "writers",
+              "default_step_per_micro", "determinism"]
+    res = subprocess.run([sys.executable, "experiments/gpu_check.py", "--tiny", "--phases", ",".join(phases),
+                          "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=900,
                          env={**os.environ, "OMP_NUM_THREADS": "1"})
     assert res.returncode == 0, res.stdout[-3000:] + res.stderr[-3000:]
-    phases = {p["phase"]: p for p in json.load(open(out))["phases"]}
-    assert list(phases) == ["env", "tiny_parity", "padded_rows", "writers", "decode", "default_step",
-                            "default_step_per_micro", "default_step_cached", "determinism"]
-    assert all(p["ok"] for p in phases.values())
-    assert phases["tiny_parity"]["smoke_bf16_step1_kl_exactly_0"] is True
-    assert phases["padded_rows"]["math"]["behind_first"]["nonfinite_real_tokens"] == 0
-    assert phases["writers"]["float32_equal"] is True  # on CPU "the device" is the CPU: the same texts
-    assert len(phases["default_step"]["steps"]) == 2
-    assert phases["determinism"]["deterministic_all_equal"] is True
+    report = json.load(open(out))
+    got = {p["phase"]: p for p in report["phases"]}
+    assert list(got) == phases
+    assert all(p["ok"] for p in got.values())
+    assert got["tiny_parity"]["smoke_bf16_step1_kl_exactly_0"] is True
+    assert got["tiny_parity"]["decode_loops"]["tokens_equal"] == 1.0  # the eager loop vs the static one
+    assert got["padded_rows"]["math"]["behind_first"]["nonfinite_real_tokens"] == 0
+    assert got["writers"]["float32_equal"] is True  # on CPU "the device" is the CPU: the same texts
+    assert len(got["default_step"]["steps"]) == 2
+    assert got["default_step_before"]["switches"]["DECODE"] == "'eager'"
+    assert got["decode"]["before"]["loop"] == "eager" and got["decode"]["after"]["loop"] == "static"
+    assert got["determinism"]["deterministic_all_equal"] is True
+    assert report["goals"]["step_s"]["measured"] is not None
 
 
 @pytest.mark.cuda
