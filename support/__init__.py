@@ -15,10 +15,12 @@ baselines) need but a reader of the algorithm can skip. Importing this package d
   safe_scoring.py   reasoning-gym's scorers in a sandboxed worker process with a time limit
   low_precision.py  --rollout-dtype: the sampler's bfloat16 / int8 copy of the linear layers
   kv_cache.py       the KV cache: its keyword in a forward, its room for new tokens reserved up front
+  static_decode.py  the decode loop with fixed shapes, its step captured as a CUDA graph (rollout.DECODE)
   gold.py           the paired evaluation's greedy answers and gold-answer log-probs, one prefill
   stats.py          tests and intervals: Spearman, sign-flip, bootstrap, paired comparisons
   report.py         tables and figures over folders of runs (evaluate.py --summarize)
   plot.py           the plot train.py writes into a run's folder at the end
+  stand_in_tokenizer.py  Qwen2.5's tokenizer with part of its merges: real prompt lengths on a GPU machine
 
     python -c "from support.config import parse_args; print(parse_args(['--preset', 'smoke']))"
 """
