@@ -72,6 +72,7 @@ def grpo_step(step, run, args, score_batch):
     Returns (the step's metrics, its micro-batches: support/batch.MicroBatch). A line marked
     `# lever:` is not the paper's (a flag, off by default); skipping them reads the paper's step."""
     G, world, optimizer, t0 = args.group_size, run["world"], run["optimizer"], time.time()
+    g, policy = run["method"], run["policy"]  # C = g(x): --method's context builder (baselines.py)
     set_learning_rates(optimizer, step, args)  # lever: --lr-schedule, --warmup-steps (paper: constant)
     micros = list(distributed.my_micro_batches(world, args.grad_accum))  # torchrun: a rank's share
     # ---- rollout: C = g(x) per micro-batch, then every micro-batch's G samples per prompt, all in
@@ -83,10 +84,12 @@ def grpo_step(step, run, args, score_batch):
         # ---- reward: the task's scorer (or the random-reward control), plus --format-bonus ------
         key = (step, micro, 0)  # seeds the random-reward control's coins
         drawn = score_draw(run, args, items, comp, logp_mu, key, score_batch)
-        first = first_draw(drawn, G)  # what the log reports
+        first = dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
+                     first_counts=drawn["counts"])  # what the log reports: the first draw
         if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
             redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
-        comp, comp_mask = completions(drawn, run["eos_ids"])  # (B*G, T) each, every group
+        comp = drawn["comp"]                                          # (B*G, T) every group's
+        comp_mask = grpo.completion_mask(comp, run["eos_ids"])        # (B*G, T) up to EOS, inclusive
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
@@ -105,11 +108,14 @@ def grpo_step(step, run, args, score_batch):
         optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
         for b in batches:
-            C = trained_context(run, b)  # the rollout's C again, now with gradient into g_phi
-            logp = policy_logprobs(run, args, b, C)  # (N, T)
+            C = g(b.questions, reuse=b.ctx).C  # the rollout's C again (its states), now with gradient
+            logp = rollout.completion_logprobs(policy, b.ids, b.mask, C, b.comp, b.comp_mask,
+                                               args.temperature, run["position"],
+                                               share=not args.no_shared_prefix)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b.logp_old = logp.detach()
-                b.is_weight = tis_weights(b, args)  # lever: --tis-cap
+                b.is_weight = None if not args.tis_cap or b.logp_mu is None else \
+                    grpo.truncated_is_weights(b.logp_old, b.logp_mu, b.comp_mask, args.tis_cap)  # lever: --tis-cap
             loss, m = grpo.grpo_loss(logp=logp, logp_old=b.logp_old, logp_ref=b.logp_ref,
                                      advantages=b.adv, mask=b.comp_mask, clip_eps=args.clip_eps,
                                      beta=args.beta, aggregation=args.loss_aggregation,
@@ -174,7 +180,7 @@ def sample_step(run, args, step, micros, inputs):
     a completion does not depend on which rows share its loop (N processes still equal 1).
     Returns [(comp [B*G, T], logp_mu [B*G, T] or None)] per micro-batch, each cut to its own
     longest completion, as a loop of its own would have returned it."""
-    G, dtype = args.group_size, sampler_dtype(args)
+    G = args.group_size
     chunk = args.rollout_batch or len(inputs)  # micro-batches per decode loop
     out = []
     for c in range(0, len(inputs), chunk):
@@ -184,7 +190,7 @@ def sample_step(run, args, step, micros, inputs):
         C = None if Cs[0] is None else torch.cat(Cs)                           # (B_all, m, D)
         u = torch.cat([row_uniforms(args, step, micro, 0, len(i) * G)
                        for micro, (_, _, i, _) in zip(micros[c:c + chunk], part)]).to(run["device"])
-        comp, logp_mu = sample_rows(run, args, ids, mask, C, u, dtype)
+        comp, logp_mu = sample_rows(run, args, ids, mask, C, u)
         start = 0
         for _, _, i, _ in part:  # back into micro-batches
             rows = slice(start, start + len(i) * G)
@@ -201,28 +207,17 @@ def row_uniforms(args, step, micro, draw, n):
     return torch.rand(n, args.max_new_tokens, generator=torch.Generator().manual_seed(seed))
 
 
-def slot(run, args):
-    """Where C goes in the policy's input (rollout.policy_inputs): --context-position, or in front
-    of the --context-split tokens that end every prompt."""
-    return rollout.context_slot(run["tok"], args.context_position, args.context_split)
-
-
-def sampler_dtype(args):
-    """--rollout-dtype as a torch dtype for rollout.sample: None samples with the policy's own
-    weights (LoRA merged in, at the frozen weights' dtype)."""
-    return None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
-
-
-def sample_rows(run, args, ids, mask, C, uniforms, dtype):
+def sample_rows(run, args, ids, mask, C, uniforms):
     """G completions per prompt [B*G, T], and the sampler's own log-probs [B*G, T] whenever the
     sampler is not the scoring pass: a --rollout-dtype copy, or frozen weights below float32 (on
     a GPU the default bfloat16: the sampler runs LoRA merged into bfloat16 weights, the scoring
     pass unmerged), so that rollout_logp_gap is logged and --tis-cap can correct it."""
+    dtype = None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
     frozen = run["policy"].get_input_embeddings().weight.dtype
     own = dtype is not None or frozen != torch.float32
     out = rollout.sample(run["policy"], ids, mask, C, args.group_size, args.max_new_tokens,
                          args.temperature, run["eos_ids"], run["tok"].pad_token_id,
-                         slot(run, args), return_logprobs=own, dtype=dtype, uniforms=uniforms,
+                         run["position"], return_logprobs=own, dtype=dtype, uniforms=uniforms,
                          share=not args.no_shared_prefix)
     return out if own else (out, None)
 
@@ -256,15 +251,8 @@ def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     """A new draw of B prompts x G (dynamic sampling's re-draws), scored: score_draw's dict."""
     step, micro, draw = key
     u = row_uniforms(args, step, micro, draw, len(ids) * args.group_size).to(run["device"])
-    comp, logp_mu = sample_rows(run, args, ids, mask, C, u, sampler_dtype(args))
+    comp, logp_mu = sample_rows(run, args, ids, mask, C, u)
     return score_draw(run, args, items, comp, logp_mu, key, score_batch)
-
-
-def first_draw(drawn, G):
-    """What the log reports of a micro-batch: its first draw, before dynamic sampling replaces
-    groups."""
-    return dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
-                first_counts=drawn["counts"])
 
 
 def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch):
@@ -276,7 +264,7 @@ def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch
         if len(redo) == 0:
             break
         again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
-                               rows_of(ctx.C, redo), (step, micro, draw), score_batch)
+                               None if ctx.C is None else ctx.C[redo], (step, micro, draw), score_batch)
         replace_groups(drawn, again, redo, args.group_size, run["tok"].pad_token_id)
 
 
@@ -298,16 +286,6 @@ def replace_groups(drawn, again, prompts, G, pad_id):
     drawn["counts"] = {k: drawn["counts"].get(k, 0) + again["counts"].get(k, 0) for k in names}
 
 
-def rows_of(x, rows):
-    """x[rows], or None for a tensor that is not there (no C, no sampler log-probs)."""
-    return None if x is None else x[rows]
-
-
-def completions(drawn, eos_ids):
-    """The completions and their masks (True up to and including EOS): [B*G, T] each."""
-    return drawn["comp"], grpo.completion_mask(drawn["comp"], eos_ids)
-
-
 def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
     """log pi_ref(y_t) [B*G, T] of the completions: LoRA off, and zero tokens (or the anchor) where
     C was."""
@@ -315,28 +293,7 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
     with torch.no_grad(), lora_disabled(policy):
         C0 = None if C is None else empty_context(method, C)
         return rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
-                                           slot(run, args), share=not args.no_shared_prefix)
-
-
-def trained_context(run, b):
-    """C of the micro-batch's prompts [B, m, D] (or None), with gradient: g_phi run again on the
-    rollout's pooled states and routing draw (they come back through `reuse`)."""
-    return run["method"](b.questions, reuse=b.ctx).C
-
-
-def policy_logprobs(run, args, b, C):
-    """log pi_theta(y_t) [N, T], with gradient, under the C the completions were sampled with."""
-    return rollout.completion_logprobs(run["policy"], b.ids, b.mask, C, b.comp, b.comp_mask,
-                                       args.temperature, slot(run, args),
-                                       share=not args.no_shared_prefix)
-
-
-def tis_weights(b, args):
-    """--tis-cap with --rollout-dtype bfloat16 or int8: min(pi_old / pi_sampler, cap) per token,
-    else None."""
-    if not args.tis_cap or b.logp_mu is None:
-        return None
-    return grpo.truncated_is_weights(b.logp_old, b.logp_mu, b.comp_mask, args.tis_cap)
+                                           run["position"], share=not args.no_shared_prefix)
 
 
 def dapo_advantages(batches, G, world, aggregation):
@@ -359,7 +316,7 @@ def add_channel_forcing(loss, metrics, logp, b, C, run, args):
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
     C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
     logp_mismatched = rollout.completion_logprobs(run["policy"], b.ids, b.mask, C_mismatched, b.comp,
-                                                  b.comp_mask, args.temperature, slot(run, args),
+                                                  b.comp_mask, args.temperature, run["position"],
                                                   share=not args.no_shared_prefix)
     cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b.adv, b.comp_mask)
     return loss + args.channel_weight * cf, {**metrics, **m}
@@ -379,7 +336,11 @@ def build_run(args, device):
                                   parts["dtype"])
     if args.state_norm == "standardize":
         fit_state_norm(method, parts["train_items"], args)
-    return attach_lora(parts, method, args)
+    run = attach_lora(parts, method, args)
+    # where C goes in the policy's input (rollout.policy_inputs): --context-position, or in front of
+    # the --context-split tokens that end every prompt
+    run["position"] = rollout.context_slot(parts["tok"], args.context_position, args.context_split)
+    return run
 
 
 def fit_state_norm(method, train_items, args):

@@ -46,7 +46,7 @@ PHASES = [
     ("train", "context_and_prompts", "experts + adapter: C of the batch"),
     ("rollout", "sample", "rollout (sampling)"),
     ("train", "reference_logprobs", "reference pass (no grad)"),
-    ("train", "policy_logprobs", "policy pass (with grad)"),
+    ("rollout", "completion_logprobs", "policy pass (with grad)"),  # the reference wraps its own call
     ("torch", "Tensor.backward", "backward"),
     ("torch.optim", "AdamW.step", "optimizer step"),
     ("support.run", "save_checkpoint", "checkpoint"),
