@@ -11,8 +11,9 @@ tokens from step 2 on). The conductor, RLAE and the task-scorer run did not chan
 recorded on an AVX-512 CPU with torch's, MKL's and oneDNN's kernels held to AVX2 (ATEN_CPU_CAPABILITY=avx2
 MKL_ENABLE_INSTRUCTIONS=AVX2 ONEDNN_MAX_CPU_ISA=AVX2): under those settings the commit before (8745e6c) reproduced
 the AVX2 fixture recorded on a real AVX2 CPU bit for bit, all 13 runs. On a CPU with no fixture the test is skipped and says how to record one from a trusted commit. The pocket team's
-twin (metrics_pocket.json on AVX2; metrics_pocket_avx512.json, recorded at c11c835, on AVX-512: its step 2 KL is
-0.0896 there against 0.0427 on AVX2) is run by hand:
+twin (metrics_pocket.json on AVX2 and metrics_pocket_avx512.json, both re-recorded at 4fb7a68 for the shared
+beginning, the AVX2 one under the settings above: its step 2 KL is 0.4856 on AVX-512 against 0.0744 on AVX2: the
+preset's bfloat16 rollout draws other tokens) is run by hand:
     python tests/fixtures/record_metrics.py --pocket --check tests/fixtures/metrics_pocket.json"""
 import json
 import os
