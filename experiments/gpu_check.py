@@ -132,7 +132,8 @@ class Report:
         print(f"[gpu_check] {name} ...", flush=True)
         try:
             rec = {"phase": name, "ok": True, **fn(*args)}
-        except Exception as e:  # noqa: BLE001  a failed phase is a result: record it, go on
+        except (Exception, SystemExit) as e:  # noqa: BLE001  a failed phase is a result (train.py's flag errors
+            # exit): record it, go on
             rec = {"phase": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
                    "out_of_memory": isinstance(e, torch.OutOfMemoryError), "traceback": traceback.format_exc()[-4000:]}
             _free(self.device)
@@ -786,11 +787,15 @@ def main(argv=None):
     else:
         base = ["--task", "arithmetic", "--team", "default", "--random-weights", "--eval-items", "0",
                 "--save-every", "1000", "--device", device.type]
+    experts = []
     if shallow:  # the paper's policy and its first expert at one layer, a small step
-        base += ["--policy", spec, "--experts", "shape:Qwen/Qwen2.5-Math-1.5B-Instruct@1", "--batch-size", "2",
-                 "--grad-accum", "2", "--group-size", "2", "--max-new-tokens", "4", "--dataset-size", "64"]
+        base += ["--policy", spec, "--batch-size", "2", "--grad-accum", "2", "--group-size", "2",
+                 "--max-new-tokens", "4", "--dataset-size", "64"]
+        experts = ["--experts", "shape:Qwen/Qwen2.5-Math-1.5B-Instruct@1"]  # not for --method single
     out = lambda name: ["--out", os.path.join(run_dir, name)]  # noqa: E731
     steps = base + ["--steps", str(args.steps)]
+    single = steps + ["--method", "single"]
+    base, steps = base + experts, steps + experts
     lengths = args.prompt_lengths
     if cpu:
         trl_opts = dict(policy=spec, task="chain_sum" if tiny else "arithmetic", dataset_size=64, device="cpu",
@@ -807,8 +812,7 @@ def main(argv=None):
                                      lengths),),
         "default_step": (default_step_on, device, steps + out("run"), "after", lengths),
         "default_step_before": (default_step_on, device, steps + out("before"), "before", lengths),
-        "default_step_single": (default_step_on, device, steps + ["--method", "single"] + out("single"), "after",
-                                lengths),
+        "default_step_single": (default_step_on, device, single + out("single"), "after", lengths),
         "trl": (trl, device, report, trl_opts, 1, 1 if cpu else args.trl_steps),
         "default_step_stress": (default_step_on, device, steps + out("stress"), "after", "bytes"),
         "default_step_stress_before": (default_step_on, device, steps + out("stress_before"), "before", "bytes"),

@@ -32,8 +32,9 @@ def test_the_json_is_written_after_every_phase_and_the_deadline_skips_what_would
     assert [p["phase"] for p in json.load(open(path))["phases"]] == ["a"]  # on disk before the next phase
     report.run("b", lambda: pytest.fail("a phase past the deadline must not run"))
     report.run("c", lambda: 1 / 0)
+    report.run("d", lambda: sys.exit(2))  # train.py's flag errors exit: the check goes on (it once died there)
     phases = json.load(open(path))["phases"]
-    assert [(p["phase"], p["ok"]) for p in phases] == [("a", True), ("b", None), ("c", False)]
+    assert [(p["phase"], p["ok"]) for p in phases] == [("a", True), ("b", None), ("c", False), ("d", False)]
     assert "budget" in phases[1]["skipped"] and "ZeroDivisionError" in phases[2]["error"]
 
 
