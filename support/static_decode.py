@@ -120,7 +120,8 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
         out = policy(input_ids=last[:, None], attention_mask=seen, position_ids=pos, use_cache=True,
                      logits_to_keep=1, **kwargs)
         scores.copy_(out.logits[:, -1])
-        col.add_(1), t.add_(1)
+        col.add_(1)
+        t.add_(1)
         pick()
 
     pick()                                                                  # y_0, from the prefill's logits
