@@ -15,6 +15,7 @@ baselines) need but a reader of the algorithm can skip. Importing this package d
   safe_scoring.py   reasoning-gym's scorers in a sandboxed worker process with a time limit
   low_precision.py  --rollout-dtype: the sampler's bfloat16 / int8 copy of the linear layers
   kv_cache.py       the KV cache: its keyword in a forward, its room for new tokens reserved up front
+  attention.py      --attention grouped: grouped-query attention that reads each key/value head once
   static_decode.py  the decode loop with fixed shapes, its step captured as a CUDA graph (rollout.DECODE)
   gold.py           the paired evaluation's greedy answers and gold-answer log-probs, one prefill
   stats.py          tests and intervals: Spearman, sign-flip, bootstrap, paired comparisons

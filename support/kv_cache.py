@@ -5,7 +5,7 @@ their own loops) need from it, in one place.
   cache_kwargs   the cache as a forward's keyword (its name changed in transformers 5.x)
   cache_of       the cache a forward returned
   preallocate    each layer given room for the tokens a decode loop will add: written in place, not
-                 concatenated (Preallocated)
+                 concatenated (Preallocated); one layer at a time, so the prefill's copy goes as it comes
 """
 import functools
 import inspect
