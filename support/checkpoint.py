@@ -133,7 +133,7 @@ def check_checkpoint(path, args):
     kinds = {"step": int, "lora": dict, "method": dict, "optimizer": dict, "rng": dict}
     wrong = [k for k, kind in kinds.items() if not isinstance(state.get(k), kind) or isinstance(state.get(k), bool)]
     if wrong:
-        return f"{bad} is not a checkpoint of train.py: {wrong[0]} is missing or not a {kinds[wrong[0]].__name__}"
+        return f"{bad} is not a checkpoint of train.py: {wrong[0]!r} is missing or not of type {kinds[wrong[0]].__name__}"
     if not 0 <= state["step"] <= 10**9:
         return f"{bad} holds step {state['step']}"
     tensors = {**state["lora"], **state["method"]}

@@ -412,8 +412,9 @@ def text_problem(args):
     (support/run.check_prompt_lengths)."""
     for k, v in vars(args).items():
         if isinstance(v, str) and (len(v) > MAX_TEXT or "\0" in v):
-            why = "holds a NUL character" if "\0" in v else f"is {len(v)} characters, above {MAX_TEXT}"
-            return f"--{k.replace('_', '-')} {why}: far beyond any model's context"
+            why = ("holds a NUL character, which no prompt or path may hold" if "\0" in v else
+                   f"is {len(v)} characters, above {MAX_TEXT}: far beyond any model's context")
+            return f"--{k.replace('_', '-')} {why}"
     return None
 
 

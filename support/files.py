@@ -107,11 +107,23 @@ def replaced_name(path, suffix=""):
         os.replace(tmp, path)
     except BaseException as e:  # a full disk, a signal's exit, anything: the temporary file goes at once
         remove_quietly(tmp)
-        if isinstance(e, OSError):
-            raise WriteFailed(path, e) from None
+        if error := os_error_in(e):
+            raise WriteFailed(path, error) from None
         raise
     finally:
         PENDING.discard(tmp)
+
+
+def os_error_in(e):
+    """The OSError `e` is, or was raised while handling (torch.save into a file on a full disk raises the C++
+    writer's RuntimeError "unexpected pos" on top of the file's OSError): None when there is none."""
+    seen = set()
+    while e is not None and id(e) not in seen:
+        if isinstance(e, OSError):
+            return e
+        seen.add(id(e))
+        e = e.__cause__ or e.__context__
+    return None
 
 
 @contextlib.contextmanager
@@ -136,8 +148,8 @@ def replaced_folder(path):
         os.rename(tmp, path)
     except BaseException as e:
         shutil.rmtree(tmp, ignore_errors=True)
-        if isinstance(e, OSError):
-            raise WriteFailed(path, e) from None
+        if error := os_error_in(e):
+            raise WriteFailed(path, error) from None
         raise
     finally:
         PENDING.discard(tmp)

@@ -21,11 +21,14 @@ exits with code 2 and one line on stderr before any model loads and before anyth
 run at a time writes in a folder (support/lock.py), rank 0 alone; an update that leaves a trainable tensor
 non-finite is undone and skipped (step_if_finite); --max-bad-steps skipped steps in a row exit with code 3, the
 checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (143) end in one line that names
-the checkpoint's step and the command that resumes; --resume continues to the very numbers of a run never
-killed (support/checkpoint.py); --eval-items scores the policy before and after training on the items
-evaluate.py scores for the seed.
+the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/stop.py);
+--resume continues to the very numbers and files of a run never killed (support/checkpoint.py,
+tests/test_chaos.py); every file is written whole, never through a link, and a write the system refuses ends in
+one line with exit code 4, nothing half-written left (support/files.py, tests/test_write_safety.py); every
+prompt fits the policy's context before the first forward (check_prompt_lengths); --eval-items scores the policy
+before and after training on the items evaluate.py scores for the seed.
 
-Try it on CPU:  python -m pytest tests/test_hardening.py tests/test_run_safety.py -q
+Try it on CPU:  python -m pytest tests/test_hardening.py tests/test_run_safety.py tests/test_write_safety.py -q
 """
 import contextlib
 import ctypes
