@@ -10,10 +10,12 @@ query heads per group; head h reads group g = h // n_rep:
 
 transformers' SDPA path (integrations/sdpa_attention.py) gives torch's scaled_dot_product_attention one key/value
 head per query head: whenever a mask is passed (our passes always pass one: the padding), it copies K and V n_rep
-times first (repeat_kv), in every layer of every forward. For the default team's Qwen2.5-3B (16 heads, 2 KV heads)
-that is 8 copies; at 256 rows and ~1,538 keys ~247 GB written per decode step on an H200 (experiments/gpu_check.py),
-and in the loss pass autograd keeps the copies (~15.7 GiB). Here the n_rep query heads of a group are stacked
-along the query axis instead, so one SDPA call over H_kv heads reads each group's K and V once:
+times first (repeat_kv), in every layer (transformers 5.17, the GPU machine's, in every forward; 5.24 packs a
+single-query decode step's heads itself, but still copies in the prefill and the loss pass). For the default team's
+Qwen2.5-3B (16 heads, 2 KV heads) that is 8 copies: at 256 rows and ~1,538 keys, 36 layers x K and V x 256 x 16 x
+1,538 x 128 x 2 bytes = 116 GB written per decode step (and read again), and in the loss pass autograd keeps the
+copies (--plan: 17.3 GB at 4x long prompts). Here the n_rep query heads of a group are stacked along the query axis
+instead, so one SDPA call over H_kv heads reads each group's K and V once:
 
     Q [B, H, q, d] -> [B, H_kv, n_rep * q, d]        row r * q + t: head g * n_rep + r at position t
     M [B, 1, q, k] -> [B, 1, n_rep * q, k]           the same rows stacked alike (grouped_mask, once per forward;
