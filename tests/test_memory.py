@@ -189,3 +189,19 @@ def test_train_sets_the_allocator_before_anything_else(monkeypatch):
     with pytest.raises(Stop):
         train.main(["--preset", "smoke"])
     assert order == ["allocator", "world"]
+
+
+@pytest.mark.cuda
+def test_on_cuda_the_allocator_takes_expandable_segments(tmp_path):
+    """A fresh process whose run is on CUDA: train.expandable_segments before the first CUDA tensor, and the
+    allocator's segments are expandable."""
+    import os
+    import subprocess
+    import sys
+    env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
+    code = ("import argparse, torch, train; train.expandable_segments(argparse.Namespace(device='cuda')); "
+            "x = torch.zeros(1 << 20, device='cuda'); "
+            "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    out = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0 and out.stdout.strip() == "True", out.stderr[-2000:]
