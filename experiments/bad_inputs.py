@@ -391,8 +391,9 @@ def chaos(command, out, steps, kills, seed=0, max_delay=10.0, env=None):
 
 def differences(got, want):
     """What differs between two finished run folders, as lines (none: bit-identical): the file names, every
-    metrics.jsonl record but its wall clock, samples.jsonl, validation.json, every tensor of the checkpoint, and
-    the exported g_phi, LoRA and base model byte for byte; any temporary file or lock left is a difference."""
+    metrics.jsonl record but its wall clock, the samples of samples.jsonl's steps in `want` (a resumed run adds
+    those of its first step), validation.json, every tensor of the checkpoint, and the exported g_phi, LoRA and
+    base model byte for byte; any temporary file or lock left is a difference."""
     import torch
     names = {path: sorted(os.path.relpath(os.path.join(d, n), path) for d, ds, ns in os.walk(path) for n in ns)
              for path in (got, want)}
@@ -406,6 +407,8 @@ def differences(got, want):
 
     for name in ("metrics.jsonl", "samples.jsonl"):
         a, b = ([{k: v for k, v in r.items() if k not in WALL_CLOCK} for r in lines(p, name)] for p in (got, want))
+        if name == "samples.jsonl":  # a resumed run also shows the samples of its first step (run.write_samples)
+            a = [r for r in a if r["step"] in {r["step"] for r in b}]
         if a != b:
             diffs.append(f"{name}: {len(a)} vs {len(b)} records, first difference at record "
                          f"{next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b))) + 1}")
