@@ -24,6 +24,7 @@ from support.config import fail
 from support.files import PENDING, remove_quietly
 
 STOP_GRACE_S = 2.0  # how long the main thread has to answer a signal before the watchdog ends the process
+_FORK_HOOK = []  # registered once per process (os.register_at_fork cannot be undone)
 
 
 def answer_signals(state, message, cleanup=lambda: None):
@@ -36,7 +37,7 @@ def answer_signals(state, message, cleanup=lambda: None):
     native call that may not return for minutes, and the handler waits for it: so a watchdog thread, woken by
     the signal itself (signal.set_wakeup_fd), ends the process when the main thread has not answered within
     STOP_GRACE_S seconds (after any write in progress): it removes the temporary files being written
-    (checkpoint.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
+    (support/files.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
     def stop(signum, frame):
         if state.get("writing"):  # a step's log line and checkpoint are written first (after_step)
             state["signal"] = signum
@@ -53,10 +54,14 @@ def answer_signals(state, message, cleanup=lambda: None):
     read, write = os.pipe()
     os.set_blocking(write, False)
     wakeup = signal.set_wakeup_fd(write, warn_on_full_buffer=False)
+    if not _FORK_HOOK:  # a forked child's signals are its own: they must not wake this process's watchdog
+        os.register_at_fork(after_in_child=_no_wakeup)
+        _FORK_HOOK.append(True)
 
     def watch():
         while (data := os.read(read, 64)) and 0 not in data:  # 0: restore_signals ends the watch
-            signums = [n for n in data if n in handlers]
+            # ours only: under torchrun support/distributed.py answers SIGTERM with a handler of its own
+            signums = [n for n in data if n in handlers and signal.getsignal(n) is stop]
             if not signums or state.get("stopping"):
                 continue
             deadline = time.monotonic() + STOP_GRACE_S
@@ -70,6 +75,11 @@ def answer_signals(state, message, cleanup=lambda: None):
 
     threading.Thread(target=watch, name="signal-watchdog", daemon=True).start()
     return {"handlers": handlers, "wakeup": (wakeup, write)}
+
+
+def _no_wakeup():
+    with contextlib.suppress(ValueError):  # forked from a thread other than the main one: nothing to undo there
+        signal.set_wakeup_fd(-1)
 
 
 def end_now(signum, state, message, cleanup):
