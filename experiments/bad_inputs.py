@@ -1,16 +1,21 @@
 """
-Bad inputs and faults, tried as a new user would, on the tiny team: each case's command, exit code, first line on
-stderr and what it left in --out, as a Markdown table.
+Bad inputs and faults, tried as a new user and a hostile one would, on the tiny team: each case's command, exit
+code, first line on stderr, what it left in --out and its time, as a Markdown table; then the chaos run.
 
-    python experiments/bad_inputs.py --out results/bad_inputs.md      # ~8 minutes on one CPU core
+    OMP_NUM_THREADS=1 taskset -c 1 python experiments/bad_inputs.py --out results/bad_inputs.md   # ~40 min, 1 core
 
 What a case must show (README, "When things go wrong"): bad input exits with code 2 and one line `error: ...` that
-names the flag, before any model loads, and --out is as it was; Ctrl-C exits with 130 and SIGTERM with 143, in one
-line naming the checkpoint's step and the command that resumes; a run folder has one writer at a time. The
-`ok` column checks exactly that for each case (exit code, one `error:` line naming the flag, --out unchanged or
-a run that continues); the table is the record, tests/test_hardening.py and tests/test_run_safety.py the tests.
+names the flag, before any model loads, and --out is as it was; a write the system refuses (a full tmpfs) exits
+with code 4 in one line, no temporary file or lock left; a link planted in a run folder is never written through
+(a file outside keeps its text); Ctrl-C exits with 130 and SIGTERM with 143 (train.py, evaluate.py, the
+neighbours), in one line whose command, run as printed, finishes the run; a run folder has one writer at a time.
+The `ok` column checks exactly that for each case. The chaos run (--chaos N): a smoke run killed N times at random
+moments (SIGKILL, SIGTERM, in checkpoint writes, in validation) and resumed each time must end bit-identical to an
+uninterrupted run with no stray file (chaos, differences; tests/test_chaos.py runs 4 kills). The table is the
+record; tests/test_hardening.py, tests/test_run_safety.py and tests/test_write_safety.py are the tests.
 
-Nothing here is in the paper. Every case runs in a scratch folder (--work, deleted first) with HF_HUB_OFFLINE=1.
+Nothing here is in the paper. Every case runs in a scratch folder (--work, deleted first) with HF_HUB_OFFLINE=1;
+the full-disk cases mount a tmpfs in a user namespace (unshare), as an unprivileged user may.
 """
 import argparse
 import json

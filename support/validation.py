@@ -22,7 +22,7 @@ from adapter import anchor_context
 from lora import apply_lora, load_lora_state_dict
 from rollout import eos_token_ids
 from support.checkpoint import read_checkpoint
-from support.config import fail
+from support.config import NEIGHBOURS, fail
 from support.gold import gold_logprobs, greedy_and_gold
 
 
@@ -212,6 +212,11 @@ def neighbour_eval_args(argv, script):
     p.add_argument("--out", default=None, help="where eval.json goes (default: the run folder)")
     a = p.parse_args(argv)
     cfg, state = read_run(a.run)
+    own = os.path.splitext(os.path.basename(script))[0]  # neighbours/conductor.py: a conductor run
+    if cfg.get("method") != own:  # another script's run would be built as this one's, and fail in a traceback
+        command = (f"python neighbours/{cfg['method']}.py evaluate" if cfg.get("method") in NEIGHBOURS
+                   else "python evaluate.py")
+        fail(f"--run {a.run} is not a {own} run (--method {cfg.get('method')}): {command} --run {a.run}")
     team = cfg["team_models"]
     path = os.path.join(a.out or a.run, "eval.json")
     made = create_folder(os.path.dirname(path), "--out" if a.out else "--run")

@@ -317,6 +317,18 @@ def test_bad_input_fails_fast_in_one_line_and_writes_nothing(case, reference, st
     assert after == before  # nothing created, overwritten or half-written in --out
 
 
+@pytest.mark.parametrize("script", ["conductor", "rlae"])
+def test_a_neighbours_evaluate_refuses_a_train_py_run_in_one_line(script, reference, capfd):
+    """A neighbour's `evaluate --run` of a train.py run built it as its own and died in an AttributeError
+    traceback (no max_workflow_steps): it names the script that evaluates it instead."""
+    import importlib
+    neighbour = importlib.import_module(f"neighbours.{script}")
+    with pytest.raises(SystemExit) as exc:
+        neighbour.main(["evaluate", "--run", reference, "--n", "2"])
+    err = capfd.readouterr().err.strip().splitlines()
+    assert exc.value.code == 2 and len(err) == 1 and "python evaluate.py --run" in err[0], err
+
+
 def test_help_still_works(capsys):
     with pytest.raises(SystemExit) as exc:
         train.main(["--help"])
