@@ -118,10 +118,11 @@ def num(x, fmt="+.0f"):
     return "–" if x is None or np.isnan(x) else format(x, fmt)
 
 
-def pilot_table(runs):
-    """Markdown: every pilot run, and each router lr's mean over seeds against `single` of the same seed."""
+def run_rows(runs, window):
+    """Markdown rows, one per archived run: exact with C / with the anchor / with shuffled C, C − shuffled (exact,
+    gold log-prob), C's drift, the reward over the first and last `window` steps, the flat groups."""
     L = ["| run | exact with C | C = anchor | shuffled C | C − shuffled | gold log-prob C − shuffled (nats) | "
-         "C rms / token rms, first → last step | reward, first 5 → last 5 steps | flat groups |",
+         f"C rms / token rms, first → last step | reward, first {window} → last {window} steps | flat groups |",
          "|---|---|---|---|---|---|---|---|---|"]
     for arm in sorted(runs):
         for seed, rec in sorted(runs[arm].items()):
@@ -131,7 +132,13 @@ def pilot_table(runs):
             L.append(f"| {arm}-s{seed} | {exact(rec):.0f} | {num(exact(rec, 'zero_C'), '.0f')} | "
                      f"{num(exact(rec, 'shuffled_C'), '.0f')} | {num(exact(rec) - exact(rec, 'shuffled_C'))} | "
                      f"{num(gold(rec) - gold(rec, 'shuffled_C'), '+.2f')} | {num(d0, '.2f')} → {num(d1, '.2f')} | "
-                     f"{np.mean(r[:5]):.2f} → {np.mean(r[-5:]):.2f} | {flat:.2f} |")
+                     f"{np.mean(r[:window]):.2f} → {np.mean(r[-window:]):.2f} | {flat:.2f} |")
+    return L
+
+
+def pilot_table(runs):
+    """Markdown: every pilot run, and each router lr's mean over seeds against `single` of the same seed."""
+    L = run_rows(runs, window=5)
     L += ["", "| router lr | seeds | exact with C − single (points), per seed | mean | C − shuffled (points), mean |",
           "|---|---|---|---|---|"]
     single = runs.get("single", {})
@@ -236,18 +243,7 @@ def verdict_markdown(runs, records):
                  f"{r['p_holm']:.3g} |" if "p_holm" in r else f"| {r['name']}: `{r['arm']}` − {r['comparator']} | "
                  f"{n} | {seeds} | {mean} | {ci} | {p} | – |")
         L[-1] += f" {items} |"
-    L += ["", "| run | exact with C | C = anchor | shuffled C | gold log-prob C − shuffled (nats) | "
-          "C rms / token rms, first → last step | reward, first 10 → last 10 steps | flat groups |",
-          "|---|---|---|---|---|---|---|---|"]
-    for arm in sorted(runs):
-        for seed, rec in sorted(runs[arm].items()):
-            r = [m["reward"] for m in rec["metrics"]]
-            flat = np.mean([m.get("zero_std_fraction", np.nan) for m in rec["metrics"]])
-            d0, d1 = c_drift(rec)
-            L.append(f"| {arm}-s{seed} | {exact(rec):.0f} | {num(exact(rec, 'zero_C'), '.0f')} | "
-                     f"{num(exact(rec, 'shuffled_C'), '.0f')} | {num(gold(rec) - gold(rec, 'shuffled_C'), '+.2f')} | "
-                     f"{num(d0, '.2f')} → {num(d1, '.2f')} | {np.mean(r[:10]):.2f} → {np.mean(r[-10:]):.2f} | "
-                     f"{flat:.2f} |")
+    L += ["", *run_rows(runs, window=10)]
     return "\n".join(L) + "\n\n## Wall time\n\n" + costs(records)
 
 

@@ -74,18 +74,17 @@ import grpo  # noqa: E402
 import rewards  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
-from experts import ExpertPool, frozen_dtype, is_encoder, load_model, pick_device  # noqa: E402
+from experts import ExpertPool, frozen_dtype, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, prefill_shared  # noqa: E402
 from support import distributed  # noqa: E402
 from support.kv_cache import cache_kwargs  # noqa: E402
-from support.config import COUNT, build_parser, fail, parse, refuse_train_levers, remove_created  # noqa: E402
+from support.config import COUNT, build_parser, fail, parse, refuse_train_levers  # noqa: E402
 from support.build import attach_lora, load_policy_and_data  # noqa: E402
 from support.checkpoint import sigkill_hook  # noqa: E402
 from support.optim import clip_gradients, set_learning_rates  # noqa: E402
 from support.run import after_step, finish_run, open_run, progress_bar, release_folders  # noqa: E402
-from support.stop import stopping_on_signals  # noqa: E402
 from support.run import resume_run, step_if_finite, wall_clock, write_samples  # noqa: E402
-from support.validation import neighbour_eval_args, restore_trained, save_eval, scored  # noqa: E402
+from support.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
 from support.validation import score_items, validation_items  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
@@ -496,16 +495,7 @@ def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, dev
 
 def evaluate_main(argv):
     """`python neighbours/rlae.py evaluate --run DIR --n N`: eval.json in the run folder."""
-    a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/rlae.py")
-    # Ctrl-C / SIGTERM: one line, exit code 130 / 143, within seconds, nothing half-written (support/stop.py)
-    with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
-                             cleanup=lambda: remove_created(made)):
-        try:
-            result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"], pick_device(a.device))
-        except (ValueError, FileNotFoundError) as e:  # unknown task, missing data, no CUDA
-            remove_created(made)
-            fail(str(e))
-        save_eval(path, result, state)
+    evaluate_neighbour(argv, "neighbours/rlae.py", evaluate_run)
 
 
 if __name__ == "__main__":

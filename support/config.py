@@ -541,6 +541,25 @@ def holds_a_run(out):
         os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
 
 
+def finished_run(out, steps, eval_items):
+    """Whether `out` holds a run that ended at `steps`: its checkpoint at that step, its export (lora_peft/,
+    written after the last step) and, with eval_items, its validation after training. Reads only."""
+    from support.checkpoint import read_checkpoint
+    checkpoint, validation = os.path.join(out, "checkpoint.pt"), os.path.join(out, "validation.json")
+    if not (os.path.isfile(checkpoint) and os.path.isfile(os.path.join(out, "lora_peft", "adapter_config.json"))):
+        return False
+    try:
+        state = read_checkpoint(checkpoint, "--out", mmap=True)
+        if not isinstance(state, dict) or state.get("step") != steps:
+            return False
+        if eval_items:
+            with open(validation) as f:
+                return "after" in json.load(f)
+    except (ValueError, OSError):  # unreadable: not this function's to judge (check_checkpoint says why)
+        return False
+    return True
+
+
 def check_run(args, world, config_path):
     """What parse_args cannot see: the --out folder (a new run, or one that --resume can continue), every model
     the run will load (present, or one line saying how to get it) and --expert-device. Fails with exit code 2,
@@ -553,10 +572,17 @@ def check_run(args, world, config_path):
     if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
         fail(msg)
     elif not args.resume and holds_a_run(args.out):
+        if finished_run(args.out, args.steps, args.eval_items):
+            fail(f"--out {args.out} holds a finished run ({args.steps} of {args.steps} steps): nothing to do; "
+                 "choose another --out to train again")
         fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and os.path.exists(checkpoint) and (msg := check_checkpoint(checkpoint, args)):
         fail(msg)  # before any model loads: minutes and gigabytes on the paper's team
+    if args.resume and finished_run(args.out, args.steps, args.eval_items):  # nothing to train or validate
+        print(f"--out {args.out} holds this run, finished ({args.steps} of {args.steps} steps): nothing to do",
+              flush=True)
+        sys.exit(0)
     if args.expert_cache and os.path.isdir(args.expert_cache):
         from support.state_store import cache_problem
         if msg := cache_problem(args.expert_cache, "--expert-cache"):

@@ -88,6 +88,8 @@ def open_run(args, world):
             run["device"] = distributed.rank_device(pick_device(args.device), world)  # --device cuda without one
         except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
             fail(str(e))
+        if world.rank == 0:
+            print(f"run folder: {args.out}", flush=True)
         return run
     except BaseException:
         release_folders(run)
@@ -434,11 +436,11 @@ def log_line(rec, steps):
 
 
 def write_samples(run, args, step, question, answer, texts, rewards_trained):
-    """Rank 0, every --sample-every steps and at the run's first: the first few completions of one
+    """Rank 0, every --sample-every steps, at the run's first and at its last: the first few completions of one
     prompt (texts [G], after --dynamic-sampling's re-draws) in samples.jsonl, with `reward` = the
     task's reward (what metrics.jsonl's reward averages) and, under --format-bonus,
     `reward_with_bonus` = rewards_trained [G], the reward GRPO trained on."""
-    if not run["writer"] or not ((step + 1) % args.sample_every == 0 or step == run["start"]):
+    if not run["writer"] or not ((step + 1) % args.sample_every == 0 or step in (run["start"], args.steps - 1)):
         return
     n = min(args.group_size, 4)
     golds = [answer] * n if args.format_bonus_strict else None
@@ -470,6 +472,8 @@ def finish_run(run, args):
     with writes_or_fail(run, args):
         export_run(args.out, run["policy"], run["tok"], run["method"], args, run["team"])  # support/export.py
     from support.plot import plot_run
+    print(f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
+          f"{', validation.json' if args.eval_items else ''})", flush=True)
     if args.eval_items:
         with open(run["paths"]["validation"]) as f:
             before = json.load(f)["before"]

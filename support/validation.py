@@ -227,6 +227,25 @@ def neighbour_eval_args(argv, script):
     return a, SimpleNamespace(**cfg), state, path, made
 
 
+def evaluate_neighbour(argv, script, evaluate_run):
+    """A neighbour script's `evaluate --run DIR --n N` (neighbours/conductor.py, neighbours/rlae.py): its
+    `evaluate_run(cfg, n, batch_size, lora_state, method_state, device) -> result` on the run's checkpoint,
+    eval.json written. Ctrl-C / SIGTERM end it in one line with exit code 130 / 143 within seconds, nothing
+    half-written (support/stop.py)."""
+    from experts import pick_device
+    from support.config import remove_created
+    from support.stop import stopping_on_signals
+    a, cfg, state, path, made = neighbour_eval_args(argv, script)
+    with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
+                             cleanup=lambda: remove_created(made)):
+        try:
+            result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"], pick_device(a.device))
+        except (ValueError, FileNotFoundError) as e:  # unknown task, missing data, no CUDA
+            remove_created(made)
+            fail(str(e))
+        save_eval(path, result, state)
+
+
 def save_eval(path, result, state):
     """eval.json of a run (its checkpoint's step beside the score), and the line that says so."""
     from support.checkpoint import write_json

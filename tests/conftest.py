@@ -35,3 +35,24 @@ def tiny_policy():
 def tiny_pool():
     from experts import TEAMS, ExpertPool
     return ExpertPool(TEAMS["tiny"]["experts"])
+
+
+def with_lora64(model):
+    """`model` in float64, in eval mode, with LoRA (rank 4, alpha 8) whose B is random: a no-op LoRA (B = 0) would
+    hide its gradient path from a parity test."""
+    from lora import apply_lora
+    apply_lora(model, 4, 8)
+    torch.manual_seed(0)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "lora_B" in name:
+                p.normal_(0, 0.1)
+    return model.double().eval()
+
+
+@pytest.fixture(scope="module")
+def policy64():
+    """The tiny llama policy through with_lora64, and its tokenizer: (model, tok), one per test module."""
+    from support.tiny_models import load as tiny_model
+    model, tok = tiny_model("llama")
+    return with_lora64(model), tok

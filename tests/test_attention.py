@@ -6,23 +6,12 @@ what it must never do: build a repeated K/V tensor, or read the mask on the host
 import pytest
 import torch
 
+from conftest import with_lora64
 from grpo import completion_mask
 from rollout import completion_logprobs, encode_prompts, prefill, sample
 from support import attention
 
 QUESTIONS = ["What is 17 + 25?", "Add 3 and 4, then stop.", "Hi"]  # different lengths: padding behind x_0
-
-
-def with_lora(model):
-    """`model` in float64 with LoRA whose B is random (a no-op LoRA would hide its gradient path)."""
-    from lora import apply_lora
-    apply_lora(model, 4, 8)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return model.double().eval()
 
 
 def four_per_group():
@@ -43,7 +32,7 @@ def model64(request):
     from support.tiny_models import load as tiny_model
     model, tok = four_per_group() if request.param == "qwen2-n_rep-4" else tiny_model(request.param)
     assert attention.groups(model.config) > 1  # grouped KV heads: the case the old path repeats
-    return with_lora(model), tok
+    return with_lora64(model), tok
 
 
 def batch(tok, D):

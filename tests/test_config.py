@@ -207,8 +207,8 @@ def test_config_replays_neither_out_nor_resume(tmp_path):
 
 @pytest.mark.parametrize("case, message", [
     ("missing", "--config {path}: cannot read it (FileNotFoundError: No such file or directory)"),
-    ("folder", "--config {path}: cannot read it (IsADirectoryError: Is a directory)"),
-    ("not JSON", "--config {path}: not JSON (Expecting value: line 1 column 1 (char 0))"),
+    ("folder", "--config {path}: not a file (a run's config.json)"),  # a folder or a pipe: refused unread
+    ("not JSON", "--config {path}: not JSON of flag values (Expecting value: line 1 column 1 (char 0))"),
     ("a list", "--config {path}: not a JSON object of flag values"),
     ("unknown keys", "--config {path}: learning_rate, max_workflow_steps: not a flag of this script"),
     ("bad number", "--config {path}: --lr: must be > 0, got -0.001"),

@@ -17,21 +17,6 @@ from rollout import completion_logprobs, encode_prompts, head_logprobs, prefill,
 from support import kv_cache
 
 
-@pytest.fixture(scope="module")
-def policy64():
-    """The tiny llama policy in float64 with LoRA whose B is random, and its tokenizer."""
-    from lora import apply_lora
-    from support.tiny_models import load as tiny_model
-    model, tok = tiny_model("llama")
-    apply_lora(model, 4, 8)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return model.double().eval(), tok
-
-
 def scoring_batch(tok, D):
     prompts = [tok.apply_chat_template([{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True)
                for q in ("What is 17 + 25?", "Add 3 and 4, then stop.", "Hi")]

@@ -18,22 +18,6 @@ QUESTIONS = ["What is 17 + 25?", "Add 3 and 4.", "Compute 10 + 91, then stop."]
 SPLIT = "</think>\n<answer>"
 
 
-@pytest.fixture(scope="module")
-def policy64():
-    """The tiny llama policy in float64 with LoRA whose B is random (a no-op LoRA would hide its gradient path),
-    and its tokenizer: (model, tok)."""
-    from lora import apply_lora
-    from support.tiny_models import load as tiny_model
-    model, tok = tiny_model("llama")
-    apply_lora(model, 4, 8)
-    torch.manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            if "lora_B" in name:
-                p.normal_(0, 0.1)
-    return model.double().eval(), tok
-
-
 def prompts(tok, prefix="<think>"):
     return [tok.apply_chat_template([{"role": "system", "content": SYSTEM}, {"role": "user", "content": q}],
                                     tokenize=False, add_generation_prompt=True) + prefix for q in QUESTIONS]

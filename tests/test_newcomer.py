@@ -1,0 +1,39 @@
+"""What a newcomer's first runs met (each failed before its fix): the run folder is named at the start and the end,
+samples.jsonl holds the last step too, and a finished run run again says so without training or validating again."""
+import json
+import os
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ENV = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
+
+
+def train(out, *extra):
+    return subprocess.run([sys.executable, "train.py", "--preset", "smoke", "--steps", "3", "--eval-items", "2",
+                           "--sample-every", "100", "--out", out, *extra], cwd=ROOT, env=ENV, capture_output=True,
+                          text=True, timeout=600)
+
+
+def test_a_finished_run_is_named_sampled_to_its_last_step_and_not_run_again(tmp_path):
+    out = str(tmp_path / "run")
+    first = train(out)
+    assert first.returncode == 0, first.stderr[-2000:]
+    named = [line for line in first.stdout.splitlines() if line.startswith(f"run folder: {out}")]
+    assert len(named) == 2                                        # at the start and at the end
+    with open(os.path.join(out, "samples.jsonl")) as f:
+        steps = sorted({json.loads(line)["step"] for line in f})
+    assert steps == [1, 3]                                        # the first step and the last
+    validated = os.stat(os.path.join(out, "validation.json")).st_mtime_ns
+
+    again = train(out)                                            # the same command twice
+    assert again.returncode == 2 and "holds a finished run" in again.stderr
+    resumed = train(out, "--resume")                              # what the old message suggested
+    assert resumed.returncode == 0 and "finished (3 of 3 steps): nothing to do" in resumed.stdout
+    assert "validation" not in resumed.stdout + resumed.stderr    # validation did not run again
+    assert os.stat(os.path.join(out, "validation.json")).st_mtime_ns == validated
+
+    longer = train(out, "--resume", "--steps", "4")               # a finished run can still be extended
+    assert longer.returncode == 0, longer.stderr[-2000:]
+    with open(os.path.join(out, "metrics.jsonl")) as f:
+        assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
