@@ -434,3 +434,16 @@ def test_sigterm_inside_a_long_native_call_ends_the_process_in_seconds(who, tmp_
     assert "the long call returned" not in stdout
     if who == "train":
         assert not os.path.exists(os.path.join(out, ".lock")) and not no_temporary_files(out), os.listdir(out)
+
+
+def test_the_watchdog_has_ended_when_the_signals_are_restored():
+    """Regression: restore_signals woke the watchdog thread and returned at once; at the end of a run the thread
+    could still be asking for the GIL while the interpreter shut down, and was ended by pthread_exit there: under
+    load ~1 finished pocket run in 2 aborted with "terminate called without an active exception" (exit -6, seen
+    in the test suite as well). The watchdog is now joined before restore_signals returns."""
+    import threading
+    from support.stop import answer_signals, restore_signals
+    for _ in range(20):
+        saved = answer_signals({}, lambda name: f"stopped by {name}")
+        restore_signals(saved)
+        assert not [t for t in threading.enumerate() if t.name == "signal-watchdog" and t.is_alive()]
