@@ -543,7 +543,9 @@ def holds_a_run(out):
 
 def finished_run(out, steps, eval_items):
     """Whether `out` holds a run that ended at `steps`: its checkpoint at that step, its export (lora_peft/,
-    written after the last step) and, with eval_items, its validation after training. Reads only."""
+    written after the last step) and, with eval_items, its validation after training. Reads only. (--resume of
+    such a run still finishes it again, export and validation: a run killed in its export or validation needs
+    exactly that, and the chaos test kills runs there.)"""
     from support.checkpoint import read_checkpoint
     checkpoint, validation = os.path.join(out, "checkpoint.pt"), os.path.join(out, "validation.json")
     if not (os.path.isfile(checkpoint) and os.path.isfile(os.path.join(out, "lora_peft", "adapter_config.json"))):
@@ -579,10 +581,6 @@ def check_run(args, world, config_path):
     checkpoint = os.path.join(args.out, "checkpoint.pt")
     if args.resume and os.path.exists(checkpoint) and (msg := check_checkpoint(checkpoint, args)):
         fail(msg)  # before any model loads: minutes and gigabytes on the paper's team
-    if args.resume and finished_run(args.out, args.steps, args.eval_items):  # nothing to train or validate
-        print(f"--out {args.out} holds this run, finished ({args.steps} of {args.steps} steps): nothing to do",
-              flush=True)
-        sys.exit(0)
     if args.expert_cache and os.path.isdir(args.expert_cache):
         from support.state_store import cache_problem
         if msg := cache_problem(args.expert_cache, "--expert-cache"):
