@@ -21,7 +21,9 @@ tests/test_adapter.py checks it token for token.
   prefill_shared       prefill with G = 1 (evaluation, the neighbours' writers)
   sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
                        under a mask of allowed tokens: constrained decoding)
-  decode               its token-by-token loop, from a prefill
+  decode               its token-by-token loop, from a prefill (on CUDA the same loop with fixed shapes,
+                       captured as a CUDA graph: support/static_decode.py, rollout.DECODE)
+  shared_length        how many leading inputs every prompt shares (prefill's share)
   greedy_texts         a frozen writer's greedy answers (conductor workers, output_collab's hints)
   (support/low_precision.py: --rollout-dtype bfloat16 / int8, the rollout's matmuls on a
                        low-precision copy of the weights; support/kv_cache.py: the KV cache's
