@@ -5,9 +5,11 @@ baselines (§4.1) and three controls that tell the experts apart from the traina
 Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward
 maps (questions, answers=None, reuse=None) to a Context (below: C, A, hints, and what the loss pass
 reads again), and whose attribute `context_tokens` is m, the number of context tokens C holds per
-prompt (0 when C is None; support/plan.py reads it). `--method NAME` picks one from METHODS; only what a method
-returns differs, the GRPO loop is shared. `answers` are the gold answers, read only by oracle
-experts (a diagnostic, experts.py). `reuse` is the rollout's output for the same questions: the loss
+prompt (0 when C is None; support/plan.py reads it). Each builder declares what it is, `build.kind =
+Kind(...)` (below: context tokens or none, whose experts it reads, ...), which the flag checks ask
+before any model loads. `--method NAME` picks one from METHODS; only what a method returns differs,
+the GRPO loop is shared. `answers` are the gold answers, read only by oracle experts (a diagnostic,
+experts.py). `reuse` is the rollout's output for the same questions: the loss
 pass passes it back so that the gradient is taken under the C the completions were sampled with
 (same pooled states, same routing draw).
 
@@ -72,6 +74,21 @@ class Context:
     noise: Optional[torch.Tensor] = None    # (B, n) hard routing's Gumbel draw in training, else None
 
 
+@dataclass(frozen=True)
+class Kind:
+    """What a method is, declared on its builder (`build.kind = Kind(...)`): the flag checks run before any model
+    loads (support/config.py), so they ask this, never the method's name or its module's attributes."""
+    tokens: bool               # C holds context tokens (False: C is None; --channel-weight and --context-anchor
+    #                            newline have nothing to act on)
+    experts: Optional[str]     # whose frozen states its .pool (experts.ExpertPool) reads: "team" (the team's
+    #                            experts, whose weights a run needs), "policy" (the policy's own base) or None
+    router: bool = False       # its .encoder is the team's sentence encoder (hard routing's router)
+    state_norm: bool = False   # its .norm (adapter.StateNorm) standardises .pool's states: --state-norm
+    #                            standardize fits it (train.fit_state_norm)
+    hints: bool = False        # it writes text hints into the prompt, up to --max-new-tokens per expert
+    answers: bool = False      # it writes the answer itself (.answer(policy, tok, questions, args)), not the policy
+
+
 def expert_pool(names, args, device, dtype, heads=False):
     """The frozen experts, on --expert-device when given (they only run forward, once per prompt:
     a second GPU, or the CPU to save GPU memory); their pooled states come back to `device`,
@@ -99,11 +116,8 @@ class ExpertContext(nn.Module):
         # pool is not an nn.Module: experts are never trained or saved
         self.pool, self.adapter = pool, adapter
         self.context_tokens = adapter.latents.shape[0]  # m = --num-latents
-        # the identity until fit_state_norm (--state-norm standardize)
+        # the identity until train.fit_state_norm (--state-norm standardize)
         self.norm = StateNorm(pool.dims)
-
-    def fit_state_norm(self, questions, answers):
-        self.norm.fit(self.pool.encode(questions, answers=answers))
 
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
@@ -122,10 +136,16 @@ def ours(team, out_dim, args, device, dtype):
     return ExpertContext(pool, adapter).to(device)
 
 
+ours.kind = Kind(tokens=True, experts="team", state_norm=True)
+
+
 def identical(team, out_dim, args, device, dtype):
     """Control: ours with the policy's own frozen base as the only expert (C2C's "identical"
     arm)."""
     return ours({**team, "experts": [team["policy"]]}, out_dim, args, device, dtype)
+
+
+identical.kind = Kind(tokens=True, experts="policy", state_norm=True)  # its run loads only the policy's weights
 
 
 class SoftPrompt(nn.Module):
@@ -146,11 +166,17 @@ def soft_prompt(team, out_dim, args, device, dtype):
     return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device)
 
 
+soft_prompt.kind = Kind(tokens=True, experts=None)
+
+
 def bare_anchor(team, out_dim, args, device, dtype):
     """Control: the soft prompt frozen at init, W_out = 0, so C is the anchor alone for ever (with
     --context-anchor newline: m newline embeddings; with zero: m zero vectors). Only LoRA trains. It
     separates what the anchored soft prompt gains by training from what m fixed tokens do alone."""
     return SoftPrompt(out_dim, args.latent_dim, args.num_latents).to(device).requires_grad_(False)
+
+
+bare_anchor.kind = Kind(tokens=True, experts=None)
 
 
 class NoContext(nn.Module):
@@ -164,6 +190,9 @@ def single(team, out_dim, args, device, dtype):
     return NoContext()
 
 
+single.kind = Kind(tokens=False, experts=None)
+
+
 class StackedFFN(nn.Module):
     def __init__(self, pool, out_dim, d):
         super().__init__()
@@ -174,9 +203,6 @@ class StackedFFN(nn.Module):
         self.norm = StateNorm(pool.dims)
         self.context_tokens = len(pool.dims)  # n: one token per expert
 
-    def fit_state_norm(self, questions, answers):
-        self.norm.fit(self.pool.encode(questions, answers=answers))
-
     def forward(self, questions, answers=None, reuse=None):
         states = pooled_states(self.pool, questions, answers, reuse)
         V = torch.stack([W(h) for W, h in zip(self.proj, self.norm(states))], 1)       # (B, n, d)
@@ -186,6 +212,9 @@ class StackedFFN(nn.Module):
 def no_xattn(team, out_dim, args, device, dtype):
     pool = expert_pool(team["experts"], args, device, dtype)
     return StackedFFN(pool, out_dim, args.latent_dim).to(device)
+
+
+no_xattn.kind = Kind(tokens=True, experts="team", state_norm=True)
 
 
 def straight_through_gumbel(logits, noise, tau=1.0):
@@ -241,6 +270,9 @@ def hard_routing(team, out_dim, args, device, dtype):
     return HardRouter(pool, encoder, out_dim, args.latent_dim).to(device)
 
 
+hard_routing.kind = Kind(tokens=True, experts="team", router=True)
+
+
 class TextHints(nn.Module):
     context_tokens = 0  # the hints are text in the prompt
 
@@ -276,14 +308,22 @@ def output_collab(team, out_dim, args, device, dtype):
     return TextHints(expert_pool(team["experts"], args, device, dtype, heads=True), args.max_new_tokens)
 
 
-# Methods that read none of the team's experts (identical's only expert is the policy itself): their
-# runs need only the policy's weights.
-WITHOUT_TEAM_EXPERTS = {"single", "soft_prompt", "bare_anchor", "identical"}
+output_collab.kind = Kind(tokens=False, experts="team", hints=True)
+
+
+METHODS = {"ours": ours, "single": single, "output_collab": output_collab,
+           "hard_routing": hard_routing, "no_xattn": no_xattn, "identical": identical,
+           "soft_prompt": soft_prompt, "bare_anchor": bare_anchor}
 
 # Two systems of other papers are scripts of their own, each with its own loop
 # (neighbours/conductor.py: a policy that writes workflows for frozen workers; neighbours/rlae.py:
 # RL-chosen ensemble weights over the experts' next-token distributions). They import this
-# repository's core; nothing here imports them.
-METHODS = {"ours": ours, "single": single, "output_collab": output_collab,
-           "hard_routing": hard_routing, "no_xattn": no_xattn, "identical": identical,
-           "soft_prompt": soft_prompt, "bare_anchor": bare_anchor}
+# repository's core; nothing here imports them, so what each is is declared here, for the flag checks.
+NEIGHBOURS = {"conductor": Kind(tokens=False, experts="team", answers=True),
+              "rlae": Kind(tokens=False, experts="team", router=True, answers=True)}
+
+
+def kind(method):
+    """What --method NAME is: its builder's declaration (METHODS) or a neighbour's (NEIGHBOURS); None for a
+    builder that declares nothing (support/config.py refuses it)."""
+    return NEIGHBOURS[method] if method in NEIGHBOURS else getattr(METHODS[method], "kind", None)

@@ -28,7 +28,7 @@ from types import SimpleNamespace
 import numpy as np
 import torch
 
-from baselines import METHODS, WITHOUT_TEAM_EXPERTS
+from baselines import METHODS, kind
 from experts import frozen_dtype, load_model, pick_device, team_models
 from support.checkpoint import write_json
 from support.files import UnsafePath, WriteFailed, link_in_run_folder
@@ -191,7 +191,7 @@ def main(argv=None):
         if cfg["method"] not in METHODS:
             fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py "
                  f"evaluate --run {a.run}")
-        experts = [] if cfg["method"] in WITHOUT_TEAM_EXPERTS else cfg["team_models"]["experts"]
+        experts = cfg["team_models"]["experts"] if kind(cfg["method"]).experts == "team" else []
         models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
         name = "eval_paired.json" if a.paired else \
             "eval_no_context.json" if a.no_context else "eval.json"

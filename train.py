@@ -15,35 +15,29 @@ flags override it.
 
 The loop, one optimiser step (grpo_step):
     rollout -> reward -> advantage -> reference -> loss -> step -> log
-Every flag, its default and its checks are in support/config.py; `python train.py --help` lists
-them.
+A line marked `# lever:` is not the paper's (a flag, off by default): skipping them reads the paper's
+step. Every flag, its default and its checks: support/config.py (`python train.py --help`).
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
   1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop:
      one prefill per prompt shared by its G samples, and rollout and scoring use the same positions.
-  2. Options the paper does not have, off by default: --inner-epochs (mu > 1 reuses a rollout; the
-     paper's mu = 1 makes the ratio exactly 1), --system-prompt / --worked-example /
-     --response-prefix (a 135M policy never writes the answer tags with the paper's prompt: 0 of 64
-     samples did), --context-position before, --context-split (C inside the pre-filled response),
-     --no-shared-prefix (every prompt run whole, the old path), and two controls: --reward random, --method identical
-     / soft_prompt (baselines.py).
-  3. The levers (each one call or one `if` in grpo_step, with a named helper below it):
-     --format-bonus (training reward only), --dynamic-sampling, --rollout-dtype bfloat16 / int8
-     with --tis-cap, --lr-schedule / --warmup-steps, --clip-per-group, torchrun
-     (support/distributed.py);
-     --eval-items scores the policy before and after training.
-  4. A step whose loss or gradient is not finite is skipped (weights unchanged) and counted, and so is
-     one whose update leaves a weight non-finite (undone: support/run.py step_if_finite).
-Conductor and RLAE, two other systems, are scripts of their own with their own loop: neighbours/.
-
-Failure modes (support/run.py, tests/test_hardening.py): bad input exits with code 2 and one line on stderr, before
-any model loads and anything in --out is written; one run writes in a folder at a time (support/lock.py);
---max-bad-steps non-finite steps in a row exit with code 3, the checkpoint holding the last good
-weights; Ctrl-C and SIGTERM end in one line with exit code 130 / 143; a killed run continues exactly
-with --resume (support/checkpoint.py); under torchrun, a rank that dies stops the job with exit
-code 3 (support/distributed.py).
+  2. Prompt options for small policies (--system-prompt, --worked-example, --response-prefix: a 135M
+     policy never writes the answer tags with the paper's prompt, 0 of 64 samples did), C's place
+     (--context-position before, --context-split), and two controls: --reward random, --method
+     identical / soft_prompt (baselines.py).
+  3. The levers, each one call or one `if` in grpo_step: --inner-epochs, --format-bonus,
+     --dynamic-sampling, --rollout-dtype with --tis-cap, --lr-schedule / --warmup-steps,
+     --clip-per-group, --channel-weight, torchrun (support/distributed.py); --eval-items scores the
+     policy before and after training.
+  4. A step whose loss, gradient or update is not finite is skipped, weights unchanged, and counted
+     (support/optim.step_if_finite).
+Conductor and RLAE, two other systems, are scripts of their own with their own step: neighbours/.
+What a run guarantees when things go wrong (bad input, Ctrl-C, a full disk, a killed run, --resume):
+support/run.py.
 """
 import time
+from dataclasses import dataclass
+from typing import Any, Optional
 
 import numpy as np
 import torch
@@ -56,12 +50,39 @@ from baselines import METHODS
 from lora import lora_disabled
 from support import distributed
 from support.batch import MicroBatch
-from support.build import attach_lora, load_policy_and_data
+from experts import pick_device
+from support.build import attach_lora, load_policy_and_data, precompute_states
+from support.runtime import deterministic_kernels, expandable_segments
 from support.checkpoint import sigkill_hook
 from support.config import fail, parse_args
-from support.optim import clip_gradients, set_learning_rates
+from support.metrics import step_metrics, wall_clock
+from support.optim import clip_gradients, set_learning_rates, step_if_finite
 from support.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run
-from support.run import step_if_finite, step_metrics, wall_clock, write_samples
+from support.run import write_samples
+
+# --------------------------------------------------------------------------------------------------
+# The run: what every step reads, built once (build_run, at the end of this file)
+
+
+@dataclass
+class Run:
+    """The trained system and its data. build_run makes it; the steps read it and train the weights
+    inside `policy` and `method` in place; the neighbours' scripts (neighbours/) build one with a g
+    of their own."""
+    policy: torch.nn.Module             # pi_theta: the frozen policy with LoRA on its linear layers (lora.py)
+    tok: Any                            # the policy's tokenizer
+    method: torch.nn.Module             # g, --method's context builder (baselines.METHODS): C = g(x)
+    optimizer: torch.optim.Optimizer    # AdamW over LoRA's and g's trainable parameters (support/optim.py)
+    train_items: list                   # the task's training items, {"question", "answer", ...}
+    eos_ids: list                       # the token ids that end a completion
+    device: torch.device
+    team: dict                          # the team's model names: policy, experts, router
+    position: Any = "after"             # where C goes in the policy's input (rollout.context_slot)
+    pool: Optional[Any] = None          # the frozen experts g reads (experts.ExpertPool); None without
+    embed_rms: float = 1.0              # RMS of the policy's input embeddings: the scale C is compared with
+    world: Any = distributed.ONE        # torchrun's processes (support/distributed.py), or one
+    life: Optional[Any] = None          # its folder, lock, writes and signals (support/run.Life); None in tests
+
 
 # --------------------------------------------------------------------------------------------------
 # The algorithm: one GRPO step
@@ -71,8 +92,8 @@ def grpo_step(step, run, args, score_batch):
     """rollout -> reward -> advantage -> reference -> loss -> step -> log.
     Returns (the step's metrics, its micro-batches: support/batch.MicroBatch). A line marked
     `# lever:` is not the paper's (a flag, off by default); skipping them reads the paper's step."""
-    G, world, optimizer, t0 = args.group_size, run["world"], run["optimizer"], time.time()
-    g, policy = run["method"], run["policy"]  # C = g(x): --method's context builder (baselines.py)
+    G, world, optimizer, t0 = args.group_size, run.world, run.optimizer, time.time()
+    g, policy = run.method, run.policy  # C = g(x): --method's context builder (baselines.py)
     set_learning_rates(optimizer, step, args)  # lever: --lr-schedule, --warmup-steps (paper: constant)
     micros = list(distributed.my_micro_batches(world, args.grad_accum))  # torchrun: a rank's share
     # ---- rollout: C = g(x) per micro-batch, then every micro-batch's G samples per prompt, all in
@@ -89,7 +110,7 @@ def grpo_step(step, run, args, score_batch):
         if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
             redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
         comp = drawn["comp"]                                          # (B*G, T) every group's
-        comp_mask = grpo.completion_mask(comp, run["eos_ids"])        # (B*G, T) up to EOS, inclusive
+        comp_mask = grpo.completion_mask(comp, run.eos_ids)        # (B*G, T) up to EOS, inclusive
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
@@ -110,7 +131,7 @@ def grpo_step(step, run, args, score_batch):
         for b in batches:
             C = g(b.questions, reuse=b.ctx).C  # the rollout's C again (its states), now with gradient
             logp = rollout.completion_logprobs(policy, b.ids, b.mask, C, b.comp, b.comp_mask,
-                                               args.temperature, run["position"],
+                                               args.temperature, run.position,
                                                share=not args.no_shared_prefix)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b.logp_old = logp.detach()
@@ -136,7 +157,7 @@ def grpo_step(step, run, args, score_batch):
         skipped = skipped or not finite
 
     # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------
-    batches = distributed.gather(world, batches, run["device"])  # every rank's, in order
+    batches = distributed.gather(world, batches, run.device)  # every rank's, in order
     rec = step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args)
     tokens = sum(int(b.comp_mask.sum()) for b in batches)  # generated: EOS counts, padding does not
     rec.update(wall_clock(t0, tokens))  # seconds, tokens_per_s
@@ -151,10 +172,10 @@ def micro_batch_inputs(run, args, step, micro):
     """The micro-batch's B training items (the same on any rank and after a resume; seeds the
     micro-batch's other draws too), its context C = g(x) and its tokenised prompts: (items, ctx,
     ids [B, P], mask [B, P])."""
-    distributed.seed_micro_batch(args.seed, step, micro, run["pool"])
-    n = len(run["train_items"])
+    distributed.seed_micro_batch(args.seed, step, micro, run.pool)
+    n = len(run.train_items)
     picks = rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, n, args.seed)
-    items = [run["train_items"][i] for i in picks]
+    items = [run.train_items[i] for i in picks]
     return (items, *context_and_prompts(run, args, items))
 
 
@@ -162,12 +183,12 @@ def context_and_prompts(run, args, items):
     """C = g(x) (with the method's training behaviour: hard routing draws its Gumbel expert here)
     and the policy's tokenised prompts. Returns (ctx, ids [B, P], mask [B, P])."""
     questions, answers = [it["question"] for it in items], [it["answer"] for it in items]
-    run["method"].train()
+    run.method.train()
     with torch.no_grad():
         # answers: read only by oracle experts (a diagnostic)
-        ctx = run["method"](questions, answers)
-    prompts = rewards.policy_prompts(run["tok"], questions, ctx.hints, args)
-    ids, mask = rollout.encode_prompts(run["tok"], prompts, run["device"], args.context_split)
+        ctx = run.method(questions, answers)
+    prompts = rewards.policy_prompts(run.tok, questions, ctx.hints, args)
+    ids, mask = rollout.encode_prompts(run.tok, prompts, run.device, args.context_split)
     return ctx, ids, mask
 
 
@@ -185,18 +206,18 @@ def sample_step(run, args, step, micros, inputs):
     out = []
     for c in range(0, len(inputs), chunk):
         part = inputs[c:c + chunk]
-        ids, mask = rollout.same_width([(i, m) for _, _, i, m in part], run["tok"].pad_token_id)
+        ids, mask = rollout.same_width([(i, m) for _, _, i, m in part], run.tok.pad_token_id)
         Cs = [ctx.C for _, ctx, _, _ in part]
         C = None if Cs[0] is None else torch.cat(Cs)                           # (B_all, m, D)
         u = torch.cat([row_uniforms(args, step, micro, 0, len(i) * G)
-                       for micro, (_, _, i, _) in zip(micros[c:c + chunk], part)]).to(run["device"])
+                       for micro, (_, _, i, _) in zip(micros[c:c + chunk], part)]).to(run.device)
         comp, logp_mu = sample_rows(run, args, ids, mask, C, u)
         start = 0
         for _, _, i, _ in part:  # back into micro-batches
             rows = slice(start, start + len(i) * G)
             start = rows.stop
             out.append(rollout.cut_padding(comp[rows], None if logp_mu is None else logp_mu[rows],
-                                           run["eos_ids"], run["tok"].pad_token_id))
+                                           run.eos_ids, run.tok.pad_token_id))
     return out
 
 
@@ -213,11 +234,11 @@ def sample_rows(run, args, ids, mask, C, uniforms):
     a GPU the default bfloat16: the sampler runs LoRA merged into bfloat16 weights, the scoring
     pass unmerged), so that rollout_logp_gap is logged and --tis-cap can correct it."""
     dtype = None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
-    frozen = run["policy"].get_input_embeddings().weight.dtype
+    frozen = run.policy.get_input_embeddings().weight.dtype
     own = dtype is not None or frozen != torch.float32
-    out = rollout.sample(run["policy"], ids, mask, C, args.group_size, args.max_new_tokens,
-                         args.temperature, run["eos_ids"], run["tok"].pad_token_id,
-                         run["position"], return_logprobs=own, dtype=dtype, uniforms=uniforms,
+    out = rollout.sample(run.policy, ids, mask, C, args.group_size, args.max_new_tokens,
+                         args.temperature, run.eos_ids, run.tok.pad_token_id,
+                         run.position, return_logprobs=own, dtype=dtype, uniforms=uniforms,
                          share=not args.no_shared_prefix)
     return out if own else (out, None)
 
@@ -227,8 +248,8 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
     (the task's scorer, or the random-reward control's coins seeded by key = (step, micro-batch,
     draw), plus --format-bonus), task_r [B*G] (the task's part alone), counts (the scorer's),
     texts}."""
-    tok, G = run["tok"], args.group_size
-    done_mask = grpo.completion_mask(comp, run["eos_ids"])
+    tok, G = run.tok, args.group_size
+    done_mask = grpo.completion_mask(comp, run.eos_ids)
     padded = comp.masked_fill(~done_mask, tok.pad_token_id)  # nothing after EOS
     texts = tok.batch_decode(padded, skip_special_tokens=True)
     answered = rewards.responses(args.response_prefix, texts)  # what the scorers read
@@ -239,10 +260,10 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
         task_r, counts = score_batch([it for it in items for _ in range(G)], answered)
         if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
             task_r = rewards.full_marks(task_r)
-    task_r = torch.tensor(task_r, dtype=torch.float32, device=run["device"])
+    task_r = torch.tensor(task_r, dtype=torch.float32, device=run.device)
     golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
     bonus = rewards.format_bonus(answered, args.format_bonus, golds)
-    bonus = torch.tensor(bonus, dtype=torch.float32, device=run["device"])
+    bonus = torch.tensor(bonus, dtype=torch.float32, device=run.device)
     return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts,
                 texts=texts)
 
@@ -250,7 +271,7 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
 def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     """A new draw of B prompts x G (dynamic sampling's re-draws), scored: score_draw's dict."""
     step, micro, draw = key
-    u = row_uniforms(args, step, micro, draw, len(ids) * args.group_size).to(run["device"])
+    u = row_uniforms(args, step, micro, draw, len(ids) * args.group_size).to(run.device)
     comp, logp_mu = sample_rows(run, args, ids, mask, C, u)
     return score_draw(run, args, items, comp, logp_mu, key, score_batch)
 
@@ -265,7 +286,7 @@ def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch
             break
         again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
                                None if ctx.C is None else ctx.C[redo], (step, micro, draw), score_batch)
-        replace_groups(drawn, again, redo, args.group_size, run["tok"].pad_token_id)
+        replace_groups(drawn, again, redo, args.group_size, run.tok.pad_token_id)
 
 
 def replace_groups(drawn, again, prompts, G, pad_id):
@@ -289,11 +310,11 @@ def replace_groups(drawn, again, prompts, G, pad_id):
 def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
     """log pi_ref(y_t) [B*G, T] of the completions: LoRA off, and zero tokens (or the anchor) where
     C was."""
-    method, policy = run["method"], run["policy"]
+    method, policy = run.method, run.policy
     with torch.no_grad(), lora_disabled(policy):
         C0 = None if C is None else empty_context(method, C)
         return rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
-                                           run["position"], share=not args.no_shared_prefix)
+                                           run.position, share=not args.no_shared_prefix)
 
 
 def dapo_advantages(batches, G, world, aggregation):
@@ -315,100 +336,45 @@ def add_channel_forcing(loss, metrics, logp, b, C, run, args):
     if len(C) < 2:
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
     C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
-    logp_mismatched = rollout.completion_logprobs(run["policy"], b.ids, b.mask, C_mismatched, b.comp,
-                                                  b.comp_mask, args.temperature, run["position"],
+    logp_mismatched = rollout.completion_logprobs(run.policy, b.ids, b.mask, C_mismatched, b.comp,
+                                                  b.comp_mask, args.temperature, run.position,
                                                   share=not args.no_shared_prefix)
     cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b.adv, b.comp_mask)
     return loss + args.channel_weight * cf, {**metrics, **m}
 
 
 # --------------------------------------------------------------------------------------------------
-# Building the run: the frozen policy and the data, g = the --method's builder of baselines.py, LoRA
-# and the optimiser (support/build.py holds the two halves a neighbour script shares). The rest of a
-# run's life (checks, config.json, resume, log lines, checkpoints, the end) is support/run.py's.
+# Building the run, and its life around the steps (checks, resume, logs, checkpoints: support/run.py)
 
 
-def build_run(args, device):
-    """The policy (frozen + LoRA), the context builder g of --method, the data and the optimiser: the
-    run dict. Raises ValueError with a one-line message on bad input."""
-    parts = load_policy_and_data(args, device)
-    method = METHODS[args.method](parts["team"], parts["policy"].config.hidden_size, args, device,
-                                  parts["dtype"])
+def build_run(args, device, builder=None):
+    """The policy (frozen + LoRA), the context builder g (`builder`, by default --method's in
+    baselines.METHODS; a neighbour's script passes its own), the data and the optimiser: a Run.
+    The order is the seeded one (the policy, then g's initialisation, then LoRA's A). Raises
+    ValueError with a one-line message on bad input."""
+    parts = load_policy_and_data(args, device)  # team, items, the seeded frozen policy, tokenizer
+    policy, tok = parts["policy"], parts["tok"]
+    g = (builder or METHODS[args.method])(parts["team"], policy.config.hidden_size, args, device,
+                                          parts["dtype"])
     if args.state_norm == "standardize":
-        fit_state_norm(method, parts["train_items"], args)
-    run = attach_lora(parts, method, args)
-    # where C goes in the policy's input (rollout.policy_inputs): --context-position, or in front of
-    # the --context-split tokens that end every prompt
-    run["position"] = rollout.context_slot(parts["tok"], args.context_position, args.context_split)
-    return run
+        fit_state_norm(g, parts["train_items"], args)
+    optimizer = attach_lora(policy, tok, g, args)  # g's anchor, LoRA on the policy, the optimiser
+    return Run(policy=policy, tok=tok, method=g, optimizer=optimizer, train_items=parts["train_items"],
+               eos_ids=rollout.eos_token_ids(policy, tok), device=device, team=parts["team"],
+               # --context-position, or in front of the --context-split tokens that end every prompt
+               position=rollout.context_slot(tok, args.context_position, args.context_split),
+               pool=getattr(g, "pool", None),
+               embed_rms=policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item())
 
 
 def fit_state_norm(method, train_items, args):
-    """--state-norm standardize: per-dimension statistics of the experts' pooled states."""
-    if not hasattr(method, "fit_state_norm"):
-        raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states "
-                         "to standardise")
+    """--state-norm standardize: per-dimension statistics of the experts' pooled states h_i on the first
+    --state-norm-prompts training prompts, into the method's adapter.StateNorm. Every method that declares
+    state_norm (baselines.Kind) has .pool and .norm, so a new one brings no fitting code; the flag checks refused
+    the others."""
     calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
-    method.fit_state_norm([it["question"] for it in calibration],
-                          [it["answer"] for it in calibration])
-
-
-def precompute_states(args):
-    """--precompute-states: the experts' pooled states of every prompt the run will read (its
-    steps' training items, its --eval-items validation items, the --state-norm calibration
-    prompts) into --expert-cache, then exit. The run itself, started without this flag, then
-    never loads the experts (experts.ExpertPool reads the store): on a GPU, their memory (23 GB
-    for the default team in bfloat16) goes to the policy's rollout instead."""
-    from experts import pick_device
-    run = build_run(args, pick_device(args.device))
-    pool = run["pool"]
-    if pool is None or not args.expert_cache:
-        fail(f"--precompute-states: --method {args.method} with --expert-cache DIR: a method that reads "
-             "experts, and where to keep their states")
-    items = run["train_items"]
-    picks = sorted({i for step in range(args.steps) for micro in range(args.grad_accum)
-                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                   len(items), args.seed)})
-    questions = [items[i] for i in picks]
-    if args.eval_items:
-        val = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
-                                   args.task_config)
-        questions += [val[i] for i in range(min(args.eval_items, len(val)))]
-    for s in range(0, len(questions), 64):
-        chunk = questions[s:s + 64]
-        pool.encode([it["question"] for it in chunk], answers=[it["answer"] for it in chunk])
-    print(f"--precompute-states: {len(questions)} prompts x {len(pool)} experts in {args.expert_cache}")
-    return args.expert_cache
-
-
-def deterministic_kernels():
-    """--deterministic: CUDA's kernels in their deterministic versions (cuBLAS with a fixed
-    workspace, cuDNN without autotuning, torch's deterministic algorithms), so that on a GPU
-    --resume and N processes reach the numbers of one uninterrupted process, as they do on a CPU
-    without this flag. Strict mode on purpose: with warn_only=True the flash and memory-efficient
-    attention backward kernels keep their faster atomic-add algorithm and only warn (measured on an
-    H200: the same 4-step run reached two different step-2 gradient norms across processes, with
-    the flag in that mode and without it). A kernel with no deterministic version stops the run
-    with PyTorch's error naming it."""
-    import os
-    os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-    torch.backends.cudnn.benchmark = False
-    torch.backends.cudnn.deterministic = True
-    torch.use_deterministic_algorithms(True)
-
-
-def expandable_segments(args):
-    """On CUDA, PyTorch's caching allocator with expandable segments: a segment grows by mapping more
-    memory instead of each new size taking a new block, so freed blocks are reused across the step's
-    phases of different shapes (the rollout's cache, the loss pass's activations) rather than kept
-    reserved beside them (an H200 run reserved 138.9 GiB for a 62.7 GiB allocated peak). Allocation only:
-    the numbers are the same. Set where the run's device is CUDA and the user set neither
-    PYTORCH_ALLOC_CONF nor PYTORCH_CUDA_ALLOC_CONF; it must come before CUDA's allocator starts, which
-    reads it once."""
-    import os
-    cuda = args.device.startswith("cuda") or (args.device == "auto" and torch.cuda.is_available())
-    if cuda and not ({"PYTORCH_ALLOC_CONF", "PYTORCH_CUDA_ALLOC_CONF"} & set(os.environ)):
-        os.environ["PYTORCH_CUDA_ALLOC_CONF"] = "expandable_segments:True"  # the name every torch 2.x reads
+    method.norm.fit(method.pool.encode([it["question"] for it in calibration],
+                                       answers=[it["answer"] for it in calibration]))
 
 
 def main(argv=None, score_batch=None):
@@ -424,21 +390,28 @@ def main(argv=None, score_batch=None):
              f"{args.grad_accum} micro-batches per step: each process needs one; start fewer "
              "processes or raise --grad-accum")
     if args.precompute_states:  # --expert-cache filled for every prompt the run reads, then exit
-        return precompute_states(args)
+        return precompute_states(build_run(args, pick_device(args.device)), args)
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support import plan
         return plan.main(args, world)
-    score_batch = score_batch or rewards.score_batch
-    run = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled (support/run.py)
+    return train(args, world, score_batch or rewards.score_batch)
+
+
+def train(args, world, score_batch, builder=None, step_fn=None):
+    """The run's life: checked and opened (support/run.py), built, resumed, its steps, finished.
+    A neighbour's script (neighbours/) passes its own g `builder` and `step_fn` (grpo_step's
+    signature, batches with .questions, .items, .texts, .r). Returns --out."""
+    life = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled, the device
     try:  # however the run ends, the lock on --out goes with it
         try:
-            run.update(build_run(args, run["device"]))
+            run = build_run(args, life.device, builder)
         except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
             fail(str(e))
+        run.life = life
         start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
+        bar, bad_steps = progress_bar(start, args, life.writer), 0
         for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)
+            rec, batches = (step_fn or grpo_step)(step, run, args, score_batch)
             sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
             b = batches[0]  # a few completions of the step's first prompt, with their rewards
             write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
@@ -448,7 +421,7 @@ def main(argv=None, score_batch=None):
         bar.close()
         return finish_run(run, args)  # lora_peft/, the plot, validation after training
     finally:
-        release_folders(run)
+        release_folders(life)
 
 
 if __name__ == "__main__":

@@ -46,7 +46,7 @@ EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-min
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
 TIS_CAP = 2.0  # ours_int8: --rollout-dtype int8 --tis-cap 2, the pocket preset's cap
-# support.run.step_metrics' sampler-policy gap
+# support.metrics.step_metrics' sampler-policy gap
 GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")
 CONTENDERS = ["single", "ours", "ours_int8", "ours_fast", "trl_default", "trl_no_gc", "floor"]
 IN_OURS = {"ours_int8": dict(rollout_dtype="int8"), "ours_fast": dict(rollout_dtype="int8", keep_activations=True)}
@@ -69,16 +69,16 @@ def phase_timers(run, times):
     import torch
     import rewards
     import rollout
-    from support import run as run_module  # step_metrics, which calls the probes of C, lives there
+    from support import metrics as run_module  # step_metrics, which calls the probes of C
     patched = []
     for owner, name, key in [
             (rollout, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
             (rollout, "completion_logprobs", lambda: "policy forward" if torch.is_grad_enabled() else "reference forward"),
             (rewards, "score_batch", "reward scoring"), (rewards, "build_prompt", "prompt + tokenise"),
-            (rollout, "encode_prompts", "prompt + tokenise"), (run["optimizer"], "step", "optimizer step"),
+            (rollout, "encode_prompts", "prompt + tokenise"), (run.optimizer, "step", "optimizer step"),
             (torch.nn.utils, "clip_grad_norm_", "grad clip"), (run_module, "context_probes", "probes of C")] + (
-            [] if run["pool"] is None else [
-            (run["pool"], "encode", "experts (frozen forwards)"), (run["method"].adapter, "forward", "adapter")]):
+            [] if run.pool is None else [
+            (run.pool, "encode", "experts (frozen forwards)"), (run.method.adapter, "forward", "adapter")]):
         def timed(*a, _f=getattr(owner, name), _key=key, **k):
             t0 = time.perf_counter()
             try:
@@ -106,7 +106,7 @@ def ours_worker(kind, o):
     args = train.parse_args(argv + ([] if kind == "single" else ["--experts", ",".join(EXPERTS[:o["n_experts"]])]))
     run = train.build_run(args, torch.device("cpu"))
     if not o["natural_eos"]:
-        run["eos_ids"] = [-1]  # never sampled: every completion runs the full T tokens (equal work, see docstring)
+        run.eos_ids = [-1]  # never sampled: every completion runs the full T tokens (equal work, see docstring)
     generation = timed(rollout, "sample")
 
     def step(cmd):
@@ -114,10 +114,10 @@ def ours_worker(kind, o):
         # --rollout-dtype per command: both rollouts alternate in one process; int8 with its TIS cap
         args.rollout_dtype = cmd.get("rollout_dtype", "float32")
         args.tis_cap = 0.0 if args.rollout_dtype == "float32" else TIS_CAP
-        run["policy"].recompute_mlps = not cmd.get("keep_activations", False)  # read by rollout.mlps_recomputed
+        run.policy.recompute_mlps = not cmd.get("keep_activations", False)  # read by rollout.mlps_recomputed
         generation["seconds"] = 0.0
-        if run["pool"] is not None:  # ours and ours_int8 share prompts: both pay the experts
-            run["pool"].cache.clear()
+        if run.pool is not None:  # ours and ours_int8 share prompts: both pay the experts
+            run.pool.cache.clear()
         with phase_timers(run, times) if cmd.get("profile") else contextlib.nullcontext():
             rec, _ = train.grpo_step(cmd["step"], run, args, rewards.score_batch)
         seconds = time.perf_counter() - t0

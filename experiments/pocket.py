@@ -47,13 +47,15 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+
+from baselines import METHODS, NEIGHBOURS, kind  # noqa: E402  what each method is: the runs' flags ask it
+
 TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}']
 # the prompt and generation budget: the same for training, the untrained baseline and every evaluation
 PROMPT = ["--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--max-new-tokens", "48"]
 
 LEVERS = ["--format-bonus", "0.1", "--dynamic-sampling", "1", "--rollout-dtype", "bfloat16", "--tis-cap", "2"]
-STATE_NORM_METHODS = {"ours", "identical", "no_xattn"}
-NEIGHBOURS = {"conductor", "rlae"}  # neighbours/NAME.py, not train.py --method NAME  # the methods with a fit_state_norm (baselines.py)
 
 
 def run(cmd, log):
@@ -79,7 +81,9 @@ def archive(run_dir, into):
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["single", "ours", "identical", "soft_prompt", "no_xattn",
-                                                    "hard_routing", "output_collab"], help="methods to compare")
+                                                    "hard_routing", "output_collab"],
+                   choices=sorted([*METHODS, *NEIGHBOURS]), metavar="METHOD", help="methods to compare: "
+                   f"{', '.join(sorted([*METHODS, *NEIGHBOURS]))}")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2, 3, 4], help="seeds per method")
     p.add_argument("--steps", type=int, default=15, help="GRPO steps per run (the first pocket table: 30)")
     p.add_argument("--lr", type=float, default=1e-3, help="learning rate of LoRA and g_phi (paper: 1e-4 over "
@@ -117,12 +121,12 @@ def main():
     extra = (LEVERS if a.levers else []) + a.train_flags.split()
     for method, seed, team, flags in jobs:
         out = os.path.join(a.out, f"{team}-{method}{'-random-reward' if flags else ''}-s{seed}")
-        has_context = method not in ("single", "output_collab", "conductor", "rlae")  # these have no C to pair
+        has_context = kind(method).tokens  # a method without context tokens has no C to pair
         if not os.path.exists(os.path.join(out, "eval_paired.json" if has_context else "eval.json")):
             resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []  # started before
             done = os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
-            norm = ["--state-norm", a.state_norm] if method in STATE_NORM_METHODS else []
-            # the neighbours are scripts of their own (neighbours/), which evaluate their runs too
+            norm = ["--state-norm", a.state_norm] if kind(method).state_norm else []
+            # the neighbours (neighbours/NAME.py, not train.py --method NAME) evaluate their runs too
             script = [f"neighbours/{method}.py"] if method in NEIGHBOURS else ["train.py", "--method", method]
             scorer = [f"neighbours/{method}.py", "evaluate"] if method in NEIGHBOURS else ["evaluate.py"]
             if not done:

@@ -145,7 +145,7 @@ def train_worker(folder, o):
         clock += time.perf_counter() - t0
         with open(os.path.join(folder, "metrics.jsonl"), "a") as f:
             f.write(json.dumps({**rec, "clock": clock}) + "\n")
-        if due(step + 1) and validate(step + 1, clock, run["policy"], run["tok"], run["method"], run["eos_ids"]):
+        if due(step + 1) and validate(step + 1, clock, run.policy, run.tok, run.method, run.eos_ids):
             break
         if clock > o["max_seconds"]:
             break

@@ -22,10 +22,10 @@ The workers run in order; the last worker's answer is the workflow's output. Rew
 Here the conductor is the same LoRA policy every other method trains, and the workers are the team's frozen
 generative experts (an encoder has no words to give, so it cannot be a worker). The policy's completion is the
 workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
-grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own loop, as cleanrl
-keeps one file per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main
-runs its own loop (support/run.py's helpers around it: checkpoints, --resume and --eval-items). No
-torchrun: one process. evaluate.py calls Conductor.answer.
+grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own step, one file
+per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main hands it and
+this script's g to train.train, train.py's run (checks, checkpoints, --resume, --eval-items). No torchrun:
+one process. evaluate.py calls Conductor.answer.
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
 it knows brackets, commas, integers and quoted strings and nothing else. Nothing the model writes is ever
@@ -82,6 +82,7 @@ import itertools
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -90,18 +91,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import grpo  # noqa: E402
 import rewards  # noqa: E402
+import train  # noqa: E402
 import rollout  # noqa: E402
 from adapter import routing_stats  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import frozen_dtype, is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support import distributed  # noqa: E402
-from support.config import COUNT, build_parser, fail, parse, refuse_train_levers  # noqa: E402
-from support.build import attach_lora, load_policy_and_data  # noqa: E402
-from support.checkpoint import sigkill_hook  # noqa: E402
-from support.optim import clip_gradients, set_learning_rates  # noqa: E402
-from support.run import after_step, finish_run, open_run, progress_bar, release_folders  # noqa: E402
-from support.run import resume_run, step_if_finite, wall_clock, write_samples  # noqa: E402
+from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
+from support.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
+from support.metrics import wall_clock  # noqa: E402
 from support.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
 from support.validation import score_items, validation_items  # noqa: E402
 
@@ -483,18 +482,18 @@ def conductor(team, out_dim, args, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step, and the loop
+# One GRPO step (train.train runs the loop)
 
 
 def grpo_step(step, run, args, score_batch):
     """rollout (workflow text) -> workers -> reward -> advantage -> (reference) -> loss -> step -> log."""
-    cond, policy, tok, optimizer = run["method"], run["policy"], run["tok"], run["optimizer"]
-    G, device, eos_ids, K, t0 = args.group_size, run["device"], run["eos_ids"], len(cond.workers), time.time()
+    cond, policy, tok, optimizer = run.method, run.policy, run.tok, run.optimizer
+    G, device, eos_ids, K, t0 = args.group_size, run.device, run.eos_ids, len(cond.workers), time.time()
     set_learning_rates(optimizer, step, args)                     # --lr-schedule, --warmup-steps
     batches = []
     for micro in range(args.grad_accum):
-        items = [run["train_items"][i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                              len(run["train_items"]), args.seed)]
+        items = [run.train_items[i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                              len(run.train_items), args.seed)]
         questions = [it["question"] for it in items]
         # ---- rollout: G workflows per question, written by the policy --------------------------------------
         ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, cond.max_steps) for q in questions],
@@ -568,20 +567,22 @@ def grpo_step(step, run, args, score_batch):
         rec["utilization_names"] = cond.names
     # seconds, and tokens_per_s over the workflow tokens the policy wrote (the workers' answers not counted)
     rec.update(wall_clock(t0, sum(int(b["comp_mask"].sum()) for b in batches)))
-    return rec, batches
+    return rec, [SimpleNamespace(**b) for b in batches]  # train.train reads .questions, .items, ...
 
 
 def parse_args(argv=None):
     """train.py's flags (support/config.py), --method conductor, and the conductor's own."""
     p = build_parser(methods=["conductor"], description=__doc__.strip().splitlines()[0])
     p.set_defaults(beta=0.0)  # the paper trains without KL (deviation 5)
-    p.add_argument("--max-workflow-steps", type=COUNT, default=2, help="most steps a workflow may have "
-                   "(paper: 5; 2 keeps a CPU step affordable)")
-    p.add_argument("--workflow-decoding", default="constrained", choices=["constrained", "free"],
-                   help="constrained: the workflow is sampled under its grammar (llguidance, "
-                   "requirements-conductor.txt), so every workflow parses; free: plain sampling (the paper's)")
-    p.add_argument("--max-subtask-chars", type=COUNT, default=40, help="longest subtask string, in characters, "
-                   f"under constrained decoding (at most {MAX_STRING}, the parser's limit)")
+    a = p.add_argument_group("the conductor's own", "the workflow it writes: how many steps, how it is "
+                             "decoded").add_argument
+    a("--max-workflow-steps", type=COUNT, default=2, help="most steps a workflow may have "
+      "(paper: 5; 2 keeps a CPU step affordable)")
+    a("--workflow-decoding", default="constrained", choices=["constrained", "free"],
+      help="constrained: the workflow is sampled under its grammar (llguidance, "
+      "requirements-conductor.txt), so every workflow parses; free: plain sampling (the paper's)")
+    a("--max-subtask-chars", type=COUNT, default=40, help="longest subtask string, in characters, "
+      f"under constrained decoding (at most {MAX_STRING}, the parser's limit)")
     args = parse(p, argv)
     if args.max_subtask_chars > MAX_STRING:
         p.error(f"--max-subtask-chars {args.max_subtask_chars} is above the parser's limit of {MAX_STRING}")
@@ -596,36 +597,16 @@ def main(argv=None, score_batch=None):
     if argv[:1] == ["evaluate"]:
         return evaluate_main(argv[1:])
     args = parse_args(argv)
-    score_batch, world = score_batch or rewards.score_batch, distributed.ONE
-    run = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled (support/run.py)
-    try:  # however the run ends, the lock on --out goes with it
-        try:
-            run.update(build_run(args, run["device"]))
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
-        for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)
-            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
-            b = batches[0]  # a few completions of the step's first prompt, with their rewards
-            write_samples(run, args, step, b["questions"][0], b["items"][0].get("answer"), b["texts"], b["r"])
-            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, the plot, validation after training
-    finally:
-        release_folders(run)
+    # train.py's run (support/run.py's checks, resume, logs, checkpoints, end) with this script's g and step
+    return train.train(args, distributed.ONE, score_batch or rewards.score_batch, builder=build_conductor,
+                       step_fn=grpo_step)
 
 
-def build_run(args, device):
-    """The frozen policy and the data, this script's g, then LoRA and the optimiser (support/build.py)."""
+def build_conductor(team, out_dim, args, device, dtype):
+    """This script's g, for train.build_run (which loads the policy and data before and adds LoRA after)."""
     if args.state_norm == "standardize":
         raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to standardise")
-    parts = load_policy_and_data(args, device)
-    method = conductor(parts["team"], parts["policy"].config.hidden_size, args, device, parts["dtype"])
-    return attach_lora(parts, method, args)
-
+    return conductor(team, out_dim, args, device, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -56,14 +56,15 @@ the policy itself, without the Dirichlet's sampling noise; exactly 1/K before th
 agent_weights_by_source (the same per item type: the reasoning-gym source dataset), entropy (mean entropy of the
 drawn weights) and concentration (mean sum of alpha at the first span).
 
-This file is a script with its own loop, as cleanrl keeps one file per algorithm: grpo_step below is GRPO on
-the agent's span decisions, and main runs its own loop (support/run.py's helpers around it: checkpoints,
---resume and --eval-items). No torchrun: one process. Its `evaluate` (evaluate_main) scores a run with RLAE.answer.
+This file is a script with its own step, one file per algorithm: grpo_step below is GRPO on the agent's span
+decisions, and main hands it and this script's g to train.train, train.py's run (checks, checkpoints,
+--resume, --eval-items). No torchrun: one process. Its `evaluate` (evaluate_main) scores a run with RLAE.answer.
 """
 import math
 import os
 import sys
 import time
+from types import SimpleNamespace
 
 import torch
 import torch.nn as nn
@@ -72,18 +73,16 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import grpo  # noqa: E402
 import rewards  # noqa: E402
+import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, frozen_dtype, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, prefill_shared  # noqa: E402
 from support import distributed  # noqa: E402
 from support.kv_cache import cache_kwargs  # noqa: E402
-from support.config import COUNT, build_parser, fail, parse, refuse_train_levers  # noqa: E402
-from support.build import attach_lora, load_policy_and_data  # noqa: E402
-from support.checkpoint import sigkill_hook  # noqa: E402
-from support.optim import clip_gradients, set_learning_rates  # noqa: E402
-from support.run import after_step, finish_run, open_run, progress_bar, release_folders  # noqa: E402
-from support.run import resume_run, step_if_finite, wall_clock, write_samples  # noqa: E402
+from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
+from support.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
+from support.metrics import wall_clock  # noqa: E402
 from support.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
 from support.validation import score_items, validation_items  # noqa: E402
 
@@ -353,17 +352,17 @@ def rlae(team, out_dim, args, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step, and the loop
+# One GRPO step (train.train runs the loop)
 
 
 def grpo_step(step, run, args, score_batch):
     """rollout (G weight trajectories per question) -> reward -> advantage -> loss on the agent -> step -> log."""
-    ens, optimizer, G, device, t0 = run["method"], run["optimizer"], args.group_size, run["device"], time.time()
+    ens, optimizer, G, device, t0 = run.method, run.optimizer, args.group_size, run.device, time.time()
     set_learning_rates(optimizer, step, args)                                    # --lr-schedule
     batches = []
     for micro in range(args.grad_accum):
-        items = [run["train_items"][i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                              len(run["train_items"]), args.seed)]
+        items = [run.train_items[i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                              len(run.train_items), args.seed)]
         questions = [it["question"] for it in items]
         texts, traj = ens.decode(questions, G, args.temperature)                       # ---- rollout
         if args.reward == "random":                                                     # ---- reward
@@ -415,7 +414,7 @@ def grpo_step(step, run, args, score_batch):
            "skipped_update": not finite}
     # seconds, and tokens_per_s over the units of the union vocabulary the ensemble wrote
     rec.update(wall_clock(t0, int(sum(b["traj"]["length"].sum() for b in batches))))
-    return rec, batches
+    return rec, [SimpleNamespace(**b) for b in batches]  # train.train reads .questions, .items, ...
 
 
 def item_source(item, task):
@@ -426,8 +425,8 @@ def item_source(item, task):
 def parse_args(argv=None):
     """train.py's flags (support/config.py), --method rlae, and RLAE's own; --reward random is the control."""
     p = build_parser(methods=["rlae"], description=__doc__.strip().splitlines()[0])
-    p.add_argument("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions "
-                   "(paper: L = 8)")
+    a = p.add_argument_group("RLAE's own", "the agent's decisions during decoding").add_argument
+    a("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions (paper: L = 8)")
     args = parse(p, argv)
     return refuse_train_levers(p, args, rewards=("task", "exact", "random"))
 
@@ -438,36 +437,16 @@ def main(argv=None, score_batch=None):
     if argv[:1] == ["evaluate"]:
         return evaluate_main(argv[1:])
     args = parse_args(argv)
-    score_batch, world = score_batch or rewards.score_batch, distributed.ONE
-    run = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled (support/run.py)
-    try:  # however the run ends, the lock on --out goes with it
-        try:
-            run.update(build_run(args, run["device"]))
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, run["writer"]), 0
-        for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)
-            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
-            b = batches[0]  # a few completions of the step's first prompt, with their rewards
-            write_samples(run, args, step, b["questions"][0], b["items"][0].get("answer"), b["texts"], b["r"])
-            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, the plot, validation after training
-    finally:
-        release_folders(run)
+    # train.py's run (support/run.py's checks, resume, logs, checkpoints, end) with this script's g and step
+    return train.train(args, distributed.ONE, score_batch or rewards.score_batch, builder=build_rlae,
+                       step_fn=grpo_step)
 
 
-def build_run(args, device):
-    """The frozen policy and the data, this script's g, then LoRA and the optimiser (support/build.py)."""
+def build_rlae(team, out_dim, args, device, dtype):
+    """This script's g, for train.build_run (which loads the policy and data before and adds LoRA after)."""
     if args.state_norm == "standardize":
         raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to standardise")
-    parts = load_policy_and_data(args, device)
-    method = rlae(parts["team"], parts["policy"].config.hidden_size, args, device, parts["dtype"])
-    return attach_lora(parts, method, args)
-
+    return rlae(team, out_dim, args, device, dtype)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -1,6 +1,6 @@
 """
 The rollout's micro-batch: what train.grpo_step builds for each of its --grad-accum micro-batches and what the
-loss, support/run.step_metrics and the samples log read. A named contract instead of a dict of strings: each
+loss, support/metrics.step_metrics and the samples log read. A named contract instead of a dict of strings: each
 field's shape is written beside it (B prompts, G samples each, N = B*G completions, P prompt tokens, T completion
 tokens, m context tokens of width D).
 

@@ -1,12 +1,10 @@
 """
-The two halves of building a run around its context builder g, shared by train.py and the neighbours'
-scripts. Each script builds its own g between them (train.py: baselines.METHODS[--method]; a neighbour:
-its own class), so no function here takes a builder:
+The two halves of building a run around its context builder g (train.build_run, which the neighbours'
+scripts call with their own g):
 
     parts = load_policy_and_data(args, device)                        # team, policy, tokenizer, items
-    method = METHODS[args.method](parts["team"], parts["policy"].config.hidden_size, args, device,
-                                  parts["dtype"])
-    run = attach_lora(parts, method, args)                              # LoRA, optimiser: the run dict
+    g = builder(parts["team"], parts["policy"].config.hidden_size, args, device, parts["dtype"])
+    optimizer = attach_lora(parts["policy"], parts["tok"], g, args)   # g's anchor, LoRA, the optimiser
 
 The order is the seeded one (the policy, then g's initialisation, then LoRA's A), so a run's numbers do
 not depend on which script built it. Nothing here is in the paper beyond LoRA itself (lora.py).
@@ -19,11 +17,10 @@ import numpy as np
 import torch
 
 import rewards
-import rollout
 from adapter import anchor_context
 from experts import frozen_dtype, load_model, team_models
 from lora import apply_lora
-from support import distributed
+from support.config import fail
 from support.optim import make_optimizer
 
 
@@ -40,10 +37,9 @@ def load_policy_and_data(args, device):
     return dict(team=team, train_items=train_items, dtype=dtype, policy=policy, tok=tok, device=device)
 
 
-def attach_lora(parts, method, args):
-    """After g is built (and, with --state-norm, fitted): g's anchor, LoRA on the policy, the optimiser.
-    Returns the run dict every step reads."""
-    policy, tok = parts["policy"], parts["tok"]
+def attach_lora(policy, tok, method, args):
+    """After g is built (and, with --state-norm, fitted): g's anchor, LoRA on the policy, the
+    optimiser over both. Returns the optimiser."""
     anchor_context(method, policy, tok, args)
     apply_lora(policy, args.lora_rank, args.lora_alpha)
     if args.freeze_policy:
@@ -51,9 +47,30 @@ def attach_lora(parts, method, args):
             p.requires_grad_(False)
     policy.train()  # no dropout in these models; train() only marks intent
     policy.recompute_mlps = not args.keep_activations  # read by rollout.mlps_recomputed
-    optimizer = make_optimizer(policy, method, args)
-    embed_rms = policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item()
-    return dict(team=parts["team"], policy=policy, tok=tok, method=method, optimizer=optimizer,
-                train_items=parts["train_items"], eos_ids=rollout.eos_token_ids(policy, tok),
-                device=parts["device"], pool=getattr(method, "pool", None), embed_rms=embed_rms,
-                world=distributed.ONE)
+    return make_optimizer(policy, method, args)
+
+
+def precompute_states(run, args):
+    """--precompute-states: the experts' pooled states of every prompt the run will read (its
+    steps' training items, its --eval-items validation items, the --state-norm calibration
+    prompts) into --expert-cache, then exit. The run itself, started without this flag, then
+    never loads the experts (experts.ExpertPool reads the store): on a GPU, their memory (23 GB
+    for the default team in bfloat16) goes to the policy's rollout instead. `run` is train.build_run's."""
+    pool = run.pool
+    if pool is None or not args.expert_cache:
+        fail(f"--precompute-states: --method {args.method} with --expert-cache DIR: a method that reads "
+             "experts, and where to keep their states")
+    items = run.train_items
+    picks = sorted({i for step in range(args.steps) for micro in range(args.grad_accum)
+                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                   len(items), args.seed)})
+    questions = [items[i] for i in picks]
+    if args.eval_items:
+        val = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
+                                   args.task_config)
+        questions += [val[i] for i in range(min(args.eval_items, len(val)))]
+    for s in range(0, len(questions), 64):
+        chunk = questions[s:s + 64]
+        pool.encode([it["question"] for it in chunk], answers=[it["answer"] for it in chunk])
+    print(f"--precompute-states: {len(questions)} prompts x {len(pool)} experts in {args.expert_cache}")
+    return args.expert_cache

@@ -3,7 +3,7 @@ The configuration of a training run: every train.py flag, its default (the paper
 otherwise), its type check and the checks between flags; the presets; and the one-line error every bad input
 gets.
 
-    python train.py --help                                    # every flag, with its default and help
+    python train.py --help              # every flag with its default: the paper's settings, levers, the run
     python -c "from support.config import parse_args; print(vars(parse_args(['--preset', 'pocket'])))"
 
 One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is
@@ -23,11 +23,12 @@ import os
 import re
 import shlex
 import sys
+import textwrap
 
 import torch
 
 import rewards
-from baselines import METHODS, WITHOUT_TEAM_EXPERTS
+from baselines import METHODS, NEIGHBOURS, kind
 from experts import POOLINGS, TEAMS, team_models
 from support import distributed
 from support.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume
@@ -82,17 +83,24 @@ PRESETS = {
               "batch_size": 2, "grad_accum": 1, "group_size": 4, "max_new_tokens": 16, "steps": 3,
               "eval_items": 8, "out": "runs/smoke"},
 }
-NEIGHBOURS = ("conductor", "rlae")  # neighbours/NAME.py, not train.py --method NAME
 # a negative number, exponent and all, is a flag's value ("--lr -1e-3"), never an option
 NEGATIVE_NUMBER = re.compile(r"^-(\d+\.?\d*|\.\d+)([eE][-+]?\d+)?$|^-(inf|nan)$", re.IGNORECASE)
 
 
-class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawTextHelpFormatter):
-    """--help: each flag's help as written, with its default, once: a help that already says its default
-    ("(default 500; ...)") gets none appended, nor does an unset flag (None) or an off switch (False)."""
+HELP_WIDTH = 100  # columns of --help, whatever the terminal's width ($COLUMNS): the same text everywhere
+USAGE = "%(prog)s [-h] [--preset NAME] [--FLAG VALUE ...]"  # the flags are listed below it, by group
+
+
+class HelpFormatter(argparse.ArgumentDefaultsHelpFormatter, argparse.RawDescriptionHelpFormatter):
+    """--help in HELP_WIDTH columns: each flag's help wrapped, with its default, once: a help that already says
+    its default ("(default 500; ...)") gets none appended, nor does an unset flag (None, "") or an off switch
+    (False). The description, the groups' descriptions and the presets (the epilog) keep their lines."""
+
+    def __init__(self, prog):
+        super().__init__(prog, width=HELP_WIDTH)
 
     def _get_help_string(self, action):
-        if "(default" in (action.help or "") or action.default in (None, False):
+        if "(default" in (action.help or "") or action.default in (None, False, ""):
             return action.help
         return super()._get_help_string(action)
 
@@ -110,11 +118,19 @@ class ArgumentParser(argparse.ArgumentParser):
 
 
 def presets_help():
+    """--help's epilog: each preset as the flags it sets, its lines broken between two flags (never inside a
+    quoted value) to fit HELP_WIDTH."""
     lines = ["presets (--preset NAME sets these flags; a flag given beside it wins):"]
     for name, values in PRESETS.items():
-        flags = " ".join(f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(v)}" if isinstance(v, str)
-                                                       else f" {v}") for k, v in values.items())
-        lines.append(f"  {name}: {flags}")
+        line = f"  {name}:"
+        for k, v in values.items():
+            flag = f"--{k.replace('_', '-')}" + ("" if v is True else f" {shlex.quote(v)}" if isinstance(v, str)
+                                                 else f" {v}")
+            if len(line) + 1 + len(flag) > HELP_WIDTH:
+                lines.append(line)
+                line = "   "
+            line += f" {flag}"
+        lines.append(line)
     return "\n".join(lines)
 
 
@@ -206,14 +222,20 @@ def replayed_value(action, value, path):
 
 
 def build_parser(methods=METHODS, description=DESCRIPTION):
-    """Every training flag. `methods`: --method's choices, the first the default (a neighbour script passes
-    its own one)."""
-    p = ArgumentParser(description=description, formatter_class=HelpFormatter, epilog=presets_help())
-    a = p.add_argument
-    a("--preset", default=None, choices=sorted(PRESETS), help="a plain dict of flag values (below); flags "
-      "given beside it override it")
+    """Every training flag, in --help's three groups: the paper's settings, the levers that are not the paper's,
+    the run. `methods`: --method's choices, the first the default (a neighbour script passes its own one, and
+    adds its own flags in a group of its own)."""
+    p = ArgumentParser(description=textwrap.fill(description, HELP_WIDTH), usage=USAGE,
+                       formatter_class=HelpFormatter, epilog=presets_help())
+    a = p.add_argument_group("the paper's settings", "the task, the team, the method and the hyper-parameters "
+                             "the paper fixes, at its values").add_argument
     a("--task", default="arithmetic",
       help="a family (arithmetic, algorithmic, logic), gsm8k, or any reasoning-gym dataset name")
+    a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
+      "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
+    a("--dataset-size", type=SPLIT_SIZE, default=20000, help="reasoning-gym items per split (paper: 20000)")
+    a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
+      help="reasoning-gym system prompt")
     a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
     a("--method", default=list(methods)[0], choices=sorted(methods),
       help="how experts reach the policy (baselines.py)")
@@ -227,18 +249,32 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--temperature", type=POSITIVE, default=1.0, help="sampling temperature (log-probs use the same)")
     a("--lr", type=POSITIVE, default=1e-4, help="learning rate of the LoRA policy")
     a("--router-lr", type=POSITIVE, default=1e-4, help="learning rate of the adapter / router g_phi")
-    a("--lr-schedule", default="constant", choices=["constant", "cosine"], help="constant (paper) or cosine "
-      "decay to 0 at --steps; both after --warmup-steps of linear warm-up")
-    a("--warmup-steps", type=number(int, 0), default=0, help="linear learning-rate warm-up, in optimiser steps")
     a("--weight-decay", type=NONNEG, default=1e-2, help="AdamW weight decay")
     a("--adam-eps", type=POSITIVE, default=1e-6, help="AdamW epsilon")
     a("--grad-clip", type=POSITIVE, default=1.0, help="max global gradient norm")
-    a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
-      "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
     a("--beta", type=NONNEG, default=0.04, help="KL coefficient beta (Eq. 4)")
     a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
     a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
     a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
+    a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
+    a("--lora-alpha", type=POSITIVE, default=16.0, help="LoRA alpha (scaling alpha / r)")
+    a("--latent-dim", type=COUNT, default=512, help="adapter latent width d")
+    a("--num-latents", type=COUNT, default=8, help="m: number of latent queries = context tokens")
+    a("--num-heads", type=COUNT, default=8, help="cross-attention heads")
+    a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
+    a("--expert-depth", type=number(float, 0, low_ok=False), default=1.0, help="pool the output of the block at this "
+      "fraction of each expert's depth, in (0, 1] (paper: 1, the final layer); e.g. 0.5 for a middle layer")
+    a("--context-position", default="after", choices=["after", "before"],
+      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
+    a("--seed", type=number(int, 0, high=2**32 - 1, why_high=" (numpy's seeds are 32-bit)"), default=0,
+      help="seed for data order, sampling and initialisation")
+    a = p.add_argument_group("levers", "not the paper's, off by default: each changes the algorithm or how a step "
+                             "computes it").add_argument
+    a("--lr-schedule", default="constant", choices=["constant", "cosine"], help="constant (paper) or cosine "
+      "decay to 0 at --steps; both after --warmup-steps of linear warm-up")
+    a("--warmup-steps", type=number(int, 0), default=0, help="linear learning-rate warm-up, in optimiser steps")
+    a("--clip-per-group", action="store_true", help="clip LoRA's and g_phi's gradients to --grad-clip each, not "
+      "jointly: with one global norm, a large adapter gradient (W_out's) shrinks LoRA's step too")
     a("--no-scale-rewards", action="store_true", help="advantage = r - mean (no division by the group std)")
     a("--channel-weight", type=NONNEG, default=0.0, help="not the paper's: lambda of the channel-forcing term, "
       "which raises log pi(y | x, C(x)) above log pi(y | x, C(x')) on completions with A > 0 (grpo.py; 0: off)")
@@ -254,14 +290,28 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--dynamic-sampling", type=number(int, 0), default=0, help="re-draw a group whose G rewards are all equal "
       "up to N times; the surrogate then averages over the groups with reward variance, the KL over every group "
       "(DAPO's dynamic sampling, grpo.signal_scale; 0: off, the paper)")
+    a("--state-norm", default="none", choices=["none", "standardize"], help="standardise each expert's pooled "
+      "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
+    a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
+    a("--context-anchor", default="zero", choices=["zero", "newline"], help="what each context token starts "
+      "from: zero (Eq. 11; a step-1 jump through the policy's RMSNorm) or the policy's embedding of a newline, "
+      "around which a small C is a small change (adapter.py, deviation 4)")
+    a("--context-split", default="", help="a deviation: C goes in front of this ending of --response-prefix "
+      "instead of after the whole prompt, e.g. --response-prefix '<think></think>\\n<answer>' --context-split "
+      "'</think>\\n<answer>' puts C inside the empty reasoning block (the mechanism test's slot); its tokens "
+      "are encoded on their own, for every method alike (rollout.encode_prompts; '': off)")
+    a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
+    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies); the "
+      "scorers read it with the completion, so a prefix that ends by opening the answer block ('<answer>') "
+      "makes answer-only completions (rewards.responses)")
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
       help="the rollout's matmuls on a copy of the weights in this dtype "
       "(support/low_precision.py; int8: CPU only); the scoring pass stays as it is")
-    a("--rollout-batch", type=number(int, 0), default=0, help="micro-batches sampled in one decode loop (0: the "
-      "whole step's, one loop; lower it if the rollout's KV cache does not fit: --plan counts it)")
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
       "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
       "(grpo.truncated_is_weights; 0: off)")
+    a("--rollout-batch", type=number(int, 0), default=0, help="micro-batches sampled in one decode loop (0: the "
+      "whole step's, one loop; lower it if the rollout's KV cache does not fit: --plan counts it)")
     a("--keep-activations", action="store_true", help="keep the MLPs' activations for the backward pass "
       "instead of computing them again there (rollout.mlps_recomputed): the same numbers, ~10 %% faster steps "
       "and ~1.1 GB more peak memory on the pocket policy")
@@ -269,85 +319,61 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "(support/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "
       "own, which copies keys and values once per query head whenever a mask is passed) or auto: grouped on CUDA "
       "for a policy with grouped key/value heads, else the model's own (on a CPU the numbers stay bit for bit)")
-    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
-      "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
-    a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
-    a("--lora-alpha", type=POSITIVE, default=16.0, help="LoRA alpha (scaling alpha / r)")
-    a("--latent-dim", type=COUNT, default=512, help="adapter latent width d")
-    a("--num-latents", type=COUNT, default=8, help="m: number of latent queries = context tokens")
-    a("--num-heads", type=COUNT, default=8, help="cross-attention heads")
-    a("--pooling", default="last", choices=POOLINGS, help="expert hidden-state pooling (paper Table 2)")
-    a("--expert-depth", type=number(float, 0, low_ok=False), default=1.0, help="pool the output of the block at this "
-      "fraction of each expert's depth, in (0, 1] (paper: 1, the final layer); e.g. 0.5 for a middle layer")
-    a("--state-norm", default="none", choices=["none", "standardize"], help="standardise each expert's pooled "
-      "states per dimension, with statistics from --state-norm-prompts training prompts (ours, identical, no_xattn)")
-    a("--state-norm-prompts", type=COUNT, default=256, help="training prompts the --state-norm statistics come from")
-    a("--context-anchor", default="zero", choices=["zero", "newline"], help="what each context token starts "
-      "from: zero (Eq. 11; a step-1 jump through the policy's RMSNorm) or the policy's embedding of a newline, "
-      "around which a small C is a small change (adapter.py, deviation 4)")
-    a("--context-position", default="after", choices=["after", "before"],
-      help="[x || C] (Eq. 3) or [x_0 || C || x_1..] (in front, behind the first token: rollout.policy_inputs)")
-    a("--context-split", default="", help="a deviation: C goes in front of this ending of --response-prefix "
-      "instead of after the whole prompt, e.g. --response-prefix '<think></think>\\n<answer>' --context-split "
-      "'</think>\\n<answer>' puts C inside the empty reasoning block (the mechanism test's slot); its tokens "
-      "are encoded on their own, for every method alike (rollout.encode_prompts; '': off)")
     a("--no-shared-prefix", action="store_true", help="run every prompt whole in every pass, instead of the "
       "beginning all of a step's prompts share once (rollout.prefill; the same function, another order of sums)")
-    a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
-      help="reasoning-gym system prompt")
-    a("--worked-example", action="store_true", help="add one worked example to the system prompt (small policies)")
-    a("--response-prefix", default="", help="text the response starts with, e.g. '<think>' (small policies); the "
-      "scorers read it with the completion, so a prefix that ends by opening the answer block ('<answer>') "
-      "makes answer-only completions (rewards.responses)")
-    a("--dataset-size", type=SPLIT_SIZE, default=20000, help="reasoning-gym items per split (paper: 20000)")
-    a("--task-config", default=None, help="JSON overriding a single dataset's reasoning-gym config, e.g. "
-      "'{\"min_terms\": 2, \"max_terms\": 2, \"max_digits\": 2}' with --task chain_sum")
-    a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
-    a("--seed", type=number(int, 0, high=2**32 - 1, why_high=" (numpy's seeds are 32-bit)"), default=0,
-      help="seed for data order, sampling and initialisation")
-    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
-      "process takes cuda:LOCAL_RANK)")
-    a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
-      "their pooled states move to the policy's device")
-    a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
-      "prompt: runs and evaluations that name the same folder compute each state once (support/state_store.py)")
-    a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
-      "(support/shape_models.py): the paper's code path at full size with no download, for memory and speed "
-      "checks only (it learns nothing useful)")
-    a("--deterministic", action="store_true", help="deterministic CUDA kernels (strict "
-      "torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): on a GPU, --resume and N processes then "
-      "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
-      "slower. CPU runs are deterministic without it")
-    a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
-      "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
-    a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
-      "nothing downloaded or allocated) and exit without writing (support/plan.py)")
-    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
-    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    a = p.add_argument_group("the run", "where it runs, what it reads and writes, how it resumes; --preset and "
+                             "--config fill in the flags").add_argument
+    a("--preset", default=None, choices=sorted(PRESETS), help="a plain dict of flag values (below); flags "
+      "given beside it override it")
     a("--config", default=None, metavar="RUN/config.json", help="replay a run: every flag value its config.json "
       "holds (checked as on the command line); a flag given beside it wins. Not replayed: --out (required: a "
       "new folder), --resume (add it to continue a run instead) and --config; a flag newer than the file takes "
       "its default; a switch the file turns on can only be turned off in the file. Not with --preset (the file "
       "holds its values)")
+    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
+    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")
-    a("--track", default="none", choices=["none", *BACKENDS], help="live tracking of each step's metrics.jsonl "
-      "record (support/track.py): tensorboard writes OUT/tensorboard/; trackio and wandb log to the project "
-      "n-musketeers, the run named after --out's folder. Its library is imported only when named here")
     a("--eval-items", type=number(int, 0, high=rewards.MAX_DATASET_SIZE), default=0, help="score N validation "
       "items (greedy, the task's scorer) before the first step and after the last, and print both on one line "
       "(0: off)")
+    a("--track", default="none", choices=["none", *BACKENDS], help="live tracking of each step's metrics.jsonl "
+      "record (support/track.py): tensorboard writes OUT/tensorboard/; trackio and wandb log to the project "
+      "n-musketeers, the run named after --out's folder. Its library is imported only when named here")
+    a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
+    a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
+      "process takes cuda:LOCAL_RANK)")
+    a("--expert-device", default=None, help="where the frozen experts run, e.g. cuda:1 or cpu (default: --device); "
+      "their pooled states move to the policy's device")
+    a("--dtype", default="auto", choices=["auto", "float32", "bfloat16"], help="dtype of the frozen weights "
+      "(auto: bfloat16 on CUDA, float32 elsewhere); LoRA, g_phi and their optimiser state are always float32")
+    a("--deterministic", action="store_true", help="deterministic CUDA kernels (strict "
+      "torch.use_deterministic_algorithms, CUBLAS_WORKSPACE_CONFIG): on a GPU, --resume and N processes then "
+      "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
+      "slower. CPU runs are deterministic without it")
+    a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
+      "prompt: runs and evaluations that name the same folder compute each state once (support/state_store.py)")
+    a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
+      "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
+    a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
+      "(support/shape_models.py): the paper's code path at full size with no download, for memory and speed "
+      "checks only (it learns nothing useful)")
+    a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
+      "nothing downloaded or allocated) and exit without writing (support/plan.py)")
     return p
 
 
 def check_args(p, args):
-    """The checks between flags; a bad value exits (code 2) with one line naming its flag."""
+    """The checks between flags; a bad value exits (code 2) with one line naming its flag. What the method is
+    comes from its declaration (baselines.Kind), so a method registered in METHODS is checked as the paper's are."""
+    if (declared := kind(args.method)) is None:
+        p.error(f"--method {args.method}: its builder declares nothing; give it `.kind = baselines.Kind(...)`")
     checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
               (args.latent_dim % args.num_heads == 0,
                f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
               (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
-              (not args.channel_weight or args.method not in ("single", "output_collab", "conductor", "rlae"),
+              (not args.channel_weight or declared.tokens,
                f"--channel-weight: --method {args.method} has no context tokens to contrast"),
               (not args.channel_weight or args.batch_size >= 2,
                "--channel-weight contrasts a prompt's C with another prompt's: --batch-size must be >= 2"),
@@ -385,8 +411,10 @@ def check_args(p, args):
                f"({args.response_prefix!r}), with --context-position after"),
               (args.out != "", "--out needs a folder, got ''"),
               (args.expert_cache != "", "--expert-cache needs a folder, got ''"),
-              (not (args.experts and args.method == "single"), "--experts is not used by --method single"),
-              (args.context_anchor == "zero" or args.method not in ("single", "output_collab", "conductor", "rlae"),
+              (not args.experts or declared.experts == "team", f"--experts is not used by --method {args.method}"),
+              (args.state_norm == "none" or declared.state_norm,
+               f"--state-norm {args.state_norm}: --method {args.method} has no expert states to standardise"),
+              (args.context_anchor == "zero" or declared.tokens,
                f"--context-anchor newline: --method {args.method} has no context tokens to anchor")]
     for ok, msg in checks:
         if not ok:
@@ -592,9 +620,9 @@ def check_run(args, world, config_path):
         rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, args.data_path)
     team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
     models = [(team["policy"], "--policy" if args.policy else by_team)]
-    if args.method not in WITHOUT_TEAM_EXPERTS:
+    if kind(args.method).experts == "team":  # identical's only expert is the policy itself
         models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
-    if args.method in ("hard_routing", "rlae"):  # their sentence encoder
+    if kind(args.method).router:  # hard routing's and RLAE's sentence encoder
         models.append((team["router"], by_team))
     check_models(models)
     if args.expert_device:

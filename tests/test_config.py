@@ -1,5 +1,6 @@
 """support/config.py: a preset is a plain dict of flag values that explicit flags override, and config.json
-records the resolved values; --help shows every default and the presets; a negative number is a flag's value
+records the resolved values; --help shows every default and the presets, each flag once in its group, in 100
+columns; a negative number is a flag's value
 (accepted where the flag's type allows it, refused with the flag's own message where it does not); --config
 replays a run's config.json to the same metrics, a flag beside it wins, and a bad file is one line and exit code 2
 before anything is written."""
@@ -66,6 +67,52 @@ def test_help_shows_every_default_and_the_presets(capsys):
     assert e.value.code == 0
     assert "(default: 0.0001)" in out and "(default: 0.04)" in out and "(default: ours)" in out
     assert "pocket: --task chain_sum" in out and "--out runs/pocket-first" in out and "smoke:" in out
+
+
+def help_sections(parse_args_of_script, capsys):
+    """A script's --help as [(group title, [its flags' option strings])], in the order printed, and its lines."""
+    with pytest.raises(SystemExit) as e:
+        parse_args_of_script(["--help"])
+    assert e.value.code == 0
+    lines, sections = capsys.readouterr().out.splitlines(), []
+    for line in lines:
+        if re.fullmatch(r"\S[^()]*:", line):  # a group's title ("the run:"; not the presets' line, nor usage)
+            sections.append((line[:-1], []))
+        elif m := re.match(r"  (-[-\w]+(, -[-\w]+)*)", line):  # a flag's first line: "  --lr LR   help..."
+            sections[-1][1].extend(m.group(1).split(", "))
+    return sections, lines
+
+
+@pytest.mark.parametrize("script", ["train", "conductor", "rlae"])
+def test_help_groups_the_papers_settings_then_the_levers_then_the_run_each_flag_once_in_100_columns(
+        script, capsys, monkeypatch):
+    """Before: one list of every flag in the order they were added, 34 of its 170 lines over 120 characters
+    (the help text was printed unwrapped) and the usage line over 100 whatever the terminal. A neighbour's own
+    flags come last, in a group of its own."""
+    from neighbours import conductor, rlae
+
+    from support import config
+    monkeypatch.setenv("COLUMNS", "300")  # the width is fixed, whatever the terminal's
+    module = {"train": config, "conductor": conductor, "rlae": rlae}[script]
+    parsers, parse = [], config.parse  # the script's parser, as its parse_args hands it to parse
+    monkeypatch.setattr(module, "parse", lambda p, argv: parsers.append(p) or parse(p, argv))
+    sections, lines = help_sections(module.parse_args, capsys)
+    own = {"train": [], "conductor": ["the conductor's own"], "rlae": ["RLAE's own"]}[script]
+    assert [title for title, _ in sections] == ["options", "the paper's settings", "levers", "the run"] + own
+    assert all(len(line) <= 100 for line in lines), max(lines, key=len)
+    printed = [flag for _, flags in sections for flag in flags]
+    defined = [flag for action in parsers[-1]._actions for flag in action.option_strings]
+    assert sorted(printed) == sorted(defined) and len(set(printed)) == len(printed)  # each flag once
+    group = {flag: title for title, flags in sections for flag in flags}
+    assert {group[f] for f in ("--task", "--team", "--method", "--group-size", "--beta", "--lora-rank",
+                               "--latent-dim")} == {"the paper's settings"}
+    assert {group[f] for f in ("--channel-weight", "--state-norm", "--dynamic-sampling", "--context-split",
+                               "--rollout-dtype", "--attention")} == {"levers"}
+    assert {group[f] for f in ("--out", "--resume", "--save-every", "--track", "--device", "--dtype", "--plan",
+                               "--precompute-states", "--deterministic", "--preset")} == {"the run"}
+    train_flags = {f for a in config.build_parser()._actions for f in a.option_strings}
+    assert {f for f in printed if f not in train_flags} == {f for title, flags in sections if title in own
+                                                           for f in flags}
 
 
 def test_config_json_records_the_preset_and_the_resolved_values(tmp_path):

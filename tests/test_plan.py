@@ -7,7 +7,7 @@ import sys
 import pytest
 import torch
 
-from baselines import METHODS, SoftPrompt
+from baselines import METHODS, Kind, SoftPrompt
 from support import plan
 import train
 
@@ -23,13 +23,13 @@ def test_plan_counts_the_parameters_a_run_builds(method):
     args = train.parse_args(TINY + ["--method", method])
     _, info = plan.estimate(args)
     run = train.build_run(args, torch.device("cpu"))
-    real = {"policy": sum(p.numel() for p in run["policy"].parameters() if not p.requires_grad),
-            "lora": sum(p.numel() for p in run["policy"].parameters() if p.requires_grad),
-            "g_phi": sum(p.numel() for p in run["method"].parameters() if p.requires_grad)}
-    pools = [getattr(run["method"], k) for k in ("pool", "encoder") if hasattr(run["method"], k)]
+    real = {"policy": sum(p.numel() for p in run.policy.parameters() if not p.requires_grad),
+            "lora": sum(p.numel() for p in run.policy.parameters() if p.requires_grad),
+            "g_phi": sum(p.numel() for p in run.method.parameters() if p.requires_grad)}
+    pools = [getattr(run.method, k) for k in ("pool", "encoder") if hasattr(run.method, k)]
     real["experts"] = sum(p.numel() for pool in pools for m, _ in pool.models for p in m.parameters())
     assert info["params"] == real
-    C = run["method"](["What is 1 + 1?"]).C
+    C = run.method(["What is 1 + 1?"]).C
     assert info["context_tokens"] == (0 if C is None else C.shape[1])  # the method's own count, not a table
 
 
@@ -39,6 +39,7 @@ def test_plan_asks_a_new_method_for_its_context_tokens(monkeypatch):
     any name it did not know: 4 here."""
     def three_tokens(team, out_dim, args, device, dtype):
         return SoftPrompt(out_dim, args.latent_dim, 3).to(device)
+    three_tokens.kind = Kind(tokens=True, experts=None)
     monkeypatch.setitem(METHODS, "three_tokens", three_tokens)
     _, info = plan.estimate(train.parse_args(TINY + ["--method", "three_tokens"]))
     assert info["context_tokens"] == 3

@@ -125,7 +125,7 @@ def exact_kl_to_reference(run, args, items):
     every position of the items' prompts: an exact measure, independent of grpo.py's sampled k3 estimate."""
     _, ids, mask = train.context_and_prompts(run, args, items)
     pos = (mask.long().cumsum(-1) - 1).clamp(min=0)
-    policy = run["policy"]
+    policy = run.policy
     with torch.no_grad():
         logp = policy(input_ids=ids, attention_mask=mask, position_ids=pos).logits.float().log_softmax(-1)
         with train.lora_disabled(policy):
@@ -144,7 +144,7 @@ def test_dynamic_sampling_pulls_a_moved_policy_back_to_the_reference_when_every_
     args, run = build_run(tmp_path, "--dynamic-sampling", "1", "--method", "single", "--weight-decay", "0",
                           "--lr", "1e-3", "--seed", str(seed))
     g = torch.Generator().manual_seed(seed)
-    for name, p in run["policy"].named_parameters():
+    for name, p in run.policy.named_parameters():
         if name.endswith("lora_B"):
             p.data = 0.05 * torch.randn(p.shape, generator=g)
     items = [it for micro in range(args.grad_accum) for it in train.micro_batch_inputs(run, args, 0, micro)[0]]
@@ -183,10 +183,10 @@ def test_strict_format_bonus_reaches_the_training_reward(tmp_path, monkeypatch):
     G = args.group_size
     comp = torch.randint(0, 50, (4 * G, 3))
     shapes = ["<answer>12</answer>", "<answer>twelve</answer>"] * (2 * G)
-    monkeypatch.setattr(run["tok"], "batch_decode", lambda ids, **k: shapes[:len(ids)])
-    items = [{**run["train_items"][i], "answer": "12"} for i in range(4)]
+    monkeypatch.setattr(run.tok, "batch_decode", lambda ids, **k: shapes[:len(ids)])
+    items = [{**run.train_items[i], "answer": "12"} for i in range(4)]
     monkeypatch.setattr(rollout, "sample", lambda *a, **k: comp)
-    ids, mask = rollout.encode_prompts(run["tok"], ["x"] * 4, "cpu")
+    ids, mask = rollout.encode_prompts(run.tok, ["x"] * 4, "cpu")
     drawn = train.draw_and_score(run, args, items, ids, mask, None, (0, 0, 0), lambda it, c: ([0.0] * len(c), {}))
     assert drawn["r"].tolist() == [0.5, 0.0] * (2 * G)
 
@@ -200,10 +200,10 @@ def test_strict_format_bonus_needs_a_bonus(capsys):
 def test_format_bonus_reaches_the_training_reward_but_not_the_log_or_the_evaluation(tmp_path, monkeypatch):
     args, run = build_run(tmp_path, "--format-bonus", "0.5")
     comp = torch.randint(0, 50, (4 * args.group_size, 3))
-    monkeypatch.setattr(run["tok"], "batch_decode", lambda ids, **k: ["<answer>1</answer>"] * len(ids))
-    items = [run["train_items"][i] for i in range(4)]
+    monkeypatch.setattr(run.tok, "batch_decode", lambda ids, **k: ["<answer>1</answer>"] * len(ids))
+    items = [run.train_items[i] for i in range(4)]
     monkeypatch.setattr(rollout, "sample", lambda *a, **k: comp)
-    ids, mask = rollout.encode_prompts(run["tok"], ["x"] * 4, "cpu")
+    ids, mask = rollout.encode_prompts(run.tok, ["x"] * 4, "cpu")
     drawn = train.draw_and_score(run, args, items, ids, mask, None, (0, 0, 0), lambda it, c: ([0.0] * len(c), {}))
     assert torch.equal(drawn["r"], drawn["task_r"] + 0.5) and torch.equal(drawn["task_r"], torch.zeros(len(comp)))
 
@@ -211,7 +211,7 @@ def test_format_bonus_reaches_the_training_reward_but_not_the_log_or_the_evaluat
         raise AssertionError("the format bonus reached the evaluation")
     monkeypatch.setattr(rewards, "format_bonus", refuse)
     items = [rewards.load_entries("chain_sum", "val", 2, 0)[i] for i in range(2)]
-    per_item, _ = score_items(run["policy"], run["tok"], run["method"], run["eos_ids"], items, args)
+    per_item, _ = score_items(run.policy, run.tok, run.method, run.eos_ids, items, args)
     assert per_item["with_C"]["score"] == [0.0, 0.0]   # "<answer>1</answer>" is scored by the task alone
 
 
@@ -311,13 +311,13 @@ def test_every_contender_is_paid_the_strict_bonus_and_trls_reward_equals_ours(tm
             for kind in speedrun.CONTENDERS}
     assert all(x.format_bonus == 0.1 and x.format_bonus_strict for x in args.values())
     run = train.build_run(args["single"], torch.device("cpu"))
-    items, G = [run["train_items"][i] for i in range(4)], args["single"].group_size
+    items, G = [run.train_items[i] for i in range(4)], args["single"].group_size
     texts = [t for it in items for t in (f"<think>1</think>\n<answer>{it['answer']}</answer>",
                                          f"<answer>{it['answer']}</answer> and more", "<answer>1000</answer>",
                                          "<answer>eighty</answer>")]
-    monkeypatch.setattr(run["tok"], "batch_decode", lambda ids, **k: texts[:len(ids)])
+    monkeypatch.setattr(run.tok, "batch_decode", lambda ids, **k: texts[:len(ids)])
     monkeypatch.setattr(rollout, "sample", lambda *a, **k: torch.randint(5, 50, (len(items) * G, 3)))
-    ids, mask = rollout.encode_prompts(run["tok"], ["x"] * len(items), "cpu")
+    ids, mask = rollout.encode_prompts(run.tok, ["x"] * len(items), "cpu")
     ours = train.draw_and_score(run, args["single"], items, ids, mask, None, (0, 0, 0), rewards.score_batch)["r"]
     trl = speedrun.trl_reward(items, args["trl"])([""] * len(texts), texts, [i for i in range(4) for _ in range(G)])
     assert torch.equal(ours, torch.tensor(trl, dtype=torch.float32))

@@ -36,7 +36,7 @@ def test_tokens_per_s_counts_the_completion_tokens_of_the_step(tmp_path, monkeyp
 
     def early_stops(args, device):
         run = real(args, device)
-        run["eos_ids"] = list(range(0, run["policy"].config.vocab_size, 5))
+        run.eos_ids = list(range(0, run.policy.config.vocab_size, 5))
         return run
     monkeypatch.setattr(train, "build_run", early_stops)
     out = str(tmp_path / "run")

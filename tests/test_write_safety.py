@@ -442,8 +442,8 @@ def test_the_watchdog_has_ended_when_the_signals_are_restored():
     load ~1 finished pocket run in 2 aborted with "terminate called without an active exception" (exit -6, seen
     in the test suite as well). The watchdog is now joined before restore_signals returns."""
     import threading
-    from support.stop import answer_signals, restore_signals
+    from support.stop import SignalState, answer_signals, restore_signals
     for _ in range(20):
-        saved = answer_signals({}, lambda name: f"stopped by {name}")
+        saved = answer_signals(SignalState(), lambda name: f"stopped by {name}")
         restore_signals(saved)
         assert not [t for t in threading.enumerate() if t.name == "signal-watchdog" and t.is_alive()]
