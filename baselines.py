@@ -5,7 +5,7 @@ baselines (§4.1) and three controls that tell the experts apart from the traina
 Every method is a function  build(team, out_dim, args, device, dtype) -> nn.Module  whose forward
 maps (questions, answers=None, reuse=None) to a Context (below: C, A, hints, and what the loss pass
 reads again), and whose attribute `context_tokens` is m, the number of context tokens C holds per
-prompt (0 when C is None; support/plan.py reads it). Each builder declares what it is, `build.kind =
+prompt (0 when C is None; support/harness/plan.py reads it). Each builder declares what it is, `build.kind =
 Kind(...)` (below: context tokens or none, whose experts it reads, ...), which the flag checks ask
 before any model loads. `--method NAME` picks one from METHODS; only what a method returns differs,
 the GRPO loop is shared. `answers` are the gold answers, read only by oracle experts (a diagnostic,
@@ -77,7 +77,7 @@ class Context:
 @dataclass(frozen=True)
 class Kind:
     """What a method is, declared on its builder (`build.kind = Kind(...)`): the flag checks run before any model
-    loads (support/config.py), so they ask this, never the method's name or its module's attributes."""
+    loads (support/harness/checks.py), so they ask this, never the method's name or its module's attributes."""
     tokens: bool               # C holds context tokens (False: C is None; --channel-weight and --context-anchor
     #                            newline have nothing to act on)
     experts: Optional[str]     # whose frozen states its .pool (experts.ExpertPool) reads: "team" (the team's
@@ -325,5 +325,5 @@ NEIGHBOURS = {"conductor": Kind(tokens=False, experts="team", answers=True),
 
 def kind(method):
     """What --method NAME is: its builder's declaration (METHODS) or a neighbour's (NEIGHBOURS); None for a
-    builder that declares nothing (support/config.py refuses it)."""
+    builder that declares nothing (support/harness/checks.py refuses it)."""
     return NEIGHBOURS[method] if method in NEIGHBOURS else getattr(METHODS[method], "kind", None)

@@ -30,14 +30,15 @@ import torch
 
 from baselines import METHODS, kind
 from experts import frozen_dtype, load_model, pick_device, team_models
-from support.checkpoint import write_json
-from support.files import UnsafePath, WriteFailed, link_in_run_folder
-from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, parse_args, remove_created
-from support.model_check import check_models
-from support.report import plot_runs, summarize
-from support.stats import paired_comparison
-from support.stop import stopping_on_signals
-from support.validation import read_run, restore_trained, score_items, scored, summary, validation_items
+from support.harness.checkpoint import write_json
+from support.lib.files import UnsafePath, WriteFailed, link_in_run_folder
+from support.harness.checks import parse_args
+from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, remove_created
+from support.harness.model_check import check_models
+from support.harness.report import plot_runs, summarize
+from support.lib.stats import paired_comparison
+from support.harness.stop import stopping_on_signals
+from support.harness.validation import read_run, restore_trained, score_items, scored, summary, validation_items
 
 # --------------------------------------------------------------------------------------------------
 # Scoring a policy on the validation split

@@ -11,8 +11,9 @@ out. Per prompt, G completions o_1..o_G with rewards r_1..r_G; for completion i 
     L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta KL_it)        aggregation "token" (DAPO)
 
 beta = 0.04, eps_clip = 0.2, mu = 1 inner epoch (the caller passes logp_old = logp.detach(): the ratio is exactly 1,
-the clip never fires and the loss is about 0 while its gradient A * grad(logp) is not). Where the policy runs
-(sampling, the scoring pass, per-token log-probs) is rollout.py.
+the clip never fires and the loss is about 0 while its gradient A * grad(logp) is not). logp = token_logprobs:
+log softmax(logits / T) at the chosen tokens, in float32. Where the policy runs (sampling, the scoring pass that
+produces those logits) is rollout.py.
 
 Deviations and choices the paper leaves open (each derived beside the function it concerns):
 1. Eq. 4 weights the KL by beta^-1 but calls beta = 0.04 "the KL coefficient": we weight it by beta (25 x KL would
@@ -268,3 +269,39 @@ def completion_mask(completion_ids, eos_token_id):
     # (N, T) EOS strictly before position t
     eos_before = is_eos.long().cumsum(dim=1) - is_eos.long()
     return eos_before == 0                                     # no EOS -> all True
+
+
+# ----------------------------------------------------------------------------- log-probs
+
+
+def token_logprobs(logits, tokens, temperature=1.0, allowed_mask=None):
+    """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at
+    tokens, float32 [N, T]. Align first: logits[:, t] must be the distribution that produced
+    tokens[:, t] (for a prompt of length P, completion tokens ids[:, P:] are scored by logits[:,
+    P-1:-1]). Temperature must be the sampling temperature, or logp_old and logp describe a
+    different policy.
+
+    log softmax(x)_k = x_k - logsumexp(x): gather one logit and subtract the row's logsumexp, so
+    no [T, V] log_softmax tensor is written. Going one completion at a time bounds the float32
+    copy of the logits to one [T, V] row: under torch.no_grad (the logp_ref pass) that is the
+    peak extra memory; with gradient, autograd keeps each row's float32 logits for the backward
+    pass, as log_softmax would.
+
+    allowed_mask [N, T, V] bool: only those tokens could be drawn (constrained decoding), so the
+    distribution is softmax over them: x_k - logsumexp_{j allowed} x_j, the others set to -inf."""
+    if temperature <= 0:
+        raise ValueError(f"temperature must be > 0, got {temperature}")
+    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
+        raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
+                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
+    rows = []
+    for n, (row_logits, row_tokens) in enumerate(zip(logits, tokens)):  # (T, V), (T,)
+        x = row_logits.float()  # (T, V) float32: bf16 softmax loses ~1e-2
+        if temperature != 1:  # x / 1 is x: no copy for logsumexp to keep for the backward pass
+            x = x / temperature
+        if allowed_mask is not None:
+            x = x.masked_fill(~allowed_mask[n], -torch.inf)
+        picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
+        rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
+    # (N, T) fp32
+    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)

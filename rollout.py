@@ -10,28 +10,18 @@ positions by construction; if they did not, the log-probs of the scoring pass wo
 the policy that sampled (a small error for RoPE models, a large one for GPT-2's learned positions).
 tests/test_adapter.py checks it token for token.
 
-  encode_prompts       the prompts' token ids and mask, padding behind each prompt's first token
-                       (padding_behind_first_token: no attention row with every key masked)
-  same_width           several micro-batches' prompts as one batch (one decode loop for a step)
-  cut_padding          a loop's rows cut after their longest completion
-  policy_inputs        [x || C] (Eq. 3) or [x_0 || C || x_1..]: embeddings, mask, position ids
-  context_slot         where C goes: --context-position, or in front of the --context-split tokens
-  prefill              [x || C] once per prompt -> a KV cache for G completions, the logits of y_0;
-                       the prompts' common beginning (system prompt, worked example) run once
-  prefill_shared       prefill with G = 1 (evaluation, the neighbours' writers)
-  sample               the rollout: G completions per prompt, KV-cached, LoRA merged in (optionally
-                       under a mask of allowed tokens: constrained decoding)
-  decode               its token-by-token loop, from a prefill (on CUDA the same loop with fixed shapes,
-                       captured as a CUDA graph: support/static_decode.py, rollout.DECODE)
-  shared_length        how many leading inputs every prompt shares (prefill's share)
-  greedy_texts         a frozen writer's greedy answers (conductor workers, output_collab's hints)
-  (support/low_precision.py: --rollout-dtype bfloat16 / int8, the rollout's matmuls on a
-                       low-precision copy of the weights; support/kv_cache.py: the KV cache's
-                       keyword, and its room for the new tokens reserved up front)
-  completion_logprobs  the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
-  head_logprobs        its LM head, one completion at a time, the logits recomputed in the backward pass
-  mlps_recomputed      (with gradient) the MLPs' activations recomputed in the backward pass
-  token_logprobs       log softmax(logits / T) at the chosen tokens, in float32, one row at a time
+  encode_prompts, policy_inputs, context_slot, same_width, cut_padding
+                            the prompts as the policy reads them, [x || C]
+  prefill, prefill_shared   [x || C] once per prompt (their common beginning once) -> the KV cache
+                            of G completions
+  sample, decode, draw      the rollout: G completions per prompt, KV-cached, LoRA merged in (on CUDA the
+                            decode loop with fixed shapes as a CUDA graph: support/lib/static_decode.py)
+  greedy_texts              a frozen writer's greedy answers (conductor workers, output_collab's hints)
+  completion_logprobs       the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
+                            (grpo.token_logprobs at the chosen tokens; head_logprobs and mlps_recomputed
+                            recompute the LM head's and the MLPs' activations in the backward pass)
+  (support/lib/low_precision.py: --rollout-dtype, the rollout's matmuls on a bfloat16 / int8 copy of the
+  weights; support/lib/kv_cache.py: the KV cache's keyword, its room for new tokens reserved up front)
 
 Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own
 loop instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring
@@ -43,10 +33,11 @@ import contextlib
 
 import torch
 
+from grpo import token_logprobs
 from lora import lora_merged
-from support.kv_cache import cache_kwargs, cache_of, preallocate
-from support.low_precision import low_precision_linears
-import support.static_decode as static_decode
+from support.lib.kv_cache import cache_kwargs, cache_of, preallocate
+from support.lib.low_precision import low_precision_linears
+import support.lib.static_decode as static_decode
 
 # --------------------------------------------------------------------------------------------------
 # How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first
@@ -208,7 +199,7 @@ def prefill(policy, prompt_ids, prompt_mask, C, G, position, share=True, keep=1,
     it, in sampling, the re-draw, the reference and the loss pass alike (with gradient through the
     shared part: its cache is repeated B times, differentiably). Each row's real inputs (padding
     dropped) are [s_1..s_P, t_1..t_L]: P at most the shortest row's length - `keep`, so every row
-    keeps its last `keep` inputs in its tail (support.gold.greedy_and_gold crops that many
+    keeps its last `keep` inputs in its tail (support.harness.gold.greedy_and_gold crops that many
     columns). The new layout per row is [s_1..s_P, pad.., t_1..t_L]: the padding moves from the
     front to the middle. The mask hides it and positions count only real inputs, so every real
     input sees the same inputs at the same positions: the same function, another order of sums
@@ -289,7 +280,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     for the importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
     weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
     gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
-    weights in that dtype (support.low_precision).
+    weights in that dtype (support.lib.low_precision).
 
     allowed (constrained decoding, e.g. a grammar): a function called before each draw with the
     last drawn tokens [B*G] (None before the first) that returns a bool [B*G, vocab] mask of the
@@ -313,7 +304,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
 
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
-DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (support/static_decode.py); auto: graph on CUDA
+DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (support/lib/static_decode.py); auto: graph on CUDA
 
 
 def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
@@ -332,7 +323,7 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
                                     eos_ids, pad_id, greedy, return_logprobs, uniforms,
                                     graph=path == "graph", sync_every=SYNC_EVERY)
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
-    preallocate(cache, max_new_tokens)  # each token written in place (support/kv_cache.py)
+    preallocate(cache, max_new_tokens)  # each token written in place (support/lib/kv_cache.py)
     logits = logits.float()                                               # (B*G, vocab)
     eos = torch.tensor(eos_ids, device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
@@ -467,43 +458,10 @@ def mlps_recomputed(model):
     if not torch.is_grad_enabled() or not getattr(model, "recompute_mlps", True):
         mlps = []  # nothing is kept for a backward pass, or the caller keeps the activations
     for m in mlps:
-        # an instance attribute, as in support.low_precision
+        # an instance attribute, as in support.lib.low_precision
         m.forward = lambda x, f=m.forward: checkpoint(f, x, use_reentrant=False)
     try:
         yield model
     finally:
         for m in mlps:
             del m.forward
-
-
-def token_logprobs(logits, tokens, temperature=1.0, allowed_mask=None):
-    """logits [N, T, V] (any float dtype), tokens [N, T] -> log softmax(logits / temperature) at
-    tokens, float32 [N, T]. Align first: logits[:, t] must be the distribution that produced
-    tokens[:, t] (for a prompt of length P, completion tokens ids[:, P:] are scored by logits[:,
-    P-1:-1]). Temperature must be the sampling temperature, or logp_old and logp describe a
-    different policy.
-
-    log softmax(x)_k = x_k - logsumexp(x): gather one logit and subtract the row's logsumexp, so
-    no [T, V] log_softmax tensor is written. Going one completion at a time bounds the float32
-    copy of the logits to one [T, V] row: under torch.no_grad (the logp_ref pass) that is the
-    peak extra memory; with gradient, autograd keeps each row's float32 logits for the backward
-    pass, as log_softmax would.
-
-    allowed_mask [N, T, V] bool: only those tokens could be drawn (constrained decoding), so the
-    distribution is softmax over them: x_k - logsumexp_{j allowed} x_j, the others set to -inf."""
-    if temperature <= 0:
-        raise ValueError(f"temperature must be > 0, got {temperature}")
-    if logits.dim() != 3 or logits.shape[:2] != tokens.shape:
-        raise ValueError(f"need logits [N, T, V] and tokens [N, T], "
-                         f"got {tuple(logits.shape)} and {tuple(tokens.shape)}")
-    rows = []
-    for n, (row_logits, row_tokens) in enumerate(zip(logits, tokens)):  # (T, V), (T,)
-        x = row_logits.float()  # (T, V) float32: bf16 softmax loses ~1e-2
-        if temperature != 1:  # x / 1 is x: no copy for logsumexp to keep for the backward pass
-            x = x / temperature
-        if allowed_mask is not None:
-            x = x.masked_fill(~allowed_mask[n], -torch.inf)
-        picked = x.gather(-1, row_tokens.unsqueeze(-1)).squeeze(-1)  # (T,)
-        rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
-    # (N, T) fp32
-    return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)

@@ -10,13 +10,14 @@ Train a LoRA policy with GRPO, conditioned on context tokens built from frozen e
 Paper: Eq. 3 (pi(y | [x || C])), Eq. 4 (reward minus beta * KL to pi_ref = the initial policy fed
 zero context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 prompts per step (4 x 8
 grad-accum), lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default
-is the paper's; a preset (support/config.py PRESETS) is a plain dict of flag values, and explicit
+is the paper's; a preset (support/harness/config.py PRESETS) is a plain dict of flag values, and explicit
 flags override it.
 
 The loop, one optimiser step (grpo_step):
     rollout -> reward -> advantage -> reference -> loss -> step -> log
 A line marked `# lever:` is not the paper's (a flag, off by default): skipping them reads the paper's
-step. Every flag, its default and its checks: support/config.py (`python train.py --help`).
+step. Every flag and its default: support/harness/config.py (`python train.py --help`); their checks:
+support/harness/checks.py.
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
   1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop:
@@ -27,13 +28,13 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      identical / soft_prompt (baselines.py).
   3. The levers, each one call or one `if` in grpo_step: --inner-epochs, --format-bonus,
      --dynamic-sampling, --rollout-dtype with --tis-cap, --lr-schedule / --warmup-steps,
-     --clip-per-group, --channel-weight, torchrun (support/distributed.py); --eval-items scores the
+     --clip-per-group, --channel-weight, torchrun (support/lib/distributed.py); --eval-items scores the
      policy before and after training.
   4. A step whose loss, gradient or update is not finite is skipped, weights unchanged, and counted
-     (support/optim.step_if_finite).
+     (support/lib/optim.step_if_finite).
 Conductor and RLAE, two other systems, are scripts of their own with their own step: neighbours/.
 What a run guarantees when things go wrong (bad input, Ctrl-C, a full disk, a killed run, --resume):
-support/run.py.
+support/harness/run.py.
 """
 import time
 from dataclasses import dataclass
@@ -48,17 +49,15 @@ import rollout
 from adapter import empty_context
 from baselines import METHODS
 from lora import lora_disabled
-from support import distributed
-from support.batch import MicroBatch
+from support.lib import distributed
 from experts import pick_device
-from support.build import attach_lora, load_policy_and_data, precompute_states
-from support.runtime import deterministic_kernels, expandable_segments
-from support.checkpoint import sigkill_hook
-from support.config import fail, parse_args
-from support.metrics import step_metrics, wall_clock
-from support.optim import clip_gradients, set_learning_rates, step_if_finite
-from support.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run
-from support.run import write_samples
+from support.harness.build import attach_lora, load_policy_and_data, precompute_states
+from support.lib.runtime import deterministic_kernels, expandable_segments
+from support.harness.checks import parse_args
+from support.harness.config import fail
+from support.harness.metrics import step_metrics, wall_clock
+from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite
+from support.harness.run import run_training
 
 # --------------------------------------------------------------------------------------------------
 # The run: what every step reads, built once (build_run, at the end of this file)
@@ -72,7 +71,7 @@ class Run:
     policy: torch.nn.Module             # pi_theta: the frozen policy with LoRA on its linear layers (lora.py)
     tok: Any                            # the policy's tokenizer
     method: torch.nn.Module             # g, --method's context builder (baselines.METHODS): C = g(x)
-    optimizer: torch.optim.Optimizer    # AdamW over LoRA's and g's trainable parameters (support/optim.py)
+    optimizer: torch.optim.Optimizer    # AdamW over LoRA's and g's trainable parameters (support/lib/optim.py)
     train_items: list                   # the task's training items, {"question", "answer", ...}
     eos_ids: list                       # the token ids that end a completion
     device: torch.device
@@ -80,8 +79,34 @@ class Run:
     position: Any = "after"             # where C goes in the policy's input (rollout.context_slot)
     pool: Optional[Any] = None          # the frozen experts g reads (experts.ExpertPool); None without
     embed_rms: float = 1.0              # RMS of the policy's input embeddings: the scale C is compared with
-    world: Any = distributed.ONE        # torchrun's processes (support/distributed.py), or one
-    life: Optional[Any] = None          # its folder, lock, writes and signals (support/run.Life); None in tests
+    world: Any = distributed.ONE        # torchrun's processes (support/lib/distributed.py), or one
+    life: Optional[Any] = None          # its folder, lock, writes and signals (support/harness/run.Life); None in tests
+
+
+@dataclass
+class MicroBatch:
+    """One of a step's --grad-accum micro-batches, as grpo_step builds it and the loss, the log
+    (support/harness/metrics.py) and the samples read it: B prompts, G samples each, N = B*G
+    completions, P prompt tokens, T completion tokens, m context tokens of width D."""
+    items: list                 # B task items: {"question", "answer", "metadata"}
+    questions: list             # B questions, the items' own
+    ctx: object                 # g(x)'s output, a baselines.Context: C (B, m, D) or None, hints (B), ...
+    ids: torch.Tensor           # (B, P) the policy's prompt tokens
+    mask: torch.Tensor          # (B, P) bool, True on a prompt token
+    comp: torch.Tensor          # (N, T) completions, G per prompt in prompt order
+    comp_mask: torch.Tensor     # (N, T) bool, True up to and including EOS
+    r: torch.Tensor             # (N,) reward: the task's scorer (+ --format-bonus), after --dynamic-sampling
+    adv: torch.Tensor           # (N,) group-relative advantage
+    logp_ref: torch.Tensor      # (N, T) log pi_ref(y_t): LoRA off, zero tokens where C was
+    logp_mu: Optional[torch.Tensor]  # (N, T) the sampler's log-probs, or None when it is the scoring pass
+    counts: dict                # the scorer's status counts ("no_answer", "refused", ...)
+    texts: list                 # N decoded completions
+    signal: torch.Tensor        # (B,) bool: the group's rewards differ (after --dynamic-sampling)
+    task_r: torch.Tensor        # (N,) the first draw's task reward alone: what the log reports
+    flat: torch.Tensor          # (B,) bool: the first draw's group had G equal rewards
+    first_counts: dict          # the first draw's scorer counts
+    logp_old: Optional[torch.Tensor] = None   # (N, T) log pi_old, detached: set by the first inner epoch
+    is_weight: Optional[torch.Tensor] = None  # (N, T) --tis-cap's min(pi_old / pi_mu, cap), or None
 
 
 # --------------------------------------------------------------------------------------------------
@@ -90,7 +115,7 @@ class Run:
 
 def grpo_step(step, run, args, score_batch):
     """rollout -> reward -> advantage -> reference -> loss -> step -> log.
-    Returns (the step's metrics, its micro-batches: support/batch.MicroBatch). A line marked
+    Returns (the step's metrics, its micro-batches: MicroBatch). A line marked
     `# lever:` is not the paper's (a flag, off by default); skipping them reads the paper's step."""
     G, world, optimizer, t0 = args.group_size, run.world, run.optimizer, time.time()
     g, policy = run.method, run.policy  # C = g(x): --method's context builder (baselines.py)
@@ -113,13 +138,14 @@ def grpo_step(step, run, args, score_batch):
         comp_mask = grpo.completion_mask(comp, run.eos_ids)        # (B*G, T) up to EOS, inclusive
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
+        signal = ~grpo.flat_groups(drawn["r"], G)  # (B,) groups whose rewards differ: A != 0
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
         logp_ref = reference_logprobs(run, args, ids, mask, ctx.C, comp, comp_mask)
         batches.append(MicroBatch(items=items, questions=[it["question"] for it in items], ctx=ctx,
                                   ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, r=drawn["r"],
                                   adv=adv, logp_ref=logp_ref, logp_mu=drawn["logp_mu"],
                                   counts=drawn["counts"], texts=drawn["texts"],
-                                  signal=~grpo.flat_groups(drawn["r"], G), **first))
+                                  signal=signal, **first))
     if args.dynamic_sampling:  # lever: DAPO, the surrogate averages over groups with signal; KL over all
         dapo_advantages(batches, G, world, args.loss_aggregation)
 
@@ -249,9 +275,7 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
     draw), plus --format-bonus), task_r [B*G] (the task's part alone), counts (the scorer's),
     texts}."""
     tok, G = run.tok, args.group_size
-    done_mask = grpo.completion_mask(comp, run.eos_ids)
-    padded = comp.masked_fill(~done_mask, tok.pad_token_id)  # nothing after EOS
-    texts = tok.batch_decode(padded, skip_special_tokens=True)
+    texts = tok.batch_decode(comp, skip_special_tokens=True)  # the sampler writes padding after EOS
     answered = rewards.responses(args.response_prefix, texts)  # what the scorers read
     if args.reward == "random":  # the coin and nothing else (config refuses --format-bonus with it)
         task_r = rewards.coin_rewards(args.seed, *key, len(texts))
@@ -344,7 +368,7 @@ def add_channel_forcing(loss, metrics, logp, b, C, run, args):
 
 
 # --------------------------------------------------------------------------------------------------
-# Building the run, and its life around the steps (checks, resume, logs, checkpoints: support/run.py)
+# Building the run, and its life around the steps (checks, resume, logs, checkpoints: support/harness/run.py)
 
 
 def build_run(args, device, builder=None):
@@ -392,36 +416,10 @@ def main(argv=None, score_batch=None):
     if args.precompute_states:  # --expert-cache filled for every prompt the run reads, then exit
         return precompute_states(build_run(args, pick_device(args.device)), args)
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
-        from support import plan
+        from support.harness import plan
         return plan.main(args, world)
-    return train(args, world, score_batch or rewards.score_batch)
-
-
-def train(args, world, score_batch, builder=None, step_fn=None):
-    """The run's life: checked and opened (support/run.py), built, resumed, its steps, finished.
-    A neighbour's script (neighbours/) passes its own g `builder` and `step_fn` (grpo_step's
-    signature, batches with .questions, .items, .texts, .r). Returns --out."""
-    life = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled, the device
-    try:  # however the run ends, the lock on --out goes with it
-        try:
-            run = build_run(args, life.device, builder)
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        run.life = life
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, life.writer), 0
-        for step in range(start, args.steps):
-            rec, batches = (step_fn or grpo_step)(step, run, args, score_batch)
-            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
-            b = batches[0]  # a few completions of the step's first prompt, with their rewards
-            write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
-            # the log line, metrics.jsonl (and --track's tracker) and the checkpoint; --max-bad-steps
-            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, the plot, validation after training
-    finally:
-        release_folders(life)
+    # the run's life around the steps (support/harness/run.py): open, build, resume, steps, finish
+    return run_training(args, world, score_batch or rewards.score_batch, build_run, grpo_step)
 
 
 if __name__ == "__main__":

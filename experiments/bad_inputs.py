@@ -359,7 +359,7 @@ WALL_CLOCK = ("seconds", "tokens_per_s")  # the two fields that differ between t
 def chaos(command, out, steps, kills, seed=0, max_delay=10.0, env=None):
     """Run `python *command --out OUT` to its end through `kills` interruptions, each kind of KILLS in turn (a
     start that ends before its kill lands tries the same kind again) at a random moment: SIGKILL or SIGTERM after a random delay (in start-up, a step, a checkpoint write, validation,
-    the export: wherever it falls), or at a chosen point through the test hook (support/checkpoint.sigkill_hook):
+    the export: wherever it falls), or at a chosen point through the test hook (support/harness/checkpoint.sigkill_hook):
     in the middle of a checkpoint write (SIGKILL, or SIGTERM, which waits for the write), after validating and
     before its file, after an update and before its log line. Each next start adds --resume once config.json is
     there. Returns [(kind, where, exit code)] of the interrupted starts and the final start's (exit code, stderr)."""
@@ -462,7 +462,7 @@ def chaos_rows(work, kills):
 def checkpoint_step(path):
     """The step a checkpoint holds, or None."""
     sys.path.insert(0, ROOT)
-    from support.checkpoint import checkpoint_step as step
+    from support.harness.checkpoint import checkpoint_step as step
     return step(path)
 
 
@@ -485,7 +485,7 @@ def run_case(name, argv, watch, work, trigger=None):
     holder = None
     if name.startswith("--out held"):  # another process that holds the run folder's lock
         holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); "
-                                   "from support.lock import take_lock; take_lock(sys.argv[1]); print('held', "
+                                   "from support.harness.lock import take_lock; take_lock(sys.argv[1]); print('held', "
                                    "flush=True); time.sleep(600)", watch], cwd=ROOT, stdout=subprocess.PIPE,
                                   text=True)
         holder.stdout.readline()

@@ -46,7 +46,7 @@ EXPERTS = ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct", "pocket:all-min
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"]  # lora.DEFAULT_TARGETS here
 GOALS = dict(ratio_vs_trl=0.33, ratio_vs_trl_best=0.5, ratio_vs_floor=1.15, overhead_ours_vs_single=1.05)
 TIS_CAP = 2.0  # ours_int8: --rollout-dtype int8 --tis-cap 2, the pocket preset's cap
-# support.metrics.step_metrics' sampler-policy gap
+# support.harness.metrics.step_metrics' sampler-policy gap
 GAP_FIELDS = ("rollout_logp_gap", "is_weight_mean", "is_weight_clipped_fraction")
 CONTENDERS = ["single", "ours", "ours_int8", "ours_fast", "trl_default", "trl_no_gc", "floor"]
 IN_OURS = {"ours_int8": dict(rollout_dtype="int8"), "ours_fast": dict(rollout_dtype="int8", keep_activations=True)}
@@ -69,7 +69,7 @@ def phase_timers(run, times):
     import torch
     import rewards
     import rollout
-    from support import metrics as run_module  # step_metrics, which calls the probes of C
+    from support.harness import metrics as run_module  # step_metrics, which calls the probes of C
     patched = []
     for owner, name, key in [
             (rollout, "sample", "rollout (generation)"), (torch.Tensor, "backward", "policy backward"),
@@ -182,7 +182,7 @@ def trl_worker(kind, o, reply, read):
     Options beyond this file's CPU benchmark (experiments/gpu_check.py's trl phase, on a GPU): policy, task,
     dataset_size, device, bf16, grad_accum (micro-batches per optimiser step: TRL then generates the whole
     step's completions at once, as train.py's one decode loop does), stand_in (shape: models tokenise with
-    support/stand_in_tokenizer.py: real prompt lengths), memory_cap_gib (the process capped, as gpu_check is)."""
+    support/harness/stand_in_tokenizer.py: real prompt lengths), memory_cap_gib (the process capped, as gpu_check is)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -195,7 +195,8 @@ def trl_worker(kind, o, reply, read):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, o["memory_cap_gib"] * 2 ** 30 / total))
     if o.get("stand_in"):
-        from support import shape_models, stand_in_tokenizer
+        from support.lib import shape_models
+        from support.harness import stand_in_tokenizer
         shape_models.tokenizer = stand_in_tokenizer.tokenizer
     policy, tok = load_model(o.get("policy", POLICY), device, torch.bfloat16 if o.get("bf16") else torch.float32)
     generation = timed(policy, "generate")  # PEFT's generate calls the wrapped model's

@@ -67,10 +67,11 @@ sys.path.insert(0, ROOT)
 
 from adapter import PerceiverAdapter  # noqa: E402
 from experts import expert_text, load_model  # noqa: E402
+import grpo  # noqa: E402
 import rollout  # noqa: E402
 from rollout import policy_inputs  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
-from support import kv_cache  # noqa: E402
+from support.lib import kv_cache  # noqa: E402
 
 TASK, TASK_CONFIG = "chain_sum", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 POLICY = "pocket:smollm2-135m-instruct"
@@ -340,7 +341,7 @@ class Policy:
         if fast:
             T = gold.shape[1]
             out, _, _ = self._fast_prefill([q for q, _ in items_], C, self.embed(gold), gmask, logits_to_keep=T + 1)
-            return rollout.token_logprobs(out.logits[:, :T], gold), gmask
+            return grpo.token_logprobs(out.logits[:, :T], gold), gmask
         ids, mask = pad_left([self.prompt_ids(q) for q, _ in items_], self.pad)
         return rollout.completion_logprobs(self.model, ids, mask, C, gold, gmask, 1.0, self.position), gmask
 
@@ -413,7 +414,7 @@ def teacher_forced(pol, it, C):
         x, m = torch.cat([x, pol.embed(gold)], 1), torch.cat([m, gm], 1)
         pos = (m.long().cumsum(-1) - 1).clamp(min=0)
         logits = pol.model(inputs_embeds=x, attention_mask=m, position_ids=pos, logits_to_keep=T + 1).logits[:, :T]
-    logp = rollout.token_logprobs(logits, gold)
+    logp = grpo.token_logprobs(logits, gold)
     return torch.where(gm, logp, torch.zeros_like(logp)).sum(1), ((logits.argmax(-1) == gold) | ~gm).all(1)
 
 

@@ -1,7 +1,7 @@
 """
 The device check: one command that says how the paper's setting runs on one CUDA GPU, before and after each change
 of issue 44, with no network and only this repository (the paper's models are built at their real shapes with
-RANDOM weights, support/shape_models.py; TRL's GRPOTrainer runs beside ours on the same card).
+RANDOM weights, support/lib/shape_models.py; TRL's GRPOTrainer runs beside ours on the same card).
 
 THE COMMAND for a GPU session (the run tool: carry [".whl"], timeout_s 480; the wheels are built here first by
 `bash experiments/gpu_wheels.sh`, ~37 MB, so the tree travels whole under the 64 MiB a call may carry):
@@ -23,13 +23,13 @@ core, a dry run for what --tiny does not reach):
 Settings of the whole process: the card capped at --memory-cap-gib 78 (torch.cuda.set_per_process_memory_fraction:
 any larger card answers for an 80 GB one; every phase records the allocator's retries and out-of-memory events),
 CUDA's allocator with expandable segments (as train.py sets it; --allocator default for the old one), prompts of
-real length (--prompt-lengths real: support/stand_in_tokenizer.py, within 1 % of Qwen2.5's token counts; the
+real length (--prompt-lengths real: support/harness/stand_in_tokenizer.py, within 1 % of Qwen2.5's token counts; the
 byte-level stand-in made them ~4.1x longer and stays as the stress case).
 
 "before" is today's path as it was before issue 44, kept behind switches so that it re-runs on the same card in
 the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph,
-support/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after": auto = grouped,
-support/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once; "after": one completion
+support/lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after": auto = grouped,
+support/lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once; "after": one completion
 at a time, rollout.head_logprobs). A switch this checkout lacks is recorded as absent, not failed (SWITCHES).
 
 Phases, in priority order (the default list; the seconds are estimates for an H200, the budget's guide):
@@ -189,9 +189,10 @@ def goals(report):
 
 @contextlib.contextmanager
 def prompt_lengths(kind):
-    """real: `shape:` models tokenise with support/stand_in_tokenizer.py (Qwen2.5's counts within 1 %); bytes:
+    """real: `shape:` models tokenise with support/harness/stand_in_tokenizer.py (Qwen2.5's counts within 1 %); bytes:
     shape_models' own one-token-per-byte stand-in (~4.1x as many tokens: the stress case)."""
-    from support import shape_models, stand_in_tokenizer
+    from support.lib import shape_models
+    from support.harness import stand_in_tokenizer
     own = shape_models.tokenizer
 
     def real(vocab_size, chat=True):
@@ -233,7 +234,7 @@ def path(kind, record):
 
 def known_flags(argv, flags):
     """Those of `flags` (each [flag, value]) that train.py's parser accepts on top of argv."""
-    from support.config import parse_args
+    from support.harness.checks import parse_args
     ok = []
     for flag in flags:
         try:
@@ -246,9 +247,9 @@ def known_flags(argv, flags):
 
 
 def set_attention(model, name):
-    """support/attention.use where this checkout has it; returns what the model runs."""
+    """support/lib/attention.use where this checkout has it; returns what the model runs."""
     try:
-        from support import attention
+        from support.lib import attention
     except ImportError:
         return model.config._attn_implementation
     attention.use(model, name)
@@ -626,8 +627,8 @@ def default_step_cached(device, argv, lengths):
 
 def default_step(device, argv):
     import train
-    from support import plan
-    from support.config import parse_args
+    from support.harness import plan
+    from support.harness.checks import parse_args
     args = parse_args(argv)
     parts, info = plan.estimate(args)
     planned = {d: {"peak_gib": round(plan.peak(p) / 2 ** 30, 2), **{k: round(v / 2 ** 30, 3) for k, v in p.items()}}

@@ -64,8 +64,8 @@ from channel import (CACHE, POLICY, RESPONSE, TASK, TASK_CONFIG, ChannelAdapter,
                      expert_input, expert_model, pad_left, teacher_forced)
 from experts import load_model  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
-from support import kv_cache  # noqa: E402
-from support.stats import paired_comparison  # noqa: E402
+from support.lib import kv_cache  # noqa: E402
+from support.lib.stats import paired_comparison  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "mechanism")
 # The GRPO runs of the suite are shorter than the defaults for lack of CPU: on one shared core a step of
@@ -186,7 +186,7 @@ def completion_logprobs(pol, questions, C, comp, comp_mask):
     pos = pos[:, -1:].repeat_interleave(G, 0) + torch.arange(1, T + 1)          # padding after EOS: unread
     o = pol.model(inputs_embeds=pol.embed(comp), attention_mask=mask, position_ids=pos,
                   **kv_cache.cache_kwargs(pol.model, cache), use_cache=True, logits_to_keep=T)
-    return rollout.token_logprobs(torch.cat([first, o.logits[:, :T - 1]], 1), comp)
+    return grpo.token_logprobs(torch.cat([first, o.logits[:, :T - 1]], 1), comp)
 
 
 def rewards_of(pol, comp, comp_mask, answers, G):

@@ -35,22 +35,22 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # (module, attribute, label): the functions metered as phases, in the order a run meets them. The
-# first run's GGUF conversion runs in a process of its own (support/pocket_models.py): its peak is
+# first run's GGUF conversion runs in a process of its own (support/lib/pocket_models.py): its peak is
 # the row "processes it started".
 PHASES = [
     ("experts", "load_model", "load {0}"),
-    ("support.build", "load_model", "load {0}"),
+    ("support.harness.build", "load_model", "load {0}"),
     ("train", "fit_state_norm", "state-norm fit (experts on the calibration prompts)"),
     ("adapter", "anchor_context", "anchor of C"),
-    ("support.run", "validation_scores", "validation"),
+    ("support.harness.run", "validation_scores", "validation"),
     ("train", "context_and_prompts", "experts + adapter: C of the batch"),
     ("rollout", "sample", "rollout (sampling)"),
     ("train", "reference_logprobs", "reference pass (no grad)"),
     ("rollout", "completion_logprobs", "policy pass (with grad)"),  # the reference wraps its own call
     ("torch", "Tensor.backward", "backward"),
     ("torch.optim", "AdamW.step", "optimizer step"),
-    ("support.run", "save_checkpoint", "checkpoint"),
-    ("support.run", "save_peft", "LoRA saved"),
+    ("support.harness.run", "save_checkpoint", "checkpoint"),
+    ("support.harness.run", "save_peft", "LoRA saved"),
 ]
 
 

@@ -42,10 +42,10 @@ sys.path.insert(0, ROOT)
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
-from support.model_check import check_models  # noqa: E402
+from support.harness.model_check import check_models  # noqa: E402
 from neighbours import conductor, rlae  # noqa: E402
-from support.checkpoint import write_json  # noqa: E402
-from support.config import COUNT, ArgumentParser, fail  # noqa: E402
+from support.harness.checkpoint import write_json  # noqa: E402
+from support.harness.config import COUNT, ArgumentParser, fail  # noqa: E402
 
 NEIGHBOURS = {"conductor": conductor, "rlae": rlae}  # each script loads its own runs (load_trained)
 

@@ -62,8 +62,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from neighbours_table import analyse, protocol  # noqa: E402
-from support.checkpoint import write_json  # noqa: E402
-from support.config import COUNT, ArgumentParser, fail, number  # noqa: E402
+from support.harness.checkpoint import write_json  # noqa: E402
+from support.harness.config import COUNT, ArgumentParser, fail, number  # noqa: E402
 import verdict  # noqa: E402
 import verdict2  # noqa: E402
 
@@ -139,7 +139,7 @@ def check_input(a, base):
     the training flags, the team's models must exist, the task must load."""
     import rewards
     from experts import team_models
-    from support.model_check import check_models
+    from support.harness.model_check import check_models
     from neighbours import conductor, rlae
     seed = ["--seed", str(a.seeds[0]), "--out", os.path.join(a.out, "check")]
     conductor.parse_args(base + seed)

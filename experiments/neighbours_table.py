@@ -9,7 +9,7 @@ metrics.jsonl, eval.json, timing.json of every run and control): RESULTS/table.m
 What is computed (all on the same items: a seed's runs are scored on the seed's validation items):
   1. each method minus each of its controls (comparisons): per seed, the difference of mean scores (of exact solve
      rates, when the runs were trained on --reward exact: partial credit counts 0); mean +- sd
-     over seeds; the exact two-sided sign-flip p over seeds (support/stats.sign_flip_p: 2 seeds give p in
+     over seeds; the exact two-sided sign-flip p over seeds (support/lib/stats.sign_flip_p: 2 seeds give p in
      {0.5, 1}, 3 seeds p >= 0.25, so a "no" from 3 seeds is weak and a "yes" impossible below 0.25); item by item,
      the two-level bootstrap interval (seeds, then items: stats.hierarchical_bootstrap_ci, descriptive below
      stats.MIN_SEEDS_FOR_BOOTSTRAP seeds), the items better and worse, and per seed stats.paired_comparison
@@ -24,7 +24,7 @@ What is computed (all on the same items: a seed's runs are scored on the seed's 
   4. cost: seconds per step (metrics.jsonl), each run's training and evaluation wall time (timing.json: each
      process's, its model loading included; a control's loading apart, shared by the controls of its process),
      and the whole experiment;
-  5. support/report.py's plots: fig4_* (worker shares, drawn member weights; band over seeds), conductor_* (parse
+  5. support/harness/report.py's plots: fig4_* (worker shares, drawn member weights; band over seeds), conductor_* (parse
      rate, steps, reward), rlae_weights_* (the agent's weights, task reward against coins), reward_*; none, and one
      line saying why, without matplotlib.
 """
@@ -33,10 +33,10 @@ import os
 
 import numpy as np
 
-from support.checkpoint import write_json
-from support.config import fail
-from support.report import plot_runs
-from support.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
+from support.harness.checkpoint import write_json
+from support.harness.config import fail
+from support.harness.report import plot_runs
+from support.lib.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
 
 LAST = 3  # "at the end" of a training: the mean over its last 3 steps
 # the conductor's metrics over training; zero_std_fraction is the share of groups whose G rewards are all equal:

@@ -26,11 +26,11 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from support import config  # noqa: E402
+from support.harness import config  # noqa: E402
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
-from support import stats  # noqa: E402
-from support.checkpoint import write_json  # noqa: E402
+from support.lib import stats  # noqa: E402
+from support.harness.checkpoint import write_json  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
 from neighbours import rlae  # noqa: E402
 

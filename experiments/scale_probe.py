@@ -26,10 +26,10 @@ import torch
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from support import config  # noqa: E402
+from support.harness import checks  # noqa: E402
 import rewards  # noqa: E402
-from support.checkpoint import write_json  # noqa: E402
-from support.gold import gold_logprobs  # noqa: E402
+from support.harness.checkpoint import write_json  # noqa: E402
+from support.harness.gold import gold_logprobs  # noqa: E402
 from experts import load_model, team_models  # noqa: E402
 
 POCKET = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
@@ -42,7 +42,7 @@ def main(n=32, m=8):
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--anchor", default="zero", choices=["zero", "newline"], help="what C = anchor + eps * u starts from")
     anchor_kind = p.parse_args().anchor
-    args = config.parse_args(POCKET)
+    args = checks.parse_args(POCKET)
     policy, tok = load_model(team_models(args)["policy"], torch.device("cpu"), torch.float32)
     policy.eval()
     items = rewards.load_entries(args.task, "val", n, 0, None, args.task_config)[:n]

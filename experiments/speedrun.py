@@ -68,7 +68,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import speedrun_report as report_of  # noqa: E402
-from support.config import COUNT, POSITIVE, ArgumentParser, fail, number  # noqa: E402
+from support.harness.config import COUNT, POSITIVE, ArgumentParser, fail, number  # noqa: E402
 
 TASK = ["--task", "chain_sum", "--task-config", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}',
         "--worked-example", "--response-prefix", "<think>", "--context-position", "before", "--device", "cpu"]

@@ -24,7 +24,7 @@ generative experts (an encoder has no words to give, so it cannot be a worker). 
 workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
 grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own step, one file
 per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main hands it and
-this script's g to train.train, train.py's run (checks, checkpoints, --resume, --eval-items). No torchrun:
+this script's g to run_training, train.py's run (checks, checkpoints, --resume, --eval-items). No torchrun:
 one process. evaluate.py calls Conductor.answer.
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
@@ -75,7 +75,7 @@ Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse
 decoding), mean_steps (over parsed workflows), and each workflow's share of steps per worker as the routing
 distribution A [N, 1, K], so
 `utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
-for the other methods and support/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
+for the other methods and support/harness/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
 """
 import importlib.util
 import itertools
@@ -97,12 +97,14 @@ from adapter import routing_stats  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import frozen_dtype, is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
-from support import distributed  # noqa: E402
-from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
-from support.metrics import wall_clock  # noqa: E402
-from support.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
-from support.validation import score_items, validation_items  # noqa: E402
+from support.lib import distributed  # noqa: E402
+from support.harness.checks import parse, refuse_train_levers  # noqa: E402
+from support.harness.config import COUNT, build_parser  # noqa: E402
+from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
+from support.harness.metrics import wall_clock  # noqa: E402
+from support.harness.run import run_training  # noqa: E402
+from support.harness.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
+from support.harness.validation import score_items, validation_items  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -306,7 +308,7 @@ class WorkflowMasks:
         q(k) = p(k) 1[k in A_t] / sum_{j in A_t} p(j),   p = softmax(z / T)
              = exp(z_k / T) / sum_{j in A_t} exp(z_j / T)
     so  log q(k) = z_k / T - logsumexp_{j in A_t}(z_j / T): log_softmax of z / T with the entries outside A_t set
-    to -inf (rollout.token_logprobs with allowed_mask). GRPO's ratio q_theta / q_old and its KL must use q, the
+    to -inf (grpo.token_logprobs with allowed_mask). GRPO's ratio q_theta / q_old and its KL must use q, the
     policy that sampled, not p. And d log q(k) / d z_j = (1[j = k] - q(j)) / T for j in A_t, 0 outside: a step
     the grammar forces (|A_t| = 1) has log q = 0 and no gradient, so the gradient is all on the free slots
     (which worker, what subtask, which earlier answers)."""
@@ -482,7 +484,7 @@ def conductor(team, out_dim, args, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step (train.train runs the loop)
+# One GRPO step (support/harness/run.run_training runs the loop)
 
 
 def grpo_step(step, run, args, score_batch):
@@ -567,11 +569,11 @@ def grpo_step(step, run, args, score_batch):
         rec["utilization_names"] = cond.names
     # seconds, and tokens_per_s over the workflow tokens the policy wrote (the workers' answers not counted)
     rec.update(wall_clock(t0, sum(int(b["comp_mask"].sum()) for b in batches)))
-    return rec, [SimpleNamespace(**b) for b in batches]  # train.train reads .questions, .items, ...
+    return rec, [SimpleNamespace(**b) for b in batches]  # run_training reads .questions, .items, ...
 
 
 def parse_args(argv=None):
-    """train.py's flags (support/config.py), --method conductor, and the conductor's own."""
+    """train.py's flags (support/harness/config.py), --method conductor, and the conductor's own."""
     p = build_parser(methods=["conductor"], description=__doc__.strip().splitlines()[0])
     p.set_defaults(beta=0.0)  # the paper trains without KL (deviation 5)
     a = p.add_argument_group("the conductor's own", "the workflow it writes: how many steps, how it is "
@@ -597,9 +599,9 @@ def main(argv=None, score_batch=None):
     if argv[:1] == ["evaluate"]:
         return evaluate_main(argv[1:])
     args = parse_args(argv)
-    # train.py's run (support/run.py's checks, resume, logs, checkpoints, end) with this script's g and step
-    return train.train(args, distributed.ONE, score_batch or rewards.score_batch, builder=build_conductor,
-                       step_fn=grpo_step)
+    # train.py's run (support/harness/run.py: checks, resume, logs, checkpoints, the end) with this g and step
+    build = lambda a, device: train.build_run(a, device, builder=build_conductor)  # the policy, this g, LoRA
+    return run_training(args, distributed.ONE, score_batch or rewards.score_batch, build, grpo_step)
 
 
 def build_conductor(team, out_dim, args, device, dtype):

@@ -57,7 +57,7 @@ agent_weights_by_source (the same per item type: the reasoning-gym source datase
 drawn weights) and concentration (mean sum of alpha at the first span).
 
 This file is a script with its own step, one file per algorithm: grpo_step below is GRPO on the agent's span
-decisions, and main hands it and this script's g to train.train, train.py's run (checks, checkpoints,
+decisions, and main hands it and this script's g to run_training, train.py's run (checks, checkpoints,
 --resume, --eval-items). No torchrun: one process. Its `evaluate` (evaluate_main) scores a run with RLAE.answer.
 """
 import math
@@ -78,13 +78,15 @@ from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, frozen_dtype, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, prefill_shared  # noqa: E402
-from support import distributed  # noqa: E402
-from support.kv_cache import cache_kwargs  # noqa: E402
-from support.config import COUNT, build_parser, parse, refuse_train_levers  # noqa: E402
-from support.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
-from support.metrics import wall_clock  # noqa: E402
-from support.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
-from support.validation import score_items, validation_items  # noqa: E402
+from support.lib import distributed  # noqa: E402
+from support.lib.kv_cache import cache_kwargs  # noqa: E402
+from support.harness.checks import parse, refuse_train_levers  # noqa: E402
+from support.harness.config import COUNT, build_parser  # noqa: E402
+from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
+from support.harness.metrics import wall_clock  # noqa: E402
+from support.harness.run import run_training  # noqa: E402
+from support.harness.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
+from support.harness.validation import score_items, validation_items  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -352,7 +354,7 @@ def rlae(team, out_dim, args, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step (train.train runs the loop)
+# One GRPO step (support/harness/run.run_training runs the loop)
 
 
 def grpo_step(step, run, args, score_batch):
@@ -414,7 +416,7 @@ def grpo_step(step, run, args, score_batch):
            "skipped_update": not finite}
     # seconds, and tokens_per_s over the units of the union vocabulary the ensemble wrote
     rec.update(wall_clock(t0, int(sum(b["traj"]["length"].sum() for b in batches))))
-    return rec, [SimpleNamespace(**b) for b in batches]  # train.train reads .questions, .items, ...
+    return rec, [SimpleNamespace(**b) for b in batches]  # run_training reads .questions, .items, ...
 
 
 def item_source(item, task):
@@ -423,7 +425,7 @@ def item_source(item, task):
 
 
 def parse_args(argv=None):
-    """train.py's flags (support/config.py), --method rlae, and RLAE's own; --reward random is the control."""
+    """train.py's flags (support/harness/config.py), --method rlae, and RLAE's own; --reward random is the control."""
     p = build_parser(methods=["rlae"], description=__doc__.strip().splitlines()[0])
     a = p.add_argument_group("RLAE's own", "the agent's decisions during decoding").add_argument
     a("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions (paper: L = 8)")
@@ -437,9 +439,9 @@ def main(argv=None, score_batch=None):
     if argv[:1] == ["evaluate"]:
         return evaluate_main(argv[1:])
     args = parse_args(argv)
-    # train.py's run (support/run.py's checks, resume, logs, checkpoints, end) with this script's g and step
-    return train.train(args, distributed.ONE, score_batch or rewards.score_batch, builder=build_rlae,
-                       step_fn=grpo_step)
+    # train.py's run (support/harness/run.py: checks, resume, logs, checkpoints, the end) with this g and step
+    build = lambda a, device: train.build_run(a, device, builder=build_rlae)  # the policy, this g, LoRA
+    return run_training(args, distributed.ONE, score_batch or rewards.score_batch, build, grpo_step)
 
 
 def build_rlae(team, out_dim, args, device, dtype):

@@ -121,7 +121,7 @@ def test_zero_context_in_front_of_a_deep_policy_has_a_finite_gradient():
     every update with a non-zero advantage was skipped, and C stayed 0 for ever. policy_inputs now keeps the
     first prompt token in front ([x_0 C x_1..]); a 16-layer random Llama shows both sides of the story."""
     import transformers as tf
-    from support.tiny_models import tiny_tokenizer
+    from support.lib.tiny_models import tiny_tokenizer
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=16,
@@ -234,7 +234,7 @@ def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
     """Regression: encode_prompts dropped the <bos> that a base model's tokenizer adds to plain text (Gemma-3-270M
     as the policy scored 0.0 without it). A chat template writes its own special tokens: nothing is added then."""
     from tokenizers import processors
-    from support.tiny_models import tiny_tokenizer
+    from support.lib.tiny_models import tiny_tokenizer
     for chat in (False, True):
         tok = tiny_tokenizer(chat=chat)
         bos = tok.bos_token_id

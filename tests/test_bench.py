@@ -13,7 +13,7 @@ import bench  # noqa: E402
 
 def test_phase_timers_wrap_what_a_step_calls_and_restore_it():
     import rollout
-    from support import metrics as run_module
+    from support.harness import metrics as run_module
     optimizer = torch.optim.SGD([torch.nn.Parameter(torch.zeros(1))], lr=0.1)
     before = (rollout.sample, run_module.context_probes, torch.Tensor.backward)
     times = defaultdict(float)

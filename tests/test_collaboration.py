@@ -10,15 +10,15 @@ import pytest
 import torch
 
 from baselines import METHODS
-from support.validation import derangement
+from support.harness.validation import derangement
 from evaluate import paired_table
-from support.validation import SHUFFLE_NA
-from support.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
+from support.harness.validation import SHUFFLE_NA
+from support.lib.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
 import rewards
 from rewards import coin_rewards
-from support.optim import clip_gradients
+from support.lib.optim import clip_gradients
 from train import fit_state_norm, main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
@@ -178,7 +178,7 @@ def merging_tokenizer():
     prompt + "</think>..." tokenises differently from prompt and bridge apart, as SmolLM2's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from support.tiny_models import tiny_tokenizer
+    from support.lib.tiny_models import tiny_tokenizer
     base = tiny_tokenizer()
     vocab = dict(base.get_vocab())
     vocab.update({"</": len(vocab), "></": len(vocab) + 1})
@@ -194,7 +194,7 @@ def merging_tokenizer():
 def merging_policy(seed):
     """The tiny llama policy on merging_tokenizer(), with LoRA whose B is random (not the zeros of init), in
     eval mode: (tokenizer, policy)."""
-    from support.tiny_models import load as tiny_model
+    from support.lib.tiny_models import load as tiny_model
     from lora import apply_lora
     tok = merging_tokenizer()
     policy, _ = tiny_model("llama")
@@ -210,12 +210,12 @@ def merging_policy(seed):
 
 @pytest.mark.parametrize("position, with_C", [("before", True), ("before", False), ("after", True)])
 def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, with_C):
-    """support.gold.greedy_and_gold shares the prefill between the greedy answer and the gold pass:
+    """support.harness.gold.greedy_and_gold shares the prefill between the greedy answer and the gold pass:
     its completions are bit for bit rollout.sample's, its log-probs gold_logprobs' to float
     rounding, also when the tokeniser merges the prompt's end with the bridge (k = 1 column run
     again) and when C sits after the prompt (the gold pass then runs on its own)."""
     from types import SimpleNamespace
-    from support.gold import answer_bridge, gold_logprobs, greedy_and_gold
+    from support.harness.gold import answer_bridge, gold_logprobs, greedy_and_gold
     from grpo import completion_mask
     from rollout import encode_prompts, sample
     tok, policy = merging_policy(seed=1)
@@ -246,7 +246,7 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
     the prompt (the prompt's beginning is still shared), and two identical items. With each item's own C
     in front nothing is shared and it is the whole-prompt prefill, bit for bit."""
     from types import SimpleNamespace
-    from support.gold import greedy_and_gold
+    from support.harness.gold import greedy_and_gold
     from rollout import encode_prompts, prefill, prefill_shared
     tok, policy = merging_policy(seed=2)
     args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=8)
@@ -275,7 +275,7 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
 def test_shuffled_C_is_not_applicable_when_C_does_not_depend_on_the_prompt():
     """Regression: soft_prompt's "with C - shuffled C = 0.0" was reported as if it were a measurement; it is
     0 by construction, because its C is the same for every prompt."""
-    from support.validation import context_depends_on_prompt
+    from support.harness.validation import context_depends_on_prompt
     C = torch.randn(1, 4, 8).expand(5, 4, 8)
     assert not context_depends_on_prompt(C) and not context_depends_on_prompt(C[:1])
     C = C.clone()
@@ -526,7 +526,7 @@ def test_answer_only_completions_are_scored_with_the_prefix_that_opened_the_answ
     read the prefix with it (rewards.responses), in training and in evaluation, and the gold log-prob must not
     open a second answer block (answer_bridge). Before the fix every such completion scored as "no answer"."""
     from rewards import extract_answer, responses
-    from support.gold import answer_bridge
+    from support.harness.gold import answer_bridge
     prefix = "<think></think>\n<answer>"
     assert answer_bridge(prefix) == "" and answer_bridge("<answer>") == ""
     assert answer_bridge("<think>") == "</think>\n<answer>" and answer_bridge("") == "<answer>"

@@ -1,6 +1,6 @@
-"""support/config.py: a preset is a plain dict of flag values that explicit flags override, and config.json
-records the resolved values; --help shows every default and the presets, each flag once in its group, in 100
-columns; a negative number is a flag's value
+"""support/harness/config.py and checks.py: a preset is a plain dict of flag values that explicit flags override,
+and config.json records the resolved values; --help shows every default and the presets, each flag once in its
+group, in 100 columns; a negative number is a flag's value
 (accepted where the flag's type allows it, refused with the flag's own message where it does not); --config
 replays a run's config.json to the same metrics, a flag beside it wins, and a bad file is one line and exit code 2
 before anything is written."""
@@ -11,7 +11,8 @@ import sys
 
 import pytest
 
-from support.config import PRESETS, ArgumentParser, number, parse_args
+from support.harness.checks import parse_args
+from support.harness.config import PRESETS, ArgumentParser, number
 
 sys.path.insert(0, os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures"))
 from record_metrics import POCKET_FLAGS  # noqa: E402  (the README's first command before presets)
@@ -91,10 +92,10 @@ def test_help_groups_the_papers_settings_then_the_levers_then_the_run_each_flag_
     flags come last, in a group of its own."""
     from neighbours import conductor, rlae
 
-    from support import config
+    from support.harness import checks, config
     monkeypatch.setenv("COLUMNS", "300")  # the width is fixed, whatever the terminal's
-    module = {"train": config, "conductor": conductor, "rlae": rlae}[script]
-    parsers, parse = [], config.parse  # the script's parser, as its parse_args hands it to parse
+    module = {"train": checks, "conductor": conductor, "rlae": rlae}[script]
+    parsers, parse = [], checks.parse  # the script's parser, as its parse_args hands it to parse
     monkeypatch.setattr(module, "parse", lambda p, argv: parsers.append(p) or parse(p, argv))
     sections, lines = help_sections(module.parse_args, capsys)
     own = {"train": [], "conductor": ["the conductor's own"], "rlae": ["RLAE's own"]}[script]
@@ -138,8 +139,8 @@ def test_a_neighbour_asked_of_train_py_says_where_it_lives(method, capsys):
 def test_resume_reads_a_flag_newer_than_the_run_as_its_default(tmp_path):
     """A run saved before a flag existed ran as that flag's default does: resuming it with the default is
     the same run; with another value it is not, and the message names the flag."""
-    from support.checkpoint import check_resume
-    from support.config import build_parser
+    from support.harness.checkpoint import check_resume
+    from support.harness.config import build_parser
     args = parse_args(["--out", str(tmp_path)])
     saved = {k: v for k, v in vars(args).items() if k != "format_bonus_strict"}  # as if saved before the flag
     with open(tmp_path / "config.json", "w") as f:
@@ -167,7 +168,7 @@ def test_the_run_plot_shows_both_curves_the_validation_and_the_uniform_reference
     """plot.png: reward and solve rate both visible (different styles: they coincide under exact rewards), the
     validation before/after as points, utilisation beside 1/n and the entropy beside log n on its own panel."""
     plt = pytest.importorskip("matplotlib.pyplot")
-    from support import plot
+    from support.harness import plot
     rows = [{"step": s, "reward": 0.5, "solve_rate": 0.5, "answer_rate": 1.0, "kl": 0.0, "entropy": 1.09,
              "utilization": [0.3, 0.3, 0.4], "utilization_names": ["a", "b", "c"]} for s in (1, 2)]
     with open(tmp_path / "metrics.jsonl", "w") as f:

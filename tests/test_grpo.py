@@ -6,8 +6,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from grpo import completion_mask, flat_groups, group_advantages, grpo_loss, signal_scale
-from rollout import draw, token_logprobs
+from grpo import completion_mask, flat_groups, group_advantages, grpo_loss, signal_scale, token_logprobs
+from rollout import draw
 
 e = math.exp
 

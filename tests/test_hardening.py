@@ -20,7 +20,7 @@ import time
 import pytest
 import torch
 
-from support import checkpoint
+from support.harness import checkpoint
 import evaluate
 import train
 
@@ -401,7 +401,7 @@ def inject_faults(monkeypatch, faults):
     """faults: {step: "loss" | "grad"}. Also records the trainable weights at every checkpoint."""
     import grpo
     from lora import lora_state_dict
-    from support import run
+    from support.harness import run
     real_loss, real_save, calls, saved = grpo.grpo_loss, run.save_checkpoint, [0], {}
 
     def grpo_loss(logp, *args, **kwargs):  # one call per step here: --grad-accum 1, --inner-epochs 1

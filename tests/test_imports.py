@@ -1,9 +1,9 @@
 """The import graph is a tree of layers, never a circle (function-level imports count): every .py file of the
 project is parsed with ast, each `import x` / `from x import y` anywhere in it (top level, inside functions,
 under `if __name__ == "__main__"`) becomes an arrow to the project file it names, and the graph must have no
-cycle. The leaves import no project file (rollout.py only lora.py, for lora_merged while sampling, its
-low-precision copy support/low_precision.py and the KV cache's plumbing support/kv_cache.py, both leaves, and
-support/static_decode.py, which imports kv_cache alone), no
+cycle. The leaves import no project file (rollout.py only lora.py, for lora_merged while sampling, grpo.py for
+token_logprobs, its low-precision copy support/lib/low_precision.py and the KV cache's plumbing
+support/lib/kv_cache.py, both leaves, and support/lib/static_decode.py, which imports kv_cache alone), no
 core file imports train.py, and nothing in the core or support/ imports a neighbour, an experiment or a test."""
 import ast
 import os
@@ -42,8 +42,11 @@ def imports_of(path):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            # `from support import stats` names the module support.stats; `from train import main` train
-            names = [f"{node.module}.{a.name}" for a in node.names] + [node.module]
+            # `from support.lib import stats` names the module support/lib/stats.py (not the package's
+            # __init__.py); `from train import main` names train.py
+            modules = {resolve(f"{node.module}.{a.name}", path) for a in node.names} - {None}
+            names = [node.module] if not modules else []
+            found |= modules
         else:
             continue
         found |= {resolve(name, path) for name in names} - {None}
@@ -90,22 +93,23 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_function_level_imports_count():
-    """The reader sees an import inside a function, and `from support import x` as support/x.py."""
+    """The reader sees an import inside a function, and `from support.lib import x` as support/lib/x.py."""
     edges = graph()
-    assert "support/plan.py" in edges["train.py"]            # inside main(), under --plan
-    assert "support/pocket_models.py" in edges["support/plan.py"]  # inside model_config()
-    assert "support/stats.py" in edges["support/report.py"]
+    assert "support/harness/plan.py" in edges["train.py"]            # inside main(), under --plan
+    assert "support/lib/pocket_models.py" in edges["support/harness/plan.py"]  # inside model_config()
+    assert "support/lib/stats.py" in edges["support/harness/report.py"]
 
 
 def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
     edges = graph()
-    for leaf in ("grpo.py", "lora.py", "adapter.py", "support/low_precision.py", "support/kv_cache.py"):
+    for leaf in ("grpo.py", "lora.py", "adapter.py", "support/lib/low_precision.py", "support/lib/kv_cache.py"):
         assert edges[leaf] == set(), (leaf, edges[leaf])
-    # lora_merged: the rollout samples with LoRA folded in; low_precision_linears: --rollout-dtype;
-    # static_decode: the decode loop with fixed shapes (a CUDA graph), on the KV cache's plumbing alone
-    assert edges["rollout.py"] == {"lora.py", "support/low_precision.py", "support/kv_cache.py",
-                                   "support/static_decode.py"}
-    assert edges["support/static_decode.py"] == {"support/kv_cache.py"}
+    # lora_merged: the rollout samples with LoRA folded in; grpo.token_logprobs: the scoring pass's log-probs;
+    # low_precision_linears: --rollout-dtype; static_decode: the decode loop with fixed shapes (a CUDA graph),
+    # on the KV cache's plumbing alone
+    assert edges["rollout.py"] == {"lora.py", "grpo.py", "support/lib/low_precision.py", "support/lib/kv_cache.py",
+                                   "support/lib/static_decode.py"}
+    assert edges["support/lib/static_decode.py"] == {"support/lib/kv_cache.py"}
     lower = [p for p in edges if p in CORE or p.startswith("support/")]
     assert not [p for p in lower if "train.py" in edges[p]], "a core file imports train.py"
     for p in lower:
@@ -116,9 +120,29 @@ def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
 def test_nothing_but_experiments_tests_and_neighbours_imports_the_scripts():
     """train.py and evaluate.py are the top of the core: the core and support/ take values, so no file imports a
     script upward except an experiment or a test (they drive runs) and a neighbour's script, which runs train.py's
-    run (train.train) with its own g and step."""
+    run (train.build_run, support/harness/run.run_training) with its own g and step."""
     edges = graph()
     upward = sorted((p, q) for p, qs in edges.items() for q in qs if q in ("train.py", "evaluate.py")
                     and p.split("/")[0] not in ("experiments", "tests")
                     and not (p.startswith("neighbours/") and q == "train.py"))
     assert not upward, upward
+
+
+def test_support_is_two_shelves_and_its_index_lists_every_module():
+    """support/lib/ is what the core leans on: no module there imports a core file or anything of
+    support/harness/ (what runs the core), so each reads on its own; support/__init__.py lists every module
+    of both shelves, on the shelf it is on."""
+    edges = graph()
+    for p, qs in edges.items():
+        if p.startswith("support/lib/"):
+            up = [q for q in qs if q in CORE or q.startswith("support/harness/") or "/" not in q]
+            assert not up, (p, up)
+    with open(os.path.join(ROOT, "support", "__init__.py")) as f:
+        index = f.read()
+    lib_part, harness_part = index.split("harness/ (above the core)")
+    for shelf, part in (("lib", lib_part), ("harness", harness_part)):
+        modules = sorted(n for n in os.listdir(os.path.join(ROOT, "support", shelf))
+                         if n.endswith(".py") and n != "__init__.py")
+        listed = [n for n in modules if f"\n  {n} " in part]
+        assert listed == modules, (shelf, sorted(set(modules) - set(listed)))
+    assert sorted(n for n in os.listdir(os.path.join(ROOT, "support")) if n.endswith(".py")) == ["__init__.py"]

@@ -1,10 +1,10 @@
-"""support/model_check.py: what a model flag names is checked before anything loads, in seconds."""
+"""support/harness/model_check.py: what a model flag names is checked before anything loads, in seconds."""
 import socket
 import time
 
 import pytest
 
-from support import model_check
+from support.harness import model_check
 
 
 def test_a_hub_model_fails_in_seconds_when_the_hub_cannot_be_reached(monkeypatch):

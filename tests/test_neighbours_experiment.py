@@ -15,7 +15,7 @@ import numpy as np
 import pytest
 
 import rewards
-import support.checkpoint
+import support.harness.run
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
@@ -158,7 +158,7 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     def kill_at_step_2(point, step):
         if (point, step) == ("step", 2):
             raise Killed
-    monkeypatch.setattr(support.checkpoint, "sigkill_hook", kill_at_step_2)  # the script imports it at run time
+    monkeypatch.setattr(support.harness.run, "sigkill_hook", kill_at_step_2)  # where the run's loop calls it
     calls = []
     with pytest.raises(Killed):
         NL.main(FLAGS + where, runner=in_process(calls))

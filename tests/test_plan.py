@@ -1,4 +1,4 @@
-"""--plan (support/plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
+"""--plan (support/harness/plan.py) and --expert-device: the plan counts what a run builds, its activation count matches what
 autograd keeps, it writes nothing; experts can run on another device and their states come back."""
 import os
 import subprocess
@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from baselines import METHODS, Kind, SoftPrompt
-from support import plan
+from support.harness import plan
 import train
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +171,7 @@ def test_plan_counts_keys_and_values_at_the_width_attention_reads_them():
     """The default team's loss pass on CUDA: --attention grouped (auto there) keeps keys and values at Qwen2.5-3B's
     2 key/value heads, sdpa at its 16 query heads plus the G-fold cache (the issue's 15.7 GiB); the plan says
     which it counted. On a CPU auto is sdpa (the fixtures' path)."""
-    from support.shape_models import config
+    from support.lib.shape_models import config
     c = config("Qwen/Qwen2.5-3B-Instruct")
     L, H, KV, hd = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     flags = ["--team", "default", "--device", "cuda", "--task", "arithmetic"]
@@ -190,7 +190,7 @@ def test_plan_counts_keys_and_values_at_the_width_attention_reads_them():
 def test_plan_counts_one_completions_logits_and_one_prefill_layer():
     """The loss pass's logits: y_0's rows and one completion's (rollout.head_logprobs), not [N, T, V]; the rollout's
     cache: the decode buffers and one layer of the prefill's (kv_cache.preallocate), not a second whole cache."""
-    from support.shape_models import config
+    from support.lib.shape_models import config
     c = config("Qwen/Qwen2.5-3B-Instruct")
     _, info = plan.estimate(train.parse_args(["--team", "default", "--device", "cuda", "--task", "arithmetic"]))
     B, G, T, V, Pc = 4, 8, 128, c.vocab_size, info["prompt_tokens"] + info["context_tokens"]

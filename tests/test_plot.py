@@ -1,4 +1,4 @@
-"""support/plot.py, the plot train.py writes into a run's folder: a run of two steps still shows every point
+"""support/harness/plot.py, the plot train.py writes into a run's folder: a run of two steps still shows every point
 (no moving average longer than the run), the routing panel appears only for methods with experts, and
 without matplotlib one line says so and nothing breaks."""
 import json
@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from support.plot import plot_run, series
+from support.harness.plot import plot_run, series
 
 
 def write_run(folder, rows):

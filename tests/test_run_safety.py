@@ -24,8 +24,8 @@ import pytest
 import torch
 
 import train
-from support import checkpoint, run
-from support.lock import LOCK_NAME, release_lock, take_lock
+from support.harness import checkpoint, run
+from support.harness.lock import LOCK_NAME, release_lock, take_lock
 from test_hardening import FLAGS, RUN_SCRIPT, letter_reward, read_metrics, same_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -41,7 +41,7 @@ def one_thread():
 
 def start(out, *extra, steps=4, signal_at=""):
     """train.main in a subprocess (test_hardening's RUN_SCRIPT), its log lines unbuffered; signal_at:
-    "POINT:STEP:SIGNAL" sends the run that signal there (support/checkpoint.py sigkill_hook)."""
+    "POINT:STEP:SIGNAL" sends the run that signal there (support/harness/checkpoint.py sigkill_hook)."""
     env = {**os.environ, "PYTHONUNBUFFERED": "1", "NMUSK_TEST_SIGKILL": signal_at}
     return subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(steps), "--out", out, *extra],
                             cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
@@ -251,8 +251,8 @@ def test_an_older_checkpoint_is_refused_until_converted_and_then_resumes_exactly
     with pytest.raises(SystemExit) as exc:
         train.main(FLAGS + ["--steps", "3", "--out", out, "--resume"], score_batch=letter_reward)
     err = error_lines(capfd.readouterr().err)
-    assert exc.value.code == 2 and len(err) == 1 and "python -m support.checkpoint" in err[0], err
-    subprocess.run([sys.executable, "-m", "support.checkpoint", path], cwd=ROOT, check=True, capture_output=True)
+    assert exc.value.code == 2 and len(err) == 1 and "python -m support.harness.checkpoint" in err[0], err
+    subprocess.run([sys.executable, "-m", "support.harness.checkpoint", path], cwd=ROOT, check=True, capture_output=True)
     train.main(FLAGS + ["--steps", "3", "--out", out, "--resume"], score_batch=letter_reward)
     whole = str(tmp_path / "whole")
     train.main(FLAGS + ["--steps", "3", "--out", whole], score_batch=letter_reward)

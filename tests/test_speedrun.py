@@ -17,9 +17,9 @@ import grpo
 import rewards
 import rollout
 import train
-from support import low_precision
-from support.optim import lr_factor
-from support.validation import score_items
+from support.lib import low_precision
+from support.lib.optim import lr_factor
+from support.harness.validation import score_items
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--max-new-tokens", "3"]

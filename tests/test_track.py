@@ -1,5 +1,5 @@
 """What a run reports while it runs: tokens_per_s in each step's record (the step's completion tokens over its
-wall seconds), and --track (support/track.py): TensorBoard's event file holds every scalar of metrics.jsonl, a
+wall seconds), and --track (support/harness/track.py): TensorBoard's event file holds every scalar of metrics.jsonl, a
 missing library is one line and exit code 2 before anything is written, the tracker is closed however the
 run ends, and where trackio or wandb is installed, the real library keeps each step's scalars."""
 import json
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 import train
-from support import track
+from support.harness import track
 
 SMOKE = ["--preset", "smoke", "--eval-items", "0", "--steps", "2", "--device", "cpu"]
 
@@ -98,7 +98,7 @@ def test_tensorboard_holds_every_scalar_of_metrics_jsonl(tmp_path):
 
 
 class FakeLibrary(types.ModuleType):
-    """A stand-in for trackio and wandb, with the calls support/track.py makes (their documented init, log and
+    """A stand-in for trackio and wandb, with the calls support/harness/track.py makes (their documented init, log and
     finish): it records them. wandb.init returns a run with log and finish: here the module itself."""
 
     def __init__(self, name):

@@ -9,8 +9,8 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from verdict2 import HYPER, PILOT_LRS, PROMPT, TASK, pilot_arms, pilot_choice, pilot_table  # noqa: E402
 
-from support.config import parse_args  # noqa: E402
-from support.gold import answer_bridge  # noqa: E402
+from support.harness.checks import parse_args  # noqa: E402
+from support.harness.gold import answer_bridge  # noqa: E402
 
 
 def test_every_pilot_arm_parses_in_the_answer_only_protocol():
@@ -50,7 +50,7 @@ def test_pilot_table_reads_each_lr_against_single_of_the_same_seed():
 def test_seven_seeds_can_pass_a_family_of_four_and_six_cannot():
     """results/verdict2/preregistration.md: 7 seeds because the family has 4 tests (and 6 seeds for the fallback
     family of 2)."""
-    from support.stats import holm, sign_flip_p
+    from support.lib.stats import holm, sign_flip_p
     best = {n: sign_flip_p([1.0] * n, "greater") for n in (6, 7)}
     assert min(holm([best[6]] * 4)) > 0.05                  # 4 / 64 = 0.0625
     assert max(holm([best[7]] * 4)) < 0.05                  # 4 / 128 = 0.031

@@ -24,7 +24,7 @@ import torch
 
 import evaluate
 import train
-from support import checkpoint
+from support.harness import checkpoint
 from test_hardening import FLAGS, RUN_SCRIPT, letter_reward, read_metrics, snapshot
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -87,7 +87,7 @@ def test_resume_refuses_a_run_folder_holding_a_link_before_any_model_loads(name,
     elif os.path.exists(path):
         os.remove(path)
     os.symlink(victim, path)
-    monkeypatch.setattr("support.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr("support.harness.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit) as exc:
         train.main(FLAGS + ["--steps", "3", "--save-every", "1", "--eval-items", "2", "--out", out, "--resume"],
                    score_batch=letter_reward)
@@ -141,9 +141,9 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, cap
 
 
 def test_each_writer_refuses_a_link_and_leaves_nothing(tmp_path):
-    """The writers themselves (support/files.py), for every kind of write: replaced, replaced_name,
+    """The writers themselves (support/lib/files.py), for every kind of write: replaced, replaced_name,
     replaced_folder, append_lines, write_json."""
-    from support import files
+    from support.lib import files
     victim = outside(tmp_path)
     link = tmp_path / "link"
     os.symlink(victim, link)
@@ -224,7 +224,7 @@ def train(*extra):
                           capture_output=True, text=True)
 first = train()
 listing = sorted(os.listdir(mnt + "/run"))
-step = __import__("support.checkpoint", fromlist=["x"]).checkpoint_step(mnt + "/run/checkpoint.pt")
+step = __import__("support.harness.checkpoint", fromlist=["x"]).checkpoint_step(mnt + "/run/checkpoint.pt")
 subprocess.run(["mount", "-o", "remount,size=64m", mnt], check=True)  # space freed
 second = train("--resume")
 print(json.dumps({"first": [first.returncode, first.stderr], "listing": listing, "step": step,
@@ -300,7 +300,7 @@ def test_inputs_too_large_are_refused_in_one_line(case, tmp_path, capfd, monkeyp
     extra = [paths[a]() if a in paths else a for a in extra]
     out = str(tmp_path / "out")
     if "context" not in must:  # refused before the policy loads
-        monkeypatch.setattr("support.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
+        monkeypatch.setattr("support.harness.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit) as exc:
         train.main(FLAGS + ["--steps", "1", "--out", out, *extra], score_batch=letter_reward)
     line = one_error(capfd)
@@ -345,7 +345,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_model_loads(kind, finished, 
     out = copy_of(finished, tmp_path)
     damage(kind, os.path.join(out, "checkpoint.pt"))
     before = snapshot(out)
-    monkeypatch.setattr("support.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr("support.harness.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit) as exc:
         train.main(FLAGS + ["--steps", "3", "--save-every", "1", "--eval-items", "2", "--out", out, "--resume"],
                    score_batch=letter_reward)
@@ -355,7 +355,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_model_loads(kind, finished, 
 
 
 def test_an_unreadable_expert_state_is_computed_again_and_a_bad_width_refused(tmp_path, capfd, monkeypatch):
-    from support.state_store import StateStore, cache_problem
+    from support.lib.state_store import StateStore, cache_problem
     store = StateStore(str(tmp_path / "cache"), "tiny:qwen2|cpu|float32|last|1.0|1024")
     store.write({"a": torch.ones(4), "b": torch.ones(4)})
     store.set_dim(4)
@@ -369,7 +369,7 @@ def test_an_unreadable_expert_state_is_computed_again_and_a_bad_width_refused(tm
     width = store.path("\0width")[:-3] + ".width"
     open(width, "w").write("lots")
     assert store.dim() is None and "--expert-cache" in cache_problem(str(tmp_path / "cache"), "--expert-cache")
-    monkeypatch.setattr("support.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
+    monkeypatch.setattr("support.harness.build.load_model", lambda *a, **k: pytest.fail("a model loaded"))
     with pytest.raises(SystemExit) as exc:
         train.main(FLAGS + ["--steps", "1", "--out", str(tmp_path / "out"), "--expert-cache",
                             str(tmp_path / "cache")], score_batch=letter_reward)
@@ -399,7 +399,7 @@ EVAL_LONG_CALL = r"""
 import sys, threading, torch
 sys.path[:0] = [{root!r}]
 torch.set_num_threads(1)
-from support.stop import stopping_on_signals
+from support.harness.stop import stopping_on_signals
 with stopping_on_signals(lambda name: f"stopped by {{name}}: nothing written; run the same command again"):
     a = torch.rand(3000, 3000, dtype=torch.float64)
     threading.Timer(1.0, print, ["in the long call"], {{"flush": True}}).start()  # said from inside the call
@@ -442,7 +442,7 @@ def test_the_watchdog_has_ended_when_the_signals_are_restored():
     load ~1 finished pocket run in 2 aborted with "terminate called without an active exception" (exit -6, seen
     in the test suite as well). The watchdog is now joined before restore_signals returns."""
     import threading
-    from support.stop import SignalState, answer_signals, restore_signals
+    from support.harness.stop import SignalState, answer_signals, restore_signals
     for _ in range(20):
         saved = answer_signals(SignalState(), lambda name: f"stopped by {name}")
         restore_signals(saved)

@@ -1,7 +1,7 @@
 """
 The plot train.py writes into a run's folder at the end (plot.png): what a first run shows at a glance.
 
-    python -m support.plot runs/pocket-first        # (re)draw the plot of a finished or running run
+    python -m support.harness.plot runs/pocket-first        # (re)draw the plot of a finished or running run
 
 Panels over optimiser steps, from metrics.jsonl: the training reward (the format bonus is not in it)
 with the solve rate (drawn on top of each other when the reward is exact: the dashed line is the

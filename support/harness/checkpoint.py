@@ -10,7 +10,7 @@ A checkpoint holds tensors, numbers, strings, lists, tuples and dicts only (nump
 a tensor and numbers), and every file is read with torch.load(weights_only=True), which builds nothing else: a
 run folder someone shared cannot run code when it is loaded. A checkpoint written before that (numpy arrays
 pickled) is refused in one line that names the command converting it, for a file one trusts:
-`python -m support.checkpoint PATH`.
+`python -m support.harness.checkpoint PATH`.
 
   save_checkpoint    one file, written to a temporary name and renamed: it is the old one or the new one
   check_checkpoint   before any model loads: readable, a format this code reads, LoRA's rank and g's latents
@@ -21,7 +21,7 @@ pickled) is refused in one line that names the command converting it, for a file
   keep_metrics_upto  drops the log lines written after the checkpoint
   write_json         a JSON file written the same way (config.json, validation.json, evaluate.py's results)
 
-Every file here is written by support/files.py's `replaced` (exclusive temporary file, renamed; nothing left
+Every file here is written by support/lib/files.py's `replaced` (exclusive temporary file, renamed; nothing left
 behind when the disk is full), never through a link. A checkpoint records its format (CHECKPOINT_FORMAT): a newer
 one is refused before any model loads, as is one whose LoRA rank or latent queries do not fit the run.
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from lora import load_lora_state_dict, lora_state_dict
-from support.files import UnsafePath, refuse_link, replaced
+from support.lib.files import UnsafePath, refuse_link, replaced
 
 # Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
 # processes: a run may resume with another.)
@@ -109,7 +109,7 @@ def read_checkpoint(path, flag, mmap=False):
             raise ValueError(f"{flag}: {path} holds Python objects other than tensors, numbers, strings, lists "
                              "and dicts (a checkpoint from before they were refused, or a crafted file); they are "
                              "not loaded, as they could run code. If you trust the file, convert it: python -m "
-                             f"support.checkpoint {path}") from None
+                             f"support.harness.checkpoint {path}") from None
         why = (str(e).splitlines() or [""])[0][:160]
         raise ValueError(f"{flag}: checkpoint {path} is unreadable ({type(e).__name__}: {why})") from None
 
@@ -271,8 +271,8 @@ def upgrade_checkpoint(path):
     read_checkpoint(path, "the converted file")  # it now loads with weights_only=True
 
 
-if __name__ == "__main__":  # python -m support.checkpoint PATH: convert an older checkpoint one trusts
+if __name__ == "__main__":  # python -m support.harness.checkpoint PATH: convert an older checkpoint one trusts
     if len(sys.argv) != 2:
-        sys.exit("usage: python -m support.checkpoint PATH/checkpoint.pt  (a file you trust: it is unpickled)")
+        sys.exit("usage: python -m support.harness.checkpoint PATH/checkpoint.pt  (a file you trust: it is unpickled)")
     upgrade_checkpoint(sys.argv[1])
     print(f"converted {sys.argv[1]}: it loads with weights_only=True")

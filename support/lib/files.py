@@ -14,7 +14,7 @@ So here:
   append_lines(path)    a log grows by whole lines (O_APPEND | O_NOFOLLOW); a failed write is cut back
   refuse_link(path)     a file or folder the run writes that is a symbolic link (or a pipe, a device) is refused
   WriteFailed           what a write the system refused raises (a full disk, a read-only folder, a permission);
-                        support/run.py turns it into one line and exit code 4
+                        support/harness/run.py turns it into one line and exit code 4
   link_in_run_folder    the one-line refusal, before any model loads, of a run folder holding such a link
   remove_stray_temporary_files   what a run killed while writing (SIGKILL, a power cut) left, removed on resume
 
@@ -31,7 +31,7 @@ import shutil
 import stat
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-PENDING = set()  # temporary files being written now: a stop from another thread (support/run.py) removes them
+PENDING = set()  # temporary files being written now: a stop from another thread (support/harness/run.py) removes them
 
 
 class WriteFailed(Exception):

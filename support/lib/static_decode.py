@@ -33,7 +33,7 @@ Try it on CPU:  python -m pytest tests/test_static_decode.py -q
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from support.kv_cache import cache_kwargs
+from support.lib.kv_cache import cache_kwargs
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # RoPE decoders whose forward takes a 4-D mask as it is
 WARMUP = 2      # eager steps before the capture (cuBLAS handles, kernel choices); they are real steps

@@ -22,9 +22,9 @@ from rollout import encode_prompts
 from adapter import anchor_context
 from lora import apply_lora, load_lora_state_dict
 from rollout import eos_token_ids
-from support.checkpoint import read_checkpoint
-from support.config import fail
-from support.gold import gold_logprobs, greedy_and_gold
+from support.harness.checkpoint import read_checkpoint
+from support.harness.config import fail
+from support.harness.gold import gold_logprobs, greedy_and_gold
 
 
 def derangement(n, seed=0):
@@ -59,7 +59,7 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
     condition (CONDITIONS). Returns ({condition: {"score": [per item], "gold_logprob": [per
     item]}}, scorer status counts). evaluate() scores a saved run with it; train.py --eval-items
     the policy before and after training. The task's own scorer only: training-only reward
-    shaping (--format-bonus) never reaches it. share_prefix: see support.gold.greedy_and_gold."""
+    shaping (--format-bonus) never reaches it. share_prefix: see support.harness.gold.greedy_and_gold."""
     device = next(policy.parameters()).device
     answers_itself = kind(args.method).answers  # baselines.Kind
     # g(x) for every item first (shuffled C needs another item's), then the same items under each
@@ -173,7 +173,7 @@ def summary(scores, sources, per_dataset=True):
 def read_run(folder):
     """(config, checkpoint) of a train.py run; exits with one line naming --run if either is
     missing or corrupt, or if the run has no validation split of its own. The checkpoint is read
-    with weights_only=True (support/checkpoint.py): a shared run folder cannot run code."""
+    with weights_only=True (support/harness/checkpoint.py): a shared run folder cannot run code."""
     cfg_path, ckpt = os.path.join(folder, "config.json"), os.path.join(folder, "checkpoint.pt")
     if not os.path.isdir(folder):
         fail(f"--run {folder} is not a folder (a run folder written by train.py)")
@@ -204,8 +204,8 @@ def neighbour_eval_args(argv, script):
     checkpoint, the eval.json path, the folders made for it); bad input exits with code 2 and one line."""
     from types import SimpleNamespace
 
-    from support.model_check import check_models
-    from support.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder
+    from support.harness.model_check import check_models
+    from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
                        "validation split, greedy -> eval.json")
     p.add_argument("--run", required=True, help=f"a run folder written by {script}")
@@ -234,10 +234,10 @@ def evaluate_neighbour(argv, script, evaluate_run):
     """A neighbour script's `evaluate --run DIR --n N` (neighbours/conductor.py, neighbours/rlae.py): its
     `evaluate_run(cfg, n, batch_size, lora_state, method_state, device) -> result` on the run's checkpoint,
     eval.json written. Ctrl-C / SIGTERM end it in one line with exit code 130 / 143 within seconds, nothing
-    half-written (support/stop.py)."""
+    half-written (support/harness/stop.py)."""
     from experts import pick_device
-    from support.config import remove_created
-    from support.stop import stopping_on_signals
+    from support.harness.config import remove_created
+    from support.harness.stop import stopping_on_signals
     a, cfg, state, path, made = neighbour_eval_args(argv, script)
     with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
                              cleanup=lambda: remove_created(made)):
@@ -251,7 +251,7 @@ def evaluate_neighbour(argv, script, evaluate_run):
 
 def save_eval(path, result, state):
     """eval.json of a run (its checkpoint's step beside the score), and the line that says so."""
-    from support.checkpoint import write_json
+    from support.harness.checkpoint import write_json
     result["step"] = int(state["step"])
     write_json(path, result)
     print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "

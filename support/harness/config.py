@@ -1,23 +1,26 @@
 """
-The configuration of a training run: every train.py flag, its default (the paper's, unless the help says
-otherwise), its type check and the checks between flags; the presets; and the one-line error every bad input
-gets.
+The flags of a training run: every train.py flag in its group, its default (the paper's, unless the help says
+otherwise) and its type check; the presets; and the one-line error every bad input gets (fail), with the folder
+a flag names made or refused in that one line (create_folder). The checks between flags, and of the run they
+describe, are support/harness/checks.py's: its parse_args parses train.py's flags with the parser built here.
 
     python train.py --help              # every flag with its default: the paper's settings, levers, the run
-    python -c "from support.config import parse_args; print(vars(parse_args(['--preset', 'pocket'])))"
+    python -c "from support.harness.checks import parse_args; print(vars(parse_args(['--preset', 'pocket'])))"
 
 One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is
 checked by its type (COUNT, NONNEG, POSITIVE, number(...)), so a bad value fails on its own line, naming its
-flag, with exit code 2 and before anything is written. train.py, evaluate.py, support/plan.py, the neighbours and the
-experiments all parse their training flags here, so a flag means the same everywhere. A value may be negative
-("--flag -1e-3" is a value, not an option); each flag's type says whether a negative value makes sense.
+flag, with exit code 2 and before anything is written. train.py, evaluate.py, support/harness/plan.py, the
+neighbours and the experiments all build their training flags here (build_parser), so a flag means the same
+everywhere. A value may be negative ("--flag -1e-3" is a value, not an option); each flag's type says whether a
+negative value makes sense.
 
 A preset (PRESETS) is a plain dict of flag values: `--preset pocket` sets them, any flag given beside it wins,
-and config.json records the resolved values with the preset's name. `--config RUN/config.json --out NEW` replays
-a run the same way: the file's values are the defaults (each checked as its flag's text is), flags beside it win.
+and config.json records the resolved values with the preset's name. Nothing here is in the paper but the
+defaults of its settings (--help's first group).
+
+Try it on CPU:  python train.py --help
 """
 import argparse
-import json
 import math
 import os
 import re
@@ -25,15 +28,11 @@ import shlex
 import sys
 import textwrap
 
-import torch
-
 import rewards
-from baselines import METHODS, NEIGHBOURS, kind
-from experts import POOLINGS, TEAMS, team_models
-from support import distributed
-from support.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume
-from support.model_check import check_models
-from support.track import BACKENDS, check_library
+from baselines import METHODS
+from experts import POOLINGS, TEAMS
+from support.lib import distributed
+from support.harness.track import BACKENDS
 
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
 
@@ -134,93 +133,6 @@ def presets_help():
     return "\n".join(lines)
 
 
-def parse_args(argv=None):
-    """train.py's flags, checked."""
-    return parse(build_parser(), argv)
-
-
-def parse(p, argv=None):
-    """Parse with `p` (build_parser's): --preset's values, or --config's (a run's config.json), become the
-    defaults, so that a flag given beside them wins; then the checks between flags."""
-    pre = ArgumentParser(add_help=False)
-    pre.add_argument("--preset", default=None, choices=sorted(PRESETS))
-    pre.add_argument("--method", default=None)
-    pre.add_argument("--config", default=None)
-    pre.add_argument("--out", default=None)
-    first = pre.parse_known_args(argv)[0]
-    if first.method in NEIGHBOURS and first.method != p.get_default("method"):
-        fail(f"--method {first.method}: a system of its own, with its own loop and train.py's flags: "
-             f"python neighbours/{first.method}.py")
-    if first.preset and first.config:
-        fail(f"--config {first.config} holds every flag's value already: drop --preset {first.preset} and give "
-             "the flags to change beside --config")
-    if first.config and first.out is None:
-        fail(f"--config {first.config}: give --out, a new folder for the replay (the run's own holds that run)")
-    if first.preset:
-        p.set_defaults(**PRESETS[first.preset])
-    if first.config:
-        p.set_defaults(**replayed_values(p, first.config))
-    return check_args(p, p.parse_args(argv))
-
-
-# --config: the keys of a config.json that are not flags (support/run.py resume_run records them beside the
-# flags), and the flags a replay takes from its own command line only: --out (the run's own folder already
-# holds that run), --resume (a replay starts afresh unless it says --resume) and --config itself.
-RECORDED, NOT_REPLAYED = {"team_models", "device_used", "processes"}, {"out", "resume", "config"}
-
-
-def replayed_values(p, path):
-    """--config PATH: the flag values a run's config.json holds, each checked as the same flag on the command
-    line would be (its type, its choices), as {dest: value} for p.set_defaults: a flag given beside --config
-    wins. A flag the file lacks is newer than the run, which ran as that flag's default behaves (as --resume
-    reads it, support/checkpoint.py). A file that cannot be read, is not a JSON object, names a key that is no
-    flag of `p` or holds a bad value fails in one line (exit code 2)."""
-    try:
-        if os.path.exists(path) and not os.path.isfile(path):  # a folder, or a pipe that would block the read
-            fail(f"--config {path}: not a file (a run's config.json)")
-        if os.path.isfile(path) and os.path.getsize(path) > MAX_CONFIG_BYTES:
-            fail(f"--config {path}: {os.path.getsize(path)} bytes, more than a config.json's {MAX_CONFIG_BYTES}")
-        with open(path) as f:
-            saved = strict_json(f.read(MAX_CONFIG_BYTES + 1))
-    except OSError as e:
-        fail(f"--config {path}: cannot read it ({type(e).__name__}: {e.strerror})")
-    except ValueError as e:  # json.JSONDecodeError: "Expecting value: line 1 column 1 (char 0)"
-        fail(f"--config {path}: not JSON of flag values ({e})")
-    if not isinstance(saved, dict):
-        fail(f"--config {path}: not a JSON object of flag values")
-    flags = {a.dest: a for a in p._actions if a.default is not argparse.SUPPRESS}  # --help has no value
-    unknown = sorted(set(saved) - set(flags) - RECORDED)
-    if unknown:
-        fail(f"--config {path}: {', '.join(unknown)}: not a flag of this script")
-    return {k: replayed_value(flags[k], v, path) for k, v in saved.items() if k in flags and k not in NOT_REPLAYED}
-
-
-def replayed_value(action, value, path):
-    """A config.json value for the flag `action`, checked as argparse checks the flag's text: a switch takes true
-    or false, a flag whose default is null may be null, and any other value goes through the flag's type
-    (str(value): a float's str is its exact repr) and its choices."""
-    flag = action.option_strings[0]
-    bad = f"--config {path}: {flag}: {json.dumps(value)} is not a value of this flag"
-    if action.nargs == 0:  # a switch (store_true)
-        if not isinstance(value, bool):
-            fail(bad)
-        return value
-    if value is None:
-        if action.default is not None:
-            fail(bad)
-        return value
-    if isinstance(value, bool) or not isinstance(value, str if action.type is None else (int, float, str)):
-        fail(bad)
-    if action.type is not None:
-        try:
-            value = action.type(str(value))
-        except (argparse.ArgumentTypeError, ValueError) as e:
-            fail(f"--config {path}: {flag}: {e}")
-    if action.choices is not None and value not in action.choices:
-        fail(bad)
-    return value
-
-
 def build_parser(methods=METHODS, description=DESCRIPTION):
     """Every training flag, in --help's three groups: the paper's settings, the levers that are not the paper's,
     the run. `methods`: --method's choices, the first the default (a neighbour script passes its own one, and
@@ -306,7 +218,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "makes answer-only completions (rewards.responses)")
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
       help="the rollout's matmuls on a copy of the weights in this dtype "
-      "(support/low_precision.py; int8: CPU only); the scoring pass stays as it is")
+      "(support/lib/low_precision.py; int8: CPU only); the scoring pass stays as it is")
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
       "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
       "(grpo.truncated_is_weights; 0: off)")
@@ -316,7 +228,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "instead of computing them again there (rollout.mlps_recomputed): the same numbers, ~10 %% faster steps "
       "and ~1.1 GB more peak memory on the pocket policy")
     a("--attention", default="auto", choices=["auto", "grouped", "sdpa"], help="the policy's attention: grouped "
-      "(support/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "
+      "(support/lib/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "
       "own, which copies keys and values once per query head whenever a mask is passed) or auto: grouped on CUDA "
       "for a policy with grouped key/value heads, else the model's own (on a CPU the numbers stay bit for bit)")
     a("--no-shared-prefix", action="store_true", help="run every prompt whole in every pass, instead of the "
@@ -339,7 +251,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "items (greedy, the task's scorer) before the first step and after the last, and print both on one line "
       "(0: off)")
     a("--track", default="none", choices=["none", *BACKENDS], help="live tracking of each step's metrics.jsonl "
-      "record (support/track.py): tensorboard writes OUT/tensorboard/; trackio and wandb log to the project "
+      "record (support/harness/track.py): tensorboard writes OUT/tensorboard/; trackio and wandb log to the project "
       "n-musketeers, the run named after --out's folder. Its library is imported only when named here")
     a("--data-path", default=None, help="local GSM8K jsonl or folder (default: the hub's openai/gsm8k)")
     a("--device", default="auto", help="auto (cuda -> mps -> cpu), cuda[:N], mps or cpu (under torchrun: each "
@@ -353,150 +265,19 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
       "slower. CPU runs are deterministic without it")
     a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
-      "prompt: runs and evaluations that name the same folder compute each state once (support/state_store.py)")
+      "prompt: runs and evaluations that name the same folder compute each state once (support/lib/state_store.py)")
     a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
       "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
     a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
-      "(support/shape_models.py): the paper's code path at full size with no download, for memory and speed "
+      "(support/lib/shape_models.py): the paper's code path at full size with no download, for memory and speed "
       "checks only (it learns nothing useful)")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
-      "nothing downloaded or allocated) and exit without writing (support/plan.py)")
+      "nothing downloaded or allocated) and exit without writing (support/harness/plan.py)")
     return p
 
 
-def check_args(p, args):
-    """The checks between flags; a bad value exits (code 2) with one line naming its flag. What the method is
-    comes from its declaration (baselines.Kind), so a method registered in METHODS is checked as the paper's are."""
-    if (declared := kind(args.method)) is None:
-        p.error(f"--method {args.method}: its builder declares nothing; give it `.kind = baselines.Kind(...)`")
-    checks = [(args.expert_depth <= 1, f"--expert-depth must be in (0, 1], got {args.expert_depth}"),
-              (args.latent_dim % args.num_heads == 0,
-               f"--latent-dim {args.latent_dim} must be divisible by --num-heads {args.num_heads}"),
-              (args.clip_eps < 1, f"--clip-eps must be in [0, 1), got {args.clip_eps}"),
-              (not args.channel_weight or declared.tokens,
-               f"--channel-weight: --method {args.method} has no context tokens to contrast"),
-              (not args.channel_weight or args.batch_size >= 2,
-               "--channel-weight contrasts a prompt's C with another prompt's: --batch-size must be >= 2"),
-              (args.reward != "random" or not args.format_bonus,
-               "--format-bonus with --reward random: the random-reward control pays a coin and nothing else; "
-               "use --format-bonus 0"),
-              (args.format_bonus or not args.format_bonus_strict,
-               "--format-bonus-strict shapes the format bonus: give --format-bonus > 0 too"),
-              (not args.tis_cap or args.rollout_dtype != "float32" or low_precision_frozen(args),
-               "--tis-cap corrects a sampler that is not the scoring pass (--rollout-dtype bfloat16 or int8, "
-               "or bfloat16 frozen weights); with float32 everywhere there is nothing to correct"),
-              (args.rollout_dtype != "int8" or args.device == "cpu" or
-               (args.device == "auto" and not torch.cuda.is_available()),
-               f"--rollout-dtype int8 runs on CPU only (PyTorch's int8 kernels), and --device {args.device} "
-               f"{'picks cuda here' if args.device == 'auto' else 'is not the CPU'}: add --device cpu or use "
-               "--rollout-dtype bfloat16"),
-              (args.device in ("auto", "cpu", "cuda", "mps") or args.device.startswith("cuda:"),
-               f"--device must be auto, cpu, cuda[:N] or mps, got {args.device!r}"),
-              (args.expert_device in (None, "cpu", "cuda", "mps") or args.expert_device.startswith("cuda:"),
-               f"--expert-device must be cpu, cuda[:N] or mps, got {args.expert_device!r}"),
-              (args.data_path is None or args.task in rewards.TASKS,
-               f"--data-path is only read by a task with its own data ({', '.join(rewards.TASKS)})"),
-              (args.data_path is None or os.path.exists(args.data_path),
-               f"--data-path {args.data_path}: no such file or folder"),
-              # one file is the training split: validating on it would score training items
-              (args.data_path is None or not args.eval_items or (
-                  os.path.isdir(args.data_path) and os.path.isfile(os.path.join(args.data_path, "test.jsonl"))),
-               f"--data-path {args.data_path} holds no test.jsonl, and --eval-items would score training items; "
-               "pass a folder with train.jsonl and test.jsonl, or --eval-items 0"),
-              (args.experts is None or all(name.strip() for name in args.experts.split(",")),
-               f"--experts {args.experts!r} has an empty model name (a stray comma?)"),
-              (not args.context_split or (args.context_position == "after"
-                                          and args.response_prefix.endswith(args.context_split)),
-               f"--context-split {args.context_split!r} must be how --response-prefix ends "
-               f"({args.response_prefix!r}), with --context-position after"),
-              (args.out != "", "--out needs a folder, got ''"),
-              (args.expert_cache != "", "--expert-cache needs a folder, got ''"),
-              (not args.experts or declared.experts == "team", f"--experts is not used by --method {args.method}"),
-              (args.state_norm == "none" or declared.state_norm,
-               f"--state-norm {args.state_norm}: --method {args.method} has no expert states to standardise"),
-              (args.context_anchor == "zero" or declared.tokens,
-               f"--context-anchor newline: --method {args.method} has no context tokens to anchor")]
-    for ok, msg in checks:
-        if not ok:
-            p.error(msg)
-    if msg := text_problem(args) or (args.task_config and json_problem(args.task_config, "--task-config")):
-        p.error(msg)
-    if msg := check_library(args.track):  # --track's library, imported here: before any model loads
-        p.error(msg)
-    if args.steps is None:
-        args.steps = 233 if args.task == "gsm8k" else 500
-    args.out = args.out or f"runs/{args.task}-{args.team}-{args.method}-s{args.seed}"
-    return args
-
-
-MAX_TEXT = 100_000  # characters in a text flag's value: a prompt part far beyond any model's context
-MAX_JSON_DEPTH = 8  # nesting of --task-config (reasoning-gym's configs are flat)
-
-
-def text_problem(args):
-    """A text flag (from the command line or a --config file) longer than MAX_TEXT characters, or holding a NUL:
-    one line naming it, or None. A 2 MB --response-prefix used to be accepted and died allocating 4 TB after the
-    models loaded; what a prompt part must fit is checked in tokens once the tokenizer is there
-    (support/run.check_prompt_lengths)."""
-    for k, v in vars(args).items():
-        if isinstance(v, str) and (len(v) > MAX_TEXT or "\0" in v):
-            why = ("holds a NUL character, which no prompt or path may hold" if "\0" in v else
-                   f"is {len(v)} characters, above {MAX_TEXT}: far beyond any model's context")
-            return f"--{k.replace('_', '-')} {why}"
-    return None
-
-
-def strict_json(text, depth=MAX_JSON_DEPTH):
-    """json.loads that holds a value to a flag's rules: finite numbers only (JSON's NaN, Infinity and 1e400 are
-    refused), nesting at most `depth` deep. ValueError with a one-line reason."""
-    def finite(v):
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"{v} is not a finite number")
-        return v
-
-    def no_constant(name):
-        raise ValueError(f"{name} is not a finite number")
-
-    # nesting counted before parsing: json.loads recurses once per level and a deep text overflows the stack
-    level, deepest, quoted, escaped = 0, 0, False, False
-    for ch in text:
-        if quoted:  # inside a string: brackets do not count
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "[{":
-            level += 1
-            deepest = max(deepest, level)
-        elif ch in "]}":
-            level -= 1
-    if deepest > depth:
-        raise ValueError(f"nested {deepest} deep, more than {depth}")
-    return json.loads(text, parse_float=finite, parse_constant=no_constant)
-
-
-def json_problem(text, flag):
-    """--task-config's JSON held to a flag's rules: an object, finite numbers, MAX_JSON_DEPTH deep; one line or
-    None (reasoning-gym then checks the values themselves)."""
-    try:
-        value = strict_json(text)
-    except ValueError as e:
-        return f"{flag} {text[:60]!r} is not a JSON object of finite values: {e}"
-    if not isinstance(value, dict):
-        return f"{flag} {text[:60]!r} is not a JSON object (a {type(value).__name__})"
-    return None
-
-
-def low_precision_frozen(args):
-    """The frozen weights will be below float32: --dtype bfloat16, or auto on a CUDA machine."""
-    return args.dtype == "bfloat16" or (args.dtype == "auto" and args.device != "cpu" and torch.cuda.is_available())
-
-
+# The folder a flag names (--out, --expert-cache), made or refused in one line: beside fail, since
+# support/harness/validation.py makes evaluate's --out with them and checks.py reads validation's items.
 def folder_problem(path, flag):
     """Why `path` cannot be the folder `flag` writes into (a file is there, or in its way, or its nearest
     existing folder is not writable), or None. Reads only; create_folder makes it."""
@@ -541,94 +322,9 @@ def remove_created(made):
             pass
 
 
-def refuse_train_levers(p, args, rewards=("task",)):
-    """A neighbour script's own step has mu = 1, a float32 rollout and one of `rewards` (the --reward
-    values its step implements): a lever of train.py's step given to it fails loudly instead of doing
-    nothing."""
-    own_step = (args.inner_epochs == 1 and args.reward in rewards and not (
-        args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
-    if not own_step:
-        p.error(f"--method {args.method} runs its own step (mu = 1, --reward {' or '.join(rewards)}, a "
-                "float32 rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
-                "--rollout-dtype / --tis-cap")
-    return args
-
-
 def fail(msg, code=2):
     """One line on stderr, then exit: code 2 for bad input, before anything is written; code 3 when
     --max-bad-steps stops a run."""
     if distributed.world_from_env().rank == 0:  # under torchrun every rank fails alike: one line, from rank 0
         print(f"error: {msg}", file=sys.stderr)
     sys.exit(code)
-
-
-def holds_a_run(out):
-    """Whether `out` holds a run that finished a step: a checkpoint or a line in metrics.jsonl."""
-    metrics = os.path.join(out, "metrics.jsonl")
-    return os.path.exists(os.path.join(out, "checkpoint.pt")) or (
-        os.path.isfile(metrics) and os.path.getsize(metrics) > 0)
-
-
-def finished_run(out, steps, eval_items):
-    """Whether `out` holds a run that ended at `steps`: its checkpoint at that step, its export (lora_peft/,
-    written after the last step) and, with eval_items, its validation after training. Reads only. (--resume of
-    such a run still finishes it again, export and validation: a run killed in its export or validation needs
-    exactly that, and the chaos test kills runs there.)"""
-    from support.checkpoint import read_checkpoint
-    checkpoint, validation = os.path.join(out, "checkpoint.pt"), os.path.join(out, "validation.json")
-    if not (os.path.isfile(checkpoint) and os.path.isfile(os.path.join(out, "lora_peft", "adapter_config.json"))):
-        return False
-    try:
-        state = read_checkpoint(checkpoint, "--out", mmap=True)
-        if not isinstance(state, dict) or state.get("step") != steps:
-            return False
-        if eval_items:
-            with open(validation) as f:
-                return "after" in json.load(f)
-    except (ValueError, OSError):  # unreadable: not this function's to judge (check_checkpoint says why)
-        return False
-    return True
-
-
-def check_run(args, world, config_path):
-    """What parse_args cannot see: the --out folder (a new run, or one that --resume can continue), every model
-    the run will load (present, or one line saying how to get it) and --expert-device. Fails with exit code 2,
-    or raises ValueError / FileNotFoundError with a one-line message; writes nothing. A folder whose run never
-    finished a step (it failed while loading, or ran out of memory in its first step: a config.json, no
-    checkpoint, no metrics) is no run to keep: the same command may start it again."""
-    from support.files import link_in_run_folder
-    if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # a shared folder's planted link
-        fail(msg)
-    if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
-        fail(msg)
-    elif not args.resume and holds_a_run(args.out):
-        if finished_run(args.out, args.steps, args.eval_items):
-            fail(f"--out {args.out} holds a finished run ({args.steps} of {args.steps} steps): nothing to do; "
-                 "choose another --out to train again")
-        fail(f"--out {args.out} already holds a run; pass --resume to continue it or choose another --out")
-    checkpoint = os.path.join(args.out, "checkpoint.pt")
-    if args.resume and os.path.exists(checkpoint) and (msg := check_checkpoint(checkpoint, args)):
-        fail(msg)  # before any model loads: minutes and gigabytes on the paper's team
-    if args.expert_cache and os.path.isdir(args.expert_cache):
-        from support.state_store import cache_problem
-        if msg := cache_problem(args.expert_cache, "--expert-cache"):
-            fail(msg)
-    if args.data_path and os.path.isdir(args.data_path) and not os.path.isfile(os.path.join(args.data_path,
-                                                                                              "train.jsonl")):
-        fail(f"--data-path {args.data_path}: a folder to train on must hold train.jsonl")
-    if args.task == "gsm8k" and args.data_path and args.eval_items:  # read test.jsonl before the models load
-        rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, args.data_path)
-    team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
-    models = [(team["policy"], "--policy" if args.policy else by_team)]
-    if kind(args.method).experts == "team":  # identical's only expert is the policy itself
-        models += [(e, "--experts" if args.experts else by_team) for e in team["experts"]]
-    if kind(args.method).router:  # hard routing's and RLAE's sentence encoder
-        models.append((team["router"], by_team))
-    check_models(models)
-    if args.expert_device:
-        import torch
-        if args.expert_device.startswith("cuda") and not torch.cuda.is_available():
-            raise ValueError(f"--expert-device {args.expert_device}: CUDA is not available")
-        if world.size > 1 and args.expert_device.startswith("cuda"):
-            raise ValueError(f"--expert-device {args.expert_device}: under torchrun every process would load "
-                             "its experts there; use --expert-device cpu, or one process")

@@ -1,7 +1,7 @@
 """
 A stand-in for Qwen2.5's tokenizer that travels with the repository: prompts of real length for the device check.
 
-The paper's models at real shapes (support/shape_models.py) need a tokenizer, and a GPU machine of this project has
+The paper's models at real shapes (support/lib/shape_models.py) need a tokenizer, and a GPU machine of this project has
 no model hub. The byte-level stand-in makes one token per byte: a paper prompt (DeepSeekZero system prompt, an
 arithmetic question, the chat template) is ~4x longer in it than in Qwen2.5's tokenizer, so every figure measured
 with it is for a harder run than a user's. This one is Qwen2.5's own tokenizer with part of its merge table:
@@ -24,7 +24,7 @@ tokenizer (Apache-2.0, Alibaba Cloud).
   tokenizer(vocab_size, chat)   a PreTrainedTokenizerFast of exactly vocab_size ids (ChatML template when chat)
   write_merges(folder)          regenerate stand_in_merges.txt from a Qwen2.5 tokenizer folder (needs reasoning-gym)
 
-Regenerate (where the pocket Qwen is converted):  python -m support.stand_in_tokenizer
+Regenerate (where the pocket Qwen is converted):  python -m support.harness.stand_in_tokenizer
 Try it on CPU:  python -c "from support import stand_in_tokenizer as s; print(s.tokenizer(151936)('What is 17 + 25?'))"
 """
 import functools
@@ -34,7 +34,7 @@ MERGES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in
 # Qwen2.5's pre-tokenizer: contractions, letters (one leading non-letter), ONE digit, punctuation runs, spaces
 SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
          r"\s+(?!\S)|\s+")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]  # as support/shape_models.SPECIALS
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]  # as support/lib/shape_models.SPECIALS
 FIRST = 8000  # merges kept by rank alone
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -111,7 +111,7 @@ def write_merges(folder, path=MERGES_FILE, first=FIRST):
     made = set(pre_tokenizers.ByteLevel.alphabet()) | {a + b for k, (a, b) in enumerate(merges) if k in keep}
     assert all(a in made and b in made for k, (a, b) in enumerate(merges) if k in keep), "a merge lacks a part"
     with open(path, "w", encoding="utf-8") as f:
-        f.write(f"# Qwen2.5's byte-level BPE merges, a subset in rank order (support/stand_in_tokenizer.py; "
+        f.write(f"# Qwen2.5's byte-level BPE merges, a subset in rank order (support/harness/stand_in_tokenizer.py; "
                 f"Apache-2.0, Alibaba Cloud): the first {first} and {len(keep) - first} more\n")
         f.writelines(f"{a} {b}\n" for k, (a, b) in enumerate(merges) if k in keep)
     tokenizer.cache_clear()
@@ -120,6 +120,6 @@ def write_merges(folder, path=MERGES_FILE, first=FIRST):
 
 if __name__ == "__main__":
     import sys
-    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    from support import pocket_models
+    sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
+    from support.lib import pocket_models
     print(write_merges(pocket_models.converted_dir("qwen2.5-coder-1.5b-instruct")), "merges ->", MERGES_FILE)

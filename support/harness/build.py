@@ -20,8 +20,8 @@ import rewards
 from adapter import anchor_context
 from experts import frozen_dtype, load_model, team_models
 from lora import apply_lora
-from support.config import fail
-from support.optim import make_optimizer
+from support.harness.config import fail
+from support.lib.optim import make_optimizer
 
 
 def load_policy_and_data(args, device):

@@ -13,7 +13,7 @@ from adapter import context_probes
 
 
 def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
-    """The step's record for metrics.jsonl from its micro-batches (support/batch.MicroBatch, every
+    """The step's record for metrics.jsonl from its micro-batches (train.MicroBatch, every
     rank's); each field is defined in the README, "Metrics": the first draw's rewards, the loss terms averaged over micro-batches, gradient norms before
     clipping, what the completions looked like, and the context probes (adapter.context_probes)."""
     r_all = torch.cat([b.task_r for b in batches])

@@ -7,7 +7,7 @@ before any model loads, and a second run on the same folder exits with code 2 at
 
   take_lock(out)     create OUT/.lock atomically (O_CREAT | O_EXCL) and hold it; a lock whose process is gone is
                      taken over; one held by a live process raises LockHeld
-  release_lock(lk)   remove it (support/run.py calls it at the end, on errors and on SIGINT / SIGTERM)
+  release_lock(lk)   remove it (support/harness/run.py calls it at the end, on errors and on SIGINT / SIGTERM)
 
 Who holds the lock is decided by flock(2) on the open file, not by the process id written in it: the kernel
 drops a flock when its process dies, however it dies (SIGKILL, the out-of-memory killer), so a lock file

@@ -108,7 +108,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                       **kwargs):
     """softmax(q K^T * s + M) V per head, each group of n_rep query heads against its one key/value head:
     query [B, H, q, d], key [B, H_kv, k, d], value [B, H_kv, k, d_v], attention_mask [B, 1, n_rep * q, k]
-    (grouped_mask's), [B, 1, q, k] (a 4-D mask built elsewhere, e.g. support/static_decode.py's: stacked here
+    (grouped_mask's), [B, 1, q, k] (a 4-D mask built elsewhere, e.g. support/lib/static_decode.py's: stacked here
     where q > 1), [B, 1, 1, k] (one query) or None. Returns ([B, q, H, d_v], None),
     as transformers' attention functions do."""
     for name in ("softcap", "s_aux", "position_bias"):
@@ -134,6 +134,6 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                                                            scale=scaling)       # (B, H_kv, n_rep*q, d_v)
     # row r * q + t of group g is head g * n_rep + r at position t; one copy into o_proj's layout. SDPA keeps its
     # own output for the backward pass, so this copy is one [tokens, H * d_v] tensor more than the SDPA path keeps
-    # (whose kernels write their output in o_proj's layout already): support/plan.py counts it
+    # (whose kernels write their output in o_proj's layout already): support/harness/plan.py counts it
     out = out.view(B, H_kv, n_rep, q, value.shape[-1]).permute(0, 3, 1, 2, 4)   # (B, q, H_kv, n_rep, d_v)
     return out.reshape(B, q, H, value.shape[-1]), None                          # (B, q, H, d_v)

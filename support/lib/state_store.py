@@ -2,12 +2,12 @@
 The frozen experts' pooled states on disk (train.py --expert-cache DIR): one small file per (expert, how it is
 read, prompt), so that runs and evaluations naming the same folder compute each state once, and a run on states
 precomputed by train.py --precompute-states never loads its experts (experts.ExpertPool reads and writes here;
-support/plan.py asks here what a run will not load).
+support/harness/plan.py asks here what a run will not load).
 
 A shared cache is untrusted input, as a shared run folder is: a state file that cannot be read as one finite
 [d] tensor of the recorded width (truncated, foreign, a link, a crafted pickle: weights_only builds nothing else)
 counts as missing and is computed again, its file replaced; a width file that is not a number is refused in one
-line before any model loads (cache_problem). Writes are support/files.replaced's: exclusive, never through a
+line before any model loads (cache_problem). Writes are support/lib/files.replaced's: exclusive, never through a
 link, nothing left behind on a full disk.
 """
 import glob
@@ -17,12 +17,12 @@ import stat
 
 import torch
 
-from support.files import replaced
+from support.lib.files import replaced
 
 
 def store_identity(name, device, dtype, pooling, depth, max_length):
     """What files an expert's states in --expert-cache: a state computed on another device or in another dtype,
-    pooled otherwise, at another depth or truncation is another state. support/plan.py asks with the run's
+    pooled otherwise, at another depth or truncation is another state. support/harness/plan.py asks with the run's
     real device while it builds the models on the meta device."""
     return f"{name}|{device}|{dtype}|{pooling}|{depth}|{max_length}"
 

@@ -1,34 +1,28 @@
 """
 A run's life around its steps: check and build, write config.json, resume, log each step, save, finish.
 
-train.py's main, and the two neighbours' (neighbours/conductor.py, neighbours/rlae.py), each hold their own loop
-and call these helpers around it; each helper takes values, none takes the algorithm:
+run_training (at the end) is the loop train.py's main and the two neighbours' scripts (neighbours/conductor.py,
+neighbours/rlae.py, each with its own g and step) run; each helper it calls takes values, none the algorithm:
 
-    life = open_run(args, world)                # checks, --out locked, Ctrl-C / SIGTERM handled, the device
-    try:
-        run = build_run(args, life.device, builder)   # train.Run, with the script's own g
-        run.life = life
-        start = resume_run(run, args, world)    # --resume's checkpoint, config.json, validation before
-        for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)    # the script's own algorithm
-            write_samples(run, args, step, question, answer, texts, rewards)  # of its first prompt
-            bad_steps = after_step(run, args, step, rec, bar, bad_steps)   # log line, metrics, --track, checkpoint
-        return finish_run(run, args)            # the PEFT export, the plot, validation after
-    finally:
-        release_folders(life)                   # the lock on --out, and --track's tracker closed
-
-train.train is this loop; the neighbours' scripts call it with their own g and step.
+    life = open_run(args, world)          # checks, --out locked, Ctrl-C / SIGTERM handled, the device
+    run = build(args, life.device)        # train.build_run: a train.Run, with the script's own g
+    start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+    for step in range(start, args.steps):
+        rec, batches = step_fn(step, run, args, score_batch)   # train.grpo_step, or a neighbour's
+        write_samples(...); after_step(...)                    # samples; log line, metrics, checkpoint
+    finish_run(run, args)                 # the PEFT export, the plot, validation after
+    release_folders(life)                 # however it ends: the lock on --out, --track's tracker
 
 Nothing here is in the paper. What it guarantees (tests/test_hardening.py, tests/test_run_safety.py): bad input
 exits with code 2 and one line on stderr before any model loads and before anything in --out is written; one
-run at a time writes in a folder (support/lock.py), rank 0 alone; an update that leaves a trainable tensor
+run at a time writes in a folder (support/harness/lock.py), rank 0 alone; an update that leaves a trainable tensor
 non-finite is undone and skipped (step_if_finite); --max-bad-steps skipped steps in a row exit with code 3, the
 checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (143) end in one line that names
-the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/stop.py);
---resume continues to the very numbers and files of a run never killed (support/checkpoint.py,
+the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/harness/stop.py);
+--resume continues to the very numbers and files of a run never killed (support/harness/checkpoint.py,
 tests/test_chaos.py); every file is written whole, never through a link, and a write the system refuses ends in
-one line with exit code 4, nothing half-written left (support/files.py, tests/test_write_safety.py); every
-prompt fits the policy's context before the first forward (check_prompt_lengths); --eval-items scores the policy
+one line with exit code 4, nothing half-written left (support/lib/files.py, tests/test_write_safety.py); every
+prompt fits the policy's context before the first forward (support/harness/checks.py); --eval-items scores the policy
 before and after training on the items evaluate.py scores for the seed.
 
 Try it on CPU:  python -m pytest tests/test_hardening.py tests/test_run_safety.py tests/test_write_safety.py -q
@@ -47,19 +41,20 @@ import numpy as np
 
 import rewards
 from experts import pick_device
-from support import distributed
-from support.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
-from support.checkpoint import sigkill_hook, write_json
-from support.config import check_run, create_folder, fail, folder_problem, holds_a_run, remove_created
-from support.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
-from support.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
-from support.export import export_run
-from support.lock import LockHeld, release_lock, take_lock
-from support.stop import SignalState, answer_signals, restore_signals
-from support.track import open_tracker
-from support.metrics import log_line
-from support.runtime import hand_back_freed_memory
-from support.validation import validation_scores
+from support.lib import distributed
+from support.harness.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
+from support.harness.checkpoint import sigkill_hook, write_json
+from support.harness.checks import check_prompt_lengths, check_run, holds_a_run
+from support.harness.config import create_folder, fail, folder_problem, remove_created
+from support.lib.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
+from support.lib.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
+from support.harness.export import export_run
+from support.harness.lock import LockHeld, release_lock, take_lock
+from support.harness.stop import SignalState, answer_signals, restore_signals
+from support.harness.track import open_tracker
+from support.harness.metrics import log_line
+from support.lib.runtime import hand_back_freed_memory
+from support.harness.validation import validation_scores
 
 
 @dataclass
@@ -77,9 +72,9 @@ class Life(SignalState):
 
 def open_run(args, world):
     """Check everything that reads only (bad input exits with code 2 and one line, before any model loads),
-    take --out (support/lock.py) and --expert-cache, handle Ctrl-C and SIGTERM, and pick the device. Returns the
+    take --out (support/harness/lock.py) and --expert-cache, handle Ctrl-C and SIGTERM, and pick the device. Returns the
     run's Life; release_folders(life) lets go of --out however the run ends."""
-    hand_back_freed_memory()  # support/runtime.py
+    hand_back_freed_memory()  # support/lib/runtime.py
     life = Life(paths=run_paths(args.out), claim=claim_folders(args, world))
     stop_on_signals(life, args)
     try:
@@ -143,9 +138,9 @@ def resume_run(run, args, world):
 
 @contextlib.contextmanager
 def writes_or_fail(life, args):
-    """A write the system refuses (a full disk, a read-only folder, a permission: support/checkpoint.WriteFailed,
-    its temporary file already removed) ends the run in one line, exit code 4, saying what to free and how to
-    continue; a link planted in --out while the run ran, in one line, exit code 2."""
+    """A write the system refuses (a full disk, a read-only folder, a permission: support/lib/files.WriteFailed,
+    its temporary file already removed) ends the run in one line, exit code 4, saying what to free and how
+    to continue; a link planted in --out while the run ran, in one line, exit code 2."""
     try:
         yield
     except (WriteFailed, UnsafePath) as e:
@@ -166,41 +161,6 @@ def write_failed_message(e, life, args):
              else "run the same command again")
     return (f"{e}; nothing half-written was left and {kept}. Free space on the disk that holds {folder} "
             f"(df -h {folder}) or make it writable, then {again}")
-
-
-def check_prompt_lengths(run, args, start):
-    """Every prompt the run will read, tokenised as the policy reads it (the question in the --system-prompt,
-    --worked-example and --response-prefix, then the method's context tokens and --max-new-tokens), must
-    fit the policy's context (max_position_embeddings): one too long fails here, naming the item and the flags,
-    before the first forward; a forward over a 1 MB question never ended and ignored SIGTERM. The experts read
-    the question truncated to their own context (experts.ExpertPool), and output_collab's hints are bounded by
-    --max-new-tokens but not counted here. Checks this run's training items (steps start..--steps) and its
-    --eval-items validation items."""
-    limit = getattr(run.policy.config, "max_position_embeddings", None) or \
-        getattr(run.policy.config, "n_positions", None)
-    if not limit:
-        return
-    items = run.train_items
-    picks = sorted({i for step in range(start, args.steps) for micro in range(args.grad_accum)
-                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, len(items),
-                                                   args.seed)})
-    checked = [("training item", i, items[i]["question"]) for i in picks]
-    if args.eval_items:
-        from support.validation import validation_items
-        checked += [("validation item", i, it["question"])
-                    for i, it in enumerate(validation_items(args, args.eval_items))]
-    extra = run.method.context_tokens + args.max_new_tokens  # m: the method's own count (baselines.py)
-    for s in range(0, len(checked), 256):
-        chunk = checked[s:s + 256]
-        prompts = rewards.policy_prompts(run.tok, [q for _, _, q in chunk], [None] * len(chunk), args)
-        lengths = [len(ids) for ids in run.tok(prompts, add_special_tokens=False)["input_ids"]]
-        for (kind, i, question), n in zip(chunk, lengths):
-            if n + extra > limit:
-                fail(f"the {kind} {i} ({len(question)} characters: {question[:40]!r}...) is {n} tokens in the "
-                     f"policy's prompt; with {run.method.context_tokens} context tokens and --max-new-tokens "
-                     f"{args.max_new_tokens} that is "
-                     f"{n + extra}, above the policy's context of {limit} tokens: shorten it (--task-config, "
-                     "--data-path, --response-prefix, --system-prompt) or lower --max-new-tokens")
 
 
 def claim_folders(args, world):
@@ -267,7 +227,7 @@ def stop_on_signals(life, args):
     code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. A step's log
     line, samples and checkpoint being written are finished first; nothing else is saved on the way out: what
     ran after the checkpoint is lost, and --resume runs it again. Within a few seconds even inside a forward
-    that does not return for minutes (answer_signals). Under torchrun support/distributed.py turns SIGTERM
+    that does not return for minutes (answer_signals). Under torchrun support/lib/distributed.py turns SIGTERM
     (another rank failed) into its own line."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return
@@ -379,7 +339,7 @@ def write_samples(run, args, step, question, answer, texts, rewards_trained):
 
 
 def finish_run(run, args):
-    """Rank 0, after the last step: the trained system (support/export.py: the LoRA as a PEFT adapter
+    """Rank 0, after the last step: the trained system (support/harness/export.py: the LoRA as a PEFT adapter
     with its base and tokenizer, g_phi's weights), the plot of the run and,
     with --eval-items, the validation score after training beside the one before."""
     life = run.life
@@ -387,8 +347,8 @@ def finish_run(run, args):
     if not life.writer:
         return args.out
     with writes_or_fail(life, args):
-        export_run(args.out, run.policy, run.tok, run.method, args, run.team)  # support/export.py
-    from support.plot import plot_run
+        export_run(args.out, run.policy, run.tok, run.method, args, run.team)  # support/harness/export.py
+    from support.harness.plot import plot_run
     print(f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
           f"{', validation.json' if args.eval_items else ''})", flush=True)
     if args.eval_items:
@@ -411,3 +371,30 @@ def validation_line(before, after):
     return (f"validation, {len(after)} items, greedy, the task's scorer: before training "
             f"{100 * np.mean(before):.1f} % -> after {100 * np.mean(after):.1f} % "
             f"({better} items better, {worse} worse)")
+
+
+def run_training(args, world, score_batch, build, step_fn):
+    """A run's life: checked and opened, built (`build(args, device)`: train.build_run, a train.Run),
+    resumed, its steps (`step_fn`: train.grpo_step's signature, batches with .questions, .items, .texts,
+    .r), finished. train.main and the neighbours' scripts (their own g and step) call it. Returns --out."""
+    life = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled, the device
+    try:  # however the run ends, the lock on --out goes with it
+        try:
+            run = build(args, life.device)
+        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+            fail(str(e))
+        run.life = life
+        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, life.writer), 0
+        for step in range(start, args.steps):
+            rec, batches = step_fn(step, run, args, score_batch)
+            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
+            b = batches[0]  # a few completions of the step's first prompt, with their rewards
+            write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
+            # the log line, metrics.jsonl (and --track's tracker) and the checkpoint; --max-bad-steps
+            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, the plot, validation after training
+    finally:
+        release_folders(life)

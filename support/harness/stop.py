@@ -2,7 +2,7 @@
 How a process stops on Ctrl-C (SIGINT) and SIGTERM: one line `error: ...`, exit code 128 + the signal's number
 (130, 143, as a shell reports a process a signal ended), within a few seconds, and no lock or temporary file left.
 
-  answer_signals(state, message, cleanup)   train.py and the neighbours (support/run.stop_on_signals)
+  answer_signals(state, message, cleanup)   train.py and the neighbours (support/harness/run.stop_on_signals)
   stopping_on_signals(message)              a block of evaluate.py or a neighbour's evaluate
   restore_signals(saved)                    the handlers as they were (a test calls train.main in-process)
 
@@ -22,8 +22,8 @@ import time
 from dataclasses import dataclass
 from typing import Optional
 
-from support.config import fail
-from support.files import PENDING, remove_quietly
+from support.harness.config import fail
+from support.lib.files import PENDING, remove_quietly
 
 STOP_GRACE_S = 2.0  # how long the main thread has to answer a signal before the watchdog ends the process
 _FORK_HOOK = []  # registered once per process (os.register_at_fork cannot be undone)
@@ -31,7 +31,7 @@ _FORK_HOOK = []  # registered once per process (os.register_at_fork cannot be un
 
 @dataclass
 class SignalState:
-    """What the handler, the watchdog and the writer tell one another (a run's support/run.Life is one)."""
+    """What the handler, the watchdog and the writer tell one another (a run's support/harness/run.Life is one)."""
     writing: bool = False           # a step's log line and checkpoint are being written: a signal waits
     signal: Optional[int] = None    # a signal that came while writing, raised again once they are whole
     stopping: bool = False          # the main thread answers a signal: the watchdog stands down
@@ -47,7 +47,7 @@ def answer_signals(state, message, cleanup=lambda: None):
     native call that may not return for minutes, and the handler waits for it: so a watchdog thread, woken by
     the signal itself (signal.set_wakeup_fd), ends the process when the main thread has not answered within
     STOP_GRACE_S seconds (after any write in progress): it removes the temporary files being written
-    (support/files.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
+    (support/lib/files.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
     def stop(signum, frame):
         if state.writing:  # a step's log line and checkpoint are written first (after_step)
             state.signal = signum
@@ -70,7 +70,7 @@ def answer_signals(state, message, cleanup=lambda: None):
 
     def watch():
         while (data := os.read(read, 64)) and 0 not in data:  # 0: restore_signals ends the watch
-            # ours only: under torchrun support/distributed.py answers SIGTERM with a handler of its own
+            # ours only: under torchrun support/lib/distributed.py answers SIGTERM with a handler of its own
             signums = [n for n in data if n in handlers and signal.getsignal(n) is stop]
             if not signums or state.stopping:
                 continue

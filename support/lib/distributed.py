@@ -191,7 +191,7 @@ def _to(obj, device):
     """Tensors inside nested dicts / lists / tuples / dataclasses moved to device."""
     if torch.is_tensor(obj):
         return obj.to(device)
-    if dataclasses.is_dataclass(obj):  # support/batch.MicroBatch
+    if dataclasses.is_dataclass(obj):  # train.MicroBatch
         return dataclasses.replace(obj, **{f.name: _to(getattr(obj, f.name), device)
                                            for f in dataclasses.fields(obj)})
     if isinstance(obj, dict):
