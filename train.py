@@ -10,14 +10,10 @@ Train a LoRA policy with GRPO, conditioned on context tokens built from frozen e
 Paper: Eq. 3 (pi(y | [x || C])), Eq. 4 (reward minus beta * KL to pi_ref = the initial policy fed
 zero context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 prompts per step (4 x 8
 grad-accum), lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default
-is the paper's; a preset (support/harness/config.py PRESETS) is a plain dict of flag values, and explicit
-flags override it.
+is the paper's (`--help`: support/harness/config.py; a --preset is a dict of flag values).
 
-The loop, one optimiser step (grpo_step):
-    rollout -> reward -> advantage -> reference -> loss -> step -> log
-A line marked `# lever:` is not the paper's (a flag, off by default): skipping them reads the paper's
-step. Every flag and its default: support/harness/config.py (`python train.py --help`); their checks:
-support/harness/checks.py.
+One optimiser step, grpo_step: rollout -> reward -> advantage -> reference -> loss -> step -> log.
+A line marked `# lever:` is not the paper's (a flag, off by default): skip them to read the paper's.
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
   1. Sampling is plain temperature sampling (T = 1, no top-p/top-k), with our own KV-cached loop:
@@ -32,9 +28,8 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      policy before and after training.
   4. A step whose loss, gradient or update is not finite is skipped, weights unchanged, and counted
      (support/lib/optim.step_if_finite).
-Conductor and RLAE, two other systems, are scripts of their own with their own step: neighbours/.
-What a run guarantees when things go wrong (bad input, Ctrl-C, a full disk, a killed run, --resume):
-support/harness/run.py.
+Conductor and RLAE are scripts of their own (neighbours/). When things go wrong (bad input, Ctrl-C, a
+full disk, a killed run): support/harness/run.py.
 """
 import time
 from dataclasses import dataclass
@@ -48,16 +43,16 @@ import rewards
 import rollout
 from adapter import empty_context
 from baselines import METHODS
-from lora import lora_disabled
-from support.lib import distributed
 from experts import pick_device
+from lora import lora_disabled
 from support.harness.build import attach_lora, load_policy_and_data, precompute_states
-from support.lib.runtime import deterministic_kernels, expandable_segments
 from support.harness.checks import parse_args
 from support.harness.config import fail
 from support.harness.metrics import step_metrics, wall_clock
-from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite
 from support.harness.run import run_training
+from support.lib import distributed
+from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite
+from support.lib.runtime import deterministic_kernels, expandable_segments
 
 # --------------------------------------------------------------------------------------------------
 # The run: what every step reads, built once (build_run, at the end of this file)
@@ -65,9 +60,8 @@ from support.harness.run import run_training
 
 @dataclass
 class Run:
-    """The trained system and its data. build_run makes it; the steps read it and train the weights
-    inside `policy` and `method` in place; the neighbours' scripts (neighbours/) build one with a g
-    of their own."""
+    """The trained system and its data: build_run makes it, each step trains the weights inside
+    `policy` and `method` in place (a neighbour's script builds one with a g of its own)."""
     policy: torch.nn.Module             # pi_theta: the frozen policy with LoRA on its linear layers (lora.py)
     tok: Any                            # the policy's tokenizer
     method: torch.nn.Module             # g, --method's context builder (baselines.METHODS): C = g(x)
@@ -219,14 +213,11 @@ def context_and_prompts(run, args, items):
 
 
 def sample_step(run, args, step, micros, inputs):
-    """One decode loop for the whole step's prompts (every micro-batch of this rank), split into
-    loops of at most --rollout-batch prompts. On a GPU a decode step is bound by kernel launches
-    and weight reads, not by rows: 256 rows cost about what 32 do (measured on an H200, 3B
-    shape: 95 ms per token at 32 rows, 101 ms at 256), so one loop instead of --grad-accum loops
-    makes the rollout ~8x cheaper. Each row draws with uniforms seeded by its own micro-batch, so
-    a completion does not depend on which rows share its loop (N processes still equal 1).
-    Returns [(comp [B*G, T], logp_mu [B*G, T] or None)] per micro-batch, each cut to its own
-    longest completion, as a loop of its own would have returned it."""
+    """One decode loop for all the step's prompts (at most --rollout-batch micro-batches a loop): a
+    GPU's decode step costs about the same for 32 rows as for 256 (H200, 3B shape: 95 vs 101 ms a
+    token), so one loop, not --grad-accum, is ~8x cheaper. Each row's uniforms are seeded by its own
+    micro-batch, so a completion does not depend on its loop-mates (N processes equal 1). Returns
+    [(comp [B*G, T], logp_mu [B*G, T] or None)] per micro-batch, cut as its own loop would have."""
     G = args.group_size
     chunk = args.rollout_batch or len(inputs)  # micro-batches per decode loop
     out = []
