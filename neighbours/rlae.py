@@ -58,7 +58,8 @@ drawn weights) and concentration (mean sum of alpha at the first span).
 
 This file is a script with its own step, one file per algorithm: grpo_step below is GRPO on the agent's span
 decisions, and main hands it and this script's g to run_training, train.py's run (checks, checkpoints,
---resume, --eval-items). No torchrun: one process. Its `evaluate` (evaluate_main) scores a run with RLAE.answer.
+--resume, --eval-items). No torchrun: one process. Its `evaluate` (support/harness/validation.py) scores a run
+with RLAE.answer.
 """
 import math
 import os
@@ -76,7 +77,7 @@ import rewards  # noqa: E402
 import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
-from experts import ExpertPool, frozen_dtype, is_encoder, load_model  # noqa: E402
+from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, prefill_shared  # noqa: E402
 from support.lib import distributed  # noqa: E402
 from support.lib.kv_cache import cache_kwargs  # noqa: E402
@@ -85,8 +86,7 @@ from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
 from support.harness.run import run_training  # noqa: E402
-from support.harness.validation import evaluate_neighbour, restore_trained, scored  # noqa: E402
-from support.harness.validation import score_items, validation_items  # noqa: E402
+from support.harness.validation import evaluate_neighbour, evaluate_neighbour_run, load_neighbour  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
 EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map to (not a byte string any token has)
@@ -434,49 +434,24 @@ def parse_args(argv=None):
 
 
 def main(argv=None, score_batch=None):
-    """Train the agent (train.py's flags), or `evaluate --run DIR --n N` a run of it (evaluate_main)."""
+    """Train the agent (train.py's flags), or `evaluate --run DIR --n N` a run of it (eval.json)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["evaluate"]:
-        return evaluate_main(argv[1:])
+    if argv[:1] == ["evaluate"]:  # `evaluate --run DIR --n N`: eval.json in the run folder
+        return evaluate_neighbour(argv[1:], "neighbours/rlae.py", rlae)
     args = parse_args(argv)
     # train.py's run (support/harness/run.py: checks, resume, logs, checkpoints, the end) with this g and step
-    build = lambda a, device: train.build_run(a, device, builder=build_rlae)  # the policy, this g, LoRA
+    build = lambda a, device: train.build_run(a, device, builder=rlae)  # the policy, this g, LoRA
     return run_training(args, distributed.ONE, score_batch or rewards.score_batch, build, grpo_step)
 
 
-def build_rlae(team, out_dim, args, device, dtype):
-    """This script's g, for train.build_run (which loads the policy and data before and adds LoRA after)."""
-    if args.state_norm == "standardize":
-        raise ValueError(f"--state-norm standardize: --method {args.method} has no expert states to standardise")
-    return rlae(team, out_dim, args, device, dtype)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Evaluation: a run of this script, loaded and scored greedy on the validation split
-
-
 def load_trained(args, lora_state=None, method_state=None, device="cpu"):
-    """The frozen policy and this script's g of a run (its config `args`), with the checkpoint's weights, in
-    eval mode: (policy, tokenizer, method, eos_ids)."""
-    device = torch.device(device)
-    dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
-    policy, tok = load_model(args.team_models["policy"], device, dtype)
-    method = rlae(args.team_models, policy.config.hidden_size, args, device, dtype)
-    return restore_trained(policy, tok, method, args, lora_state, method_state)
+    """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
+    return load_neighbour(args, rlae, lora_state, method_state, device)
 
 
-@torch.no_grad()
 def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
     """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    items = validation_items(args, n)
-    policy, tok, method, eos_ids = load_trained(args, lora_state, method_state, device)
-    per_item, status = score_items(policy, tok, method, eos_ids, items, args, batch_size=batch_size)
-    return scored(per_item, status, items, args, args.method)
-
-
-def evaluate_main(argv):
-    """`python neighbours/rlae.py evaluate --run DIR --n N`: eval.json in the run folder."""
-    evaluate_neighbour(argv, "neighbours/rlae.py", evaluate_run)
+    return evaluate_neighbour_run(args, n, rlae, batch_size, lora_state, method_state, device)
 
 
 if __name__ == "__main__":

@@ -230,11 +230,30 @@ def neighbour_eval_args(argv, script):
     return a, SimpleNamespace(**cfg), state, path, made
 
 
-def evaluate_neighbour(argv, script, evaluate_run):
-    """A neighbour script's `evaluate --run DIR --n N` (neighbours/conductor.py, neighbours/rlae.py): its
-    `evaluate_run(cfg, n, batch_size, lora_state, method_state, device) -> result` on the run's checkpoint,
-    eval.json written. Ctrl-C / SIGTERM end it in one line with exit code 130 / 143 within seconds, nothing
-    half-written (support/harness/stop.py)."""
+def load_neighbour(args, builder, lora_state=None, method_state=None, device="cpu"):
+    """A run of a neighbour's script (its config `args`): the frozen policy and the script's g (`builder`),
+    with the checkpoint's weights, in eval mode: (policy, tokenizer, method, eos_ids)."""
+    from experts import frozen_dtype, load_model
+    device = torch.device(device)
+    dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
+    policy, tok = load_model(args.team_models["policy"], device, dtype)
+    method = builder(args.team_models, policy.config.hidden_size, args, device, dtype)
+    return restore_trained(policy, tok, method, args, lora_state, method_state)
+
+
+@torch.no_grad()
+def evaluate_neighbour_run(args, n, builder, batch_size=50, lora_state=None, method_state=None, device="cpu"):
+    """The greedy validation score of a neighbour's run on its seed's first n items (evaluate.py's result)."""
+    items = validation_items(args, n)
+    policy, tok, method, eos_ids = load_neighbour(args, builder, lora_state, method_state, device)
+    per_item, status = score_items(policy, tok, method, eos_ids, items, args, batch_size=batch_size)
+    return scored(per_item, status, items, args, args.method)
+
+
+def evaluate_neighbour(argv, script, builder):
+    """A neighbour script's `evaluate --run DIR --n N` (neighbours/conductor.py, neighbours/rlae.py): its run
+    (g built by `builder`) scored on its checkpoint, eval.json written. Ctrl-C / SIGTERM end it in one line
+    with exit code 130 / 143 within seconds, nothing half-written (support/harness/stop.py)."""
     from experts import pick_device
     from support.harness.config import remove_created
     from support.harness.stop import stopping_on_signals
@@ -242,7 +261,8 @@ def evaluate_neighbour(argv, script, evaluate_run):
     with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
                              cleanup=lambda: remove_created(made)):
         try:
-            result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"], pick_device(a.device))
+            result = evaluate_neighbour_run(cfg, a.n, builder, a.batch_size, state["lora"], state["method"],
+                                            pick_device(a.device))
         except (ValueError, FileNotFoundError) as e:  # unknown task, missing data, no CUDA
             remove_created(made)
             fail(str(e))
