@@ -13,7 +13,7 @@ out. Per prompt, G completions o_1..o_G with rewards r_1..r_G; for completion i 
 beta = 0.04, eps_clip = 0.2, mu = 1 inner epoch (the caller passes logp_old = logp.detach(): the ratio is exactly 1,
 the clip never fires and the loss is about 0 while its gradient A * grad(logp) is not). logp = token_logprobs:
 log softmax(logits / T) at the chosen tokens, in float32. Where the policy runs (sampling, the scoring pass that
-produces those logits) is rollout.py.
+produces those logits) is rollout.py; head_logprobs runs the LM head one completion at a time for it.
 
 Deviations and choices the paper leaves open (each derived beside the function it concerns):
 1. Eq. 4 weights the KL by beta^-1 but calls beta = 0.04 "the KL coefficient": we weight it by beta (25 x KL would
@@ -305,3 +305,22 @@ def token_logprobs(logits, tokens, temperature=1.0, allowed_mask=None):
         rows.append(picked - torch.logsumexp(x, dim=-1))      # (T,)
     # (N, T) fp32
     return torch.stack(rows) if rows else logits.new_zeros(tokens.shape, dtype=torch.float32)
+
+
+def head_logprobs(head, h, tokens, temperature=1.0, allowed_mask=None):
+    """token_logprobs(head(h), tokens), h [N, T, D] -> float32 [N, T], one completion at a time: its
+    logits [T, V] exist only while its row is computed, and with gradient they are not kept for
+    the backward pass but computed again there (non-reentrant torch.utils.checkpoint: the same
+    kernels on the same inputs; only h, which the model's graph holds anyway, is kept). Today's
+    path held the head's [N, T, V] output, a copy of it and float32 rows for the backward pass: on
+    the default team (N 32, T 128, V 151,936) ~4.6 GiB; here one row's, ~0.2 GiB. Exact: each
+    row's logits are rows of the same matmul (tests/test_memory.py compares values and gradients
+    with token_logprobs over the whole head output and with the model's own logits)."""
+    from torch.utils.checkpoint import checkpoint
+    rows = []
+    for n in range(h.shape[0]):
+        allowed = None if allowed_mask is None else allowed_mask[n:n + 1]
+        row = lambda x, n=n, allowed=allowed: token_logprobs(head(x), tokens[n:n + 1], temperature, allowed)  # noqa: E731
+        grad = torch.is_grad_enabled() and h.requires_grad
+        rows.append(checkpoint(row, h[n:n + 1], use_reentrant=False) if grad else row(h[n:n + 1]))
+    return torch.cat(rows) if rows else h.new_zeros(tokens.shape, dtype=torch.float32)    # (N, T)

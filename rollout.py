@@ -18,8 +18,8 @@ tests/test_adapter.py checks it token for token.
                             decode loop with fixed shapes as a CUDA graph: support/lib/static_decode.py)
   greedy_texts              a frozen writer's greedy answers (conductor workers, output_collab's hints)
   completion_logprobs       the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
-                            (grpo.token_logprobs at the chosen tokens; head_logprobs and mlps_recomputed
-                            recompute the LM head's and the MLPs' activations in the backward pass)
+                            (grpo.token_logprobs, grpo.head_logprobs; support/lib/recompute.py: the MLPs'
+                            activations recomputed in the backward pass)
   (support/lib/low_precision.py: --rollout-dtype, the rollout's matmuls on a bfloat16 / int8 copy of the
   weights; support/lib/kv_cache.py: the KV cache's keyword, its room for new tokens reserved up front)
 
@@ -33,10 +33,11 @@ import contextlib
 
 import torch
 
-from grpo import token_logprobs
+from grpo import head_logprobs, token_logprobs
 from lora import lora_merged
 from support.lib.kv_cache import cache_kwargs, cache_of, preallocate
 from support.lib.low_precision import low_precision_linears
+from support.lib.recompute import mlps_recomputed
 import support.lib.static_decode as static_decode
 
 # --------------------------------------------------------------------------------------------------
@@ -420,48 +421,3 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
 
 
 PLAIN_HEADS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")  # model types whose logits are lm_head(h)
-
-
-def head_logprobs(head, h, tokens, temperature=1.0, allowed_mask=None):
-    """token_logprobs(head(h), tokens), h [N, T, D] -> float32 [N, T], one completion at a time: its
-    logits [T, V] exist only while its row is computed, and with gradient they are not kept for
-    the backward pass but computed again there (non-reentrant torch.utils.checkpoint: the same
-    kernels on the same inputs; only h, which the model's graph holds anyway, is kept). Today's
-    path held the head's [N, T, V] output, a copy of it and float32 rows for the backward pass: on
-    the default team (N 32, T 128, V 151,936) ~4.6 GiB; here one row's, ~0.2 GiB. Exact: each
-    row's logits are rows of the same matmul (tests/test_memory.py compares values and gradients
-    with token_logprobs over the whole head output and with the model's own logits)."""
-    from torch.utils.checkpoint import checkpoint
-    rows = []
-    for n in range(h.shape[0]):
-        allowed = None if allowed_mask is None else allowed_mask[n:n + 1]
-        row = lambda x, n=n, allowed=allowed: token_logprobs(head(x), tokens[n:n + 1], temperature, allowed)  # noqa: E731
-        grad = torch.is_grad_enabled() and h.requires_grad
-        rows.append(checkpoint(row, h[n:n + 1], use_reentrant=False) if grad else row(h[n:n + 1]))
-    return torch.cat(rows) if rows else h.new_zeros(tokens.shape, dtype=torch.float32)    # (N, T)
-
-
-@contextlib.contextmanager
-def mlps_recomputed(model):
-    """With gradient on, each block's MLP keeps only its input [tokens, d] for the backward pass
-    and runs again there (torch.utils.checkpoint), instead of keeping its four [tokens, d_ff]
-    activations (gate, up, act(gate), act(gate) * up). On the pocket policy (d 576, d_ff 1536,
-    30 blocks) that is ~24 KB per token and block, ~1.2 GB for a step's ~1,700 tokens: with it
-    the README's first run peaked at 4.0 GB in the policy pass and backward, against >= 5.6 GB
-    without (results/performance.md). It costs one more forward of the MLPs in the backward
-    pass. Exact: non-reentrant checkpointing keeps the autograd graph as it is and only computes
-    its saved tensors again, with the same kernels on the same inputs. train.py --keep-activations
-    (model.recompute_mlps = False) turns it off where memory is plentiful: ~10 % faster steps on
-    the pocket policy, the same metrics bit for bit (results/performance.md)."""
-    from torch.utils.checkpoint import checkpoint
-    mlps = [m for name, m in model.named_modules() if name.endswith(".mlp")]
-    if not torch.is_grad_enabled() or not getattr(model, "recompute_mlps", True):
-        mlps = []  # nothing is kept for a backward pass, or the caller keeps the activations
-    for m in mlps:
-        # an instance attribute, as in support.lib.low_precision
-        m.forward = lambda x, f=m.forward: checkpoint(f, x, use_reentrant=False)
-    try:
-        yield model
-    finally:
-        for m in mlps:
-            del m.forward

@@ -114,7 +114,7 @@ def ours_worker(kind, o):
         # --rollout-dtype per command: both rollouts alternate in one process; int8 with its TIS cap
         args.rollout_dtype = cmd.get("rollout_dtype", "float32")
         args.tis_cap = 0.0 if args.rollout_dtype == "float32" else TIS_CAP
-        run.policy.recompute_mlps = not cmd.get("keep_activations", False)  # read by rollout.mlps_recomputed
+        run.policy.recompute_mlps = not cmd.get("keep_activations", False)  # read by recompute.mlps_recomputed
         generation["seconds"] = 0.0
         if run.pool is not None:  # ours and ours_int8 share prompts: both pay the experts
             run.pool.cache.clear()

@@ -30,7 +30,7 @@ byte-level stand-in made them ~4.1x longer and stays as the stress case).
 the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph,
 support/lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after": auto = grouped,
 support/lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once; "after": one completion
-at a time, rollout.head_logprobs). A switch this checkout lacks is recorded as absent, not failed (SWITCHES).
+at a time, grpo.head_logprobs). A switch this checkout lacks is recorded as absent, not failed (SWITCHES).
 
 Phases, in priority order (the default list; the seconds are estimates for an H200, the budget's guide):
   env           versions, the card, the cap, the allocator, the wheels installed, SDPA backends         (1 s)

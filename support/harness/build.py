@@ -46,7 +46,7 @@ def attach_lora(policy, tok, method, args):
         for p in policy.parameters():
             p.requires_grad_(False)
     policy.train()  # no dropout in these models; train() only marks intent
-    policy.recompute_mlps = not args.keep_activations  # read by rollout.mlps_recomputed
+    policy.recompute_mlps = not args.keep_activations  # read by support.lib.recompute.mlps_recomputed
     return make_optimizer(policy, method, args)
 
 

@@ -225,7 +225,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--rollout-batch", type=number(int, 0), default=0, help="micro-batches sampled in one decode loop (0: the "
       "whole step's, one loop; lower it if the rollout's KV cache does not fit: --plan counts it)")
     a("--keep-activations", action="store_true", help="keep the MLPs' activations for the backward pass "
-      "instead of computing them again there (rollout.mlps_recomputed): the same numbers, ~10 %% faster steps "
+      "instead of computing them again there (support/lib/recompute.py): the same numbers, ~10 %% faster steps "
       "and ~1.1 GB more peak memory on the pocket policy")
     a("--attention", default="auto", choices=["auto", "grouped", "sdpa"], help="the policy's attention: grouped "
       "(support/lib/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "

@@ -25,7 +25,7 @@ What is counted, per device of one process (under torchrun every process holds t
                copied to every query head with sdpa, which also holds the G-fold cache beside the copies; with
                grouped, each forward's stacked mask and SDPA's own output), the logits of y_0 and of one
                completion at a time
-               (rollout.head_logprobs; every completion's where the head is more than a linear layer)
+               (grpo.head_logprobs; every completion's where the head is more than a linear layer)
   runtime      on CPU, the resident memory of this very process (Python, torch, transformers imported, no model
                loaded), measured; on CUDA, the CUDA context, ~0.5 GB (a common figure, not measured here)
 peak = weights + LoRA/g_phi state + max(rollout, loss pass) + runtime.
@@ -55,7 +55,7 @@ GB = 2 ** 30
 # LoRA (their frozen weights need no gradient, so only inputs are kept), at the activations' dtype (lora.LoRALinear
 # computes in it; when it cast its input up to float32, a bfloat16 run kept ~2x this): the input of each RMSNorm (2 D), the
 # inputs of the LoRA-wrapped projections (q/k/v share one: D; o_proj: D; the MLP's: D), the query (D): 6 D;
-# the LoRA branches' rank-r intermediates are negligible. The MLP keeps nothing else: rollout.mlps_recomputed
+# the LoRA branches' rank-r intermediates are negligible. The MLP keeps nothing else: recompute.mlps_recomputed
 # runs it again in the backward pass (before that it kept down_proj's input and SiLU's input, its output and the
 # up projection, 4 I more; with them, on SmolLM2-135M, B 4, G 4, 211 + 48 tokens, saved_tensors_hooks measured
 # 2.58 GiB of distinct saved storage besides the weights against 2.51 GiB counted). Keys and values are counted
@@ -210,7 +210,7 @@ def estimate(args, world_size=1):
     kv = (B * G * (Pc + T) + B * Pc) * kv_saved  # the scoring forward's and the prefill's (at most B rows)
     if not grouped:  # the SDPA path keeps its copies; the G-fold cache itself lives beside them until the pass ends
         kv += B * G * Pc * kv_token
-    if policy.config.model_type in rollout.PLAIN_HEADS:  # rollout.head_logprobs
+    if policy.config.model_type in rollout.PLAIN_HEADS:  # grpo.head_logprobs
         # y_0's rows (the prefill's output, float32), and one completion's logits at a time: the head's output, its
         # float32 copy and their gradient, computed again in the backward pass
         logits = B * G * V * (nbytes + 4) + T * V * (nbytes + 8)
