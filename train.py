@@ -49,7 +49,8 @@ from support.harness.build import attach_lora, load_policy_and_data, precompute_
 from support.harness.checks import parse_args
 from support.harness.config import fail
 from support.harness.metrics import step_metrics, wall_clock
-from support.harness.run import run_training
+from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders
+from support.harness.run import resume_run
 from support.lib import distributed
 from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite
 from support.lib.runtime import deterministic_kernels, expandable_segments
@@ -182,6 +183,32 @@ def grpo_step(step, run, args, score_batch):
     tokens = sum(int(b.comp_mask.sum()) for b in batches)  # generated: EOS counts, padding does not
     rec.update(wall_clock(t0, tokens))  # seconds, tokens_per_s
     return rec, batches
+
+
+# --------------------------------------------------------------------------------------------------
+# The loop: the steps, each followed by its log and checkpoint (the helpers: support/harness/run.py)
+
+
+def train(args, world, score_batch):
+    """One run: checked and opened, built, resumed, its steps, finished. Returns --out."""
+    life = open_run(args, world)  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
+    try:  # however the run ends, the lock on --out goes with it
+        try:
+            run = build_run(args, life.device)
+        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+            fail(str(e))
+        run.life = life
+        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, life.writer), 0
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)
+            # ---- log and checkpoint: samples.jsonl, metrics.jsonl, the log line, checkpoint.pt ----
+            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)  # --max-bad-steps
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
+    finally:
+        release_folders(life)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -359,23 +386,27 @@ def add_channel_forcing(loss, metrics, logp, b, C, run, args):
 
 
 # --------------------------------------------------------------------------------------------------
-# Building the run, and its life around the steps (checks, resume, logs, checkpoints: support/harness/run.py)
+# Building the run: the policy, g, LoRA and the optimiser
 
 
-def build_run(args, device, builder=None):
-    """The policy (frozen + LoRA), the context builder g (`builder`, by default --method's in
-    baselines.METHODS; a neighbour's script passes its own), the data and the optimiser: a Run.
-    The order is the seeded one (the policy, then g's initialisation, then LoRA's A). Raises
-    ValueError with a one-line message on bad input."""
+def build_run(args, device):
+    """The policy (frozen + LoRA), --method's context builder g (baselines.METHODS), the data and
+    the optimiser: a Run. The order is the seeded one (the policy, then g's initialisation, then
+    LoRA's A). Raises ValueError with a one-line message on bad input."""
     parts = load_policy_and_data(args, device)  # team, items, the seeded frozen policy, tokenizer
-    policy, tok = parts["policy"], parts["tok"]
-    g = (builder or METHODS[args.method])(parts["team"], policy.config.hidden_size, args, device,
-                                          parts["dtype"])
+    g = METHODS[args.method](parts.team, parts.policy.config.hidden_size, args, device, parts.dtype)
     if args.state_norm == "standardize":
-        fit_state_norm(g, parts["train_items"], args)
-    optimizer = attach_lora(policy, tok, g, args)  # g's anchor, LoRA on the policy, the optimiser
-    return Run(policy=policy, tok=tok, method=g, optimizer=optimizer, train_items=parts["train_items"],
-               eos_ids=rollout.eos_token_ids(policy, tok), device=device, team=parts["team"],
+        fit_state_norm(g, parts.train_items, args)
+    return run_around(parts, g, args, device)
+
+
+def run_around(parts, g, args, device):
+    """The Run around a built g (build_run's, or a neighbour script's own): g's anchor, LoRA on the
+    policy, the optimiser over both (support/harness/build.attach_lora)."""
+    policy, tok = parts.policy, parts.tok
+    optimizer = attach_lora(policy, tok, g, args)
+    return Run(policy=policy, tok=tok, method=g, optimizer=optimizer, train_items=parts.train_items,
+               eos_ids=rollout.eos_token_ids(policy, tok), device=device, team=parts.team,
                # --context-position, or in front of the --context-split tokens that end every prompt
                position=rollout.context_slot(tok, args.context_position, args.context_split),
                pool=getattr(g, "pool", None),
@@ -409,8 +440,7 @@ def main(argv=None, score_batch=None):
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support.harness import plan
         return plan.main(args, world)
-    # the run's life around the steps (support/harness/run.py): open, build, resume, steps, finish
-    return run_training(args, world, score_batch or rewards.score_batch, build_run, grpo_step)
+    return train(args, world, score_batch or rewards.score_batch)
 
 
 if __name__ == "__main__":

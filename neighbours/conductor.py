@@ -23,9 +23,9 @@ Here the conductor is the same LoRA policy every other method trains, and the wo
 generative experts (an encoder has no words to give, so it cannot be a worker). The policy's completion is the
 workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
 grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own step, one file
-per algorithm: grpo_step below is train.py's step with the workflow in place of C, and main hands it and
-this script's g to run_training, train.py's run (checks, checkpoints, --resume, --eval-items). No torchrun:
-one process. evaluate.py calls Conductor.answer.
+per algorithm: grpo_step below is train.py's step with the workflow in place of C, and train_run is
+train.py's loop, copied, over it with this script's g (train.py's helpers: checks, checkpoints, --resume,
+--eval-items). No torchrun: one process. evaluate.py calls Conductor.answer.
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
 it knows brackets, commas, integers and quoted strings and nothing else. Nothing the model writes is ever
@@ -95,15 +95,18 @@ import train  # noqa: E402
 import rollout  # noqa: E402
 from adapter import routing_stats  # noqa: E402
 from baselines import Context  # noqa: E402
-from experts import is_encoder, load_model  # noqa: E402
+from experts import is_encoder, load_model, pick_device  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support.lib import distributed  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
-from support.harness.run import run_training  # noqa: E402
-from support.harness.validation import evaluate_neighbour, evaluate_neighbour_run, load_neighbour  # noqa: E402
+from support.harness.build import load_policy_and_data  # noqa: E402
+from support.harness.config import fail  # noqa: E402
+from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run  # noqa: E402
+from support.harness.validation import evaluating, frozen_policy, neighbour_eval_args  # noqa: E402
+from support.harness.validation import restore_trained, save_eval, score_run  # noqa: E402
 
 CONDUCTOR_PREFIX = "model_id = ["
 NAMES = ("model_id", "subtasks", "access_list")
@@ -483,7 +486,7 @@ def conductor(team, out_dim, args, device, dtype):
 
 
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step (support/harness/run.run_training runs the loop)
+# One GRPO step (train, below, runs the loop)
 
 
 def grpo_step(step, run, args, score_batch):
@@ -568,7 +571,7 @@ def grpo_step(step, run, args, score_batch):
         rec["utilization_names"] = cond.names
     # seconds, and tokens_per_s over the workflow tokens the policy wrote (the workers' answers not counted)
     rec.update(wall_clock(t0, sum(int(b["comp_mask"].sum()) for b in batches)))
-    return rec, [SimpleNamespace(**b) for b in batches]  # run_training reads .questions, .items, ...
+    return rec, [SimpleNamespace(**b) for b in batches]  # after_step reads .questions, .items, ...
 
 
 def parse_args(argv=None):
@@ -596,21 +599,65 @@ def main(argv=None, score_batch=None):
     """Train the conductor (train.py's flags), or `evaluate --run DIR --n N` a run of it (eval.json)."""
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["evaluate"]:  # `evaluate --run DIR --n N`: eval.json in the run folder
-        return evaluate_neighbour(argv[1:], "neighbours/conductor.py", conductor)
-    args = parse_args(argv)
-    # train.py's run (support/harness/run.py: checks, resume, logs, checkpoints, the end) with this g and step
-    build = lambda a, device: train.build_run(a, device, builder=conductor)  # the policy, this g, LoRA
-    return run_training(args, distributed.ONE, score_batch or rewards.score_batch, build, grpo_step)
+        return evaluate(argv[1:])
+    return train_run(parse_args(argv), score_batch or rewards.score_batch)
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The run: train.py's loop and helpers (support/harness/run.py), with this script's g and step
+
+
+def build_run(args, device):
+    """train.Run with this script's g: the frozen policy (seeded) with LoRA, conductor(...), the data and the
+    optimiser, in train.build_run's seeded order."""
+    parts = load_policy_and_data(args, device)
+    g = conductor(parts.team, parts.policy.config.hidden_size, args, device, parts.dtype)
+    return train.run_around(parts, g, args, device)
+
+
+def train_run(args, score_batch):
+    """One run, as train.train runs one: checked and opened, built, resumed, its steps, finished. Returns --out."""
+    world = distributed.ONE  # one process
+    life = open_run(args, world)  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
+    try:  # however the run ends, the lock on --out goes with it
+        try:
+            run = build_run(args, life.device)
+        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+            fail(str(e))
+        run.life = life
+        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, life.writer), 0
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)
+            # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
+            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
+    finally:
+        release_folders(life)
+
+
+def evaluate(argv):
+    """`evaluate --run DIR --n N [--batch-size B] [--device D] [--out DIR]`: a run of this script scored on its
+    checkpoint, eval.json written (nothing half-written on Ctrl-C, SIGTERM or bad input)."""
+    a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/conductor.py")
+    with evaluating(made):
+        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"],
+                              pick_device(a.device))
+    save_eval(path, result, state)
 
 
 def load_trained(args, lora_state=None, method_state=None, device="cpu"):
     """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
-    return load_neighbour(args, conductor, lora_state, method_state, device)
+    policy, tok, dtype = frozen_policy(args, device)
+    g = conductor(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype)
+    return restore_trained(policy, tok, g, args, lora_state, method_state)
 
 
 def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
     """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    return evaluate_neighbour_run(args, n, conductor, batch_size, lora_state, method_state, device)
+    return score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
 
 
 if __name__ == "__main__":

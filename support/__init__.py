@@ -37,7 +37,7 @@ harness/ (above the core)
   plan.py            --plan: the memory each device needs, on PyTorch's meta device
   plot.py            the plot train.py writes into a run's folder at the end
   report.py          tables and figures over folders of runs (evaluate.py --summarize)
-  run.py             a run's life around its steps: open, resume, log, save, finish (run_training)
+  run.py             a run's life around the loop's steps: open, resume, log and save each step, finish
   stand_in_tokenizer.py  Qwen2.5's tokenizer with part of its merges: real prompt lengths on a GPU machine
   stop.py            Ctrl-C and SIGTERM: one line, exit code 130 / 143, within seconds even in a long forward
   track.py           --track: each step's record, live, to TensorBoard, Trackio or Weights & Biases

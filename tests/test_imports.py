@@ -120,8 +120,8 @@ def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
 
 def test_nothing_but_experiments_tests_and_neighbours_imports_the_scripts():
     """train.py and evaluate.py are the top of the core: the core and support/ take values, so no file imports a
-    script upward except an experiment or a test (they drive runs) and a neighbour's script, which runs train.py's
-    run (train.build_run, support/harness/run.run_training) with its own g and step."""
+    script upward except an experiment or a test (they drive runs) and a neighbour's script, which builds
+    train.py's Run around its own g (train.run_around) and runs its own copy of train.py's loop."""
     edges = graph()
     upward = sorted((p, q) for p, qs in edges.items() for q in qs if q in ("train.py", "evaluate.py")
                     and p.split("/")[0] not in ("experiments", "tests")
@@ -147,3 +147,50 @@ def test_support_is_two_shelves_and_its_index_lists_every_module():
         listed = [n for n in modules if f"\n  {n} " in part]
         assert listed == modules, (shelf, sorted(set(modules) - set(listed)))
     assert sorted(n for n in os.listdir(os.path.join(ROOT, "support")) if n.endswith(".py")) == ["__init__.py"]
+
+
+def loops_over_steps(path):
+    """The `for step in range(start, args.steps)` loops of a file (ast), as the names of the functions holding them."""
+    tree = ast.parse(open(os.path.join(ROOT, path)).read())
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, ast.FunctionDef):
+            for node in ast.walk(fn):
+                if (isinstance(node, ast.For) and isinstance(node.target, ast.Name) and node.target.id == "step"
+                        and ast.unparse(node.iter) == "range(start, args.steps)"):
+                    found.append(fn.name)
+    return found
+
+
+def test_the_loop_is_visible_in_train_py_and_each_neighbour_script_has_its_own():
+    """The reader finds the loop where the README says: train.py holds `for step in range(start, args.steps)`,
+    and each neighbour's script a copy of it over its own step; no file under support/ (nor any other core
+    file) holds a loop over the steps that a script hands its step to."""
+    assert loops_over_steps("train.py") == ["train"]
+    for script in ("neighbours/conductor.py", "neighbours/rlae.py"):
+        assert loops_over_steps(script) == ["train_run"], script
+    others = [p for p in graph() if (p in CORE and p != "train.py") or p.startswith("support/")]
+    assert not [p for p in others if loops_over_steps(p)]
+
+
+# The parameters a function of the core, support/ or a neighbour may call: models and tokenizers (g is a model too:
+# C = g(x) is data through the network, --method picks it by name), the reward function a fork passes to
+# train.main, and small plumbing (a collective's operation, a config reader, a sort key, a signal's message).
+CALLABLE_PARAMETERS = {"policy", "tok", "embed", "head", "method", "allowed", "score_batch",
+                       "fn", "config_of", "default", "kind", "key", "keep", "f", "message", "cleanup"}
+
+
+def test_no_function_takes_the_algorithm_as_an_argument():
+    """No function takes a step, a builder or a loop body as an argument to swap what it does: a function whose
+    parameter it calls must call only the kinds above. A `build` or `step_fn` handed to a shared loop fails."""
+    called = []
+    for path in graph():
+        if not (path in CORE or path.startswith(("support/", "neighbours/"))):
+            continue
+        for fn in ast.walk(ast.parse(open(os.path.join(ROOT, path)).read())):
+            if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                params = {a.arg for a in fn.args.args + fn.args.kwonlyargs}
+                called += [(path, fn.name, n.func.id) for n in ast.walk(fn) if isinstance(n, ast.Call)
+                           and isinstance(n.func, ast.Name) and n.func.id in params
+                           and n.func.id not in CALLABLE_PARAMETERS]
+    assert not called, called

@@ -1,10 +1,10 @@
 """
-The two halves of building a run around its context builder g (train.build_run, which the neighbours'
-scripts call with their own g):
+The two halves of building a run around its context builder g (train.build_run; each neighbour's
+script has its own build_run, with its own g):
 
-    parts = load_policy_and_data(args, device)                        # team, policy, tokenizer, items
-    g = builder(parts["team"], parts["policy"].config.hidden_size, args, device, parts["dtype"])
-    optimizer = attach_lora(parts["policy"], parts["tok"], g, args)   # g's anchor, LoRA, the optimiser
+    parts = load_policy_and_data(args, device)   # a PolicyAndData: team, items, policy, tokenizer
+    g = METHODS[args.method](parts.team, parts.policy.config.hidden_size, args, device, parts.dtype)
+    optimizer = attach_lora(parts.policy, parts.tok, g, args)   # g's anchor, LoRA, the optimiser
 
 The order is the seeded one (the policy, then g's initialisation, then LoRA's A), so a run's numbers do
 not depend on which script built it. Nothing here is in the paper beyond LoRA itself (lora.py).
@@ -12,6 +12,8 @@ not depend on which script built it. Nothing here is in the paper beyond LoRA it
 Try it on CPU:  python -m pytest tests/test_plan.py -q
 """
 import random
+from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -24,17 +26,26 @@ from support.harness.config import fail
 from support.lib.optim import make_optimizer
 
 
+@dataclass
+class PolicyAndData:
+    """What a run is built on before its g exists (load_policy_and_data)."""
+    team: dict                   # the team's model names: policy, experts, router
+    train_items: list            # the task's training items, {"question", "answer", ...}
+    dtype: torch.dtype           # the frozen weights' dtype (--dtype; auto: float32 on a CPU, bfloat16 on CUDA)
+    policy: torch.nn.Module      # the frozen policy, seeded, LoRA not yet attached
+    tok: Any                     # its tokenizer
+
+
 def load_policy_and_data(args, device):
-    """The team's model names, the training items, the seeded frozen policy and its tokenizer: a dict
-    (team, train_items, dtype, policy, tok, device). Raises ValueError with a one-line message on bad
-    input."""
+    """The team's model names, the training items, the seeded frozen policy and its tokenizer: a
+    PolicyAndData. Raises ValueError with a one-line message on bad input."""
     team = team_models(args)
     train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed,
                                        args.data_path, args.task_config)
     dtype = frozen_dtype(args.dtype, device)
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
     policy, tok = load_model(team["policy"], device, dtype, attention=args.attention)
-    return dict(team=team, train_items=train_items, dtype=dtype, policy=policy, tok=tok, device=device)
+    return PolicyAndData(team=team, train_items=train_items, dtype=dtype, policy=policy, tok=tok)
 
 
 def attach_lora(policy, tok, method, args):

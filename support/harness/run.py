@@ -1,15 +1,15 @@
 """
 A run's life around its steps: check and build, write config.json, resume, log each step, save, finish.
 
-run_training (at the end) is the loop train.py's main and the two neighbours' scripts (neighbours/conductor.py,
-neighbours/rlae.py, each with its own g and step) run; each helper it calls takes values, none the algorithm:
+The helpers train.py's loop calls (and each neighbour's script, neighbours/conductor.py and neighbours/rlae.py,
+in a copy of that loop with its own g and step); each takes values, none the algorithm:
 
     life = open_run(args, world)          # checks, --out locked, Ctrl-C / SIGTERM handled, the device
-    run = build(args, life.device)        # train.build_run: a train.Run, with the script's own g
+    run = build_run(args, life.device)    # the script's own: a train.Run with its g
     start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
     for step in range(start, args.steps):
-        rec, batches = step_fn(step, run, args, score_batch)   # train.grpo_step, or a neighbour's
-        write_samples(...); after_step(...)                    # samples; log line, metrics, checkpoint
+        rec, batches = grpo_step(step, run, args, score_batch)    # the script's own
+        bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)  # samples, log, checkpoint
     finish_run(run, args)                 # the PEFT export, the plot, validation after
     release_folders(life)                 # however it ends: the lock on --out, --track's tracker
 
@@ -270,9 +270,14 @@ def progress_bar(start, args, writer=True):
     return tqdm(initial=start, total=args.steps, desc="train", dynamic_ncols=True, disable=not writer)
 
 
-def after_step(run, args, step, rec, bar, bad_steps):
-    """Rank 0 writes the step's metrics, its log line and the checkpoint; every rank stops (exit
-    code 3) after --max-bad-steps non-finite steps in a row. Returns the new count of those."""
+def after_step(run, args, step, rec, batches, bar, bad_steps):
+    """After the update: rank 0 writes a few completions of the step's first prompt (samples.jsonl), the
+    step's metrics, its log line and the checkpoint; every rank stops (exit code 3) after --max-bad-steps
+    non-finite steps in a row. `batches`: the step's, each with .questions, .items, .texts and .r. Returns
+    the new count of non-finite steps in a row."""
+    sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
+    b = batches[0]  # a few completions of the step's first prompt, with their rewards
+    write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
     bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
     stop = bad_steps >= args.max_bad_steps
     life = run.life
@@ -372,29 +377,3 @@ def validation_line(before, after):
             f"{100 * np.mean(before):.1f} % -> after {100 * np.mean(after):.1f} % "
             f"({better} items better, {worse} worse)")
 
-
-def run_training(args, world, score_batch, build, step_fn):
-    """A run's life: checked and opened, built (`build(args, device)`: train.build_run, a train.Run),
-    resumed, its steps (`step_fn`: train.grpo_step's signature, batches with .questions, .items, .texts,
-    .r), finished. train.main and the neighbours' scripts (their own g and step) call it. Returns --out."""
-    life = open_run(args, world)  # checks, --out locked, Ctrl-C / SIGTERM handled, the device
-    try:  # however the run ends, the lock on --out goes with it
-        try:
-            run = build(args, life.device)
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        run.life = life
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, life.writer), 0
-        for step in range(start, args.steps):
-            rec, batches = step_fn(step, run, args, score_batch)
-            sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
-            b = batches[0]  # a few completions of the step's first prompt, with their rewards
-            write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
-            # the log line, metrics.jsonl (and --track's tracker) and the checkpoint; --max-bad-steps
-            bad_steps = after_step(run, args, step, rec, bar, bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, the plot, validation after training
-    finally:
-        release_folders(life)

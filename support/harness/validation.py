@@ -8,6 +8,7 @@ Choices the paper leaves open: greedy decoding, the training prompt and budget, 
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
+import contextlib
 import json
 import os
 
@@ -230,43 +231,40 @@ def neighbour_eval_args(argv, script):
     return a, SimpleNamespace(**cfg), state, path, made
 
 
-def load_neighbour(args, builder, lora_state=None, method_state=None, device="cpu"):
-    """A run of a neighbour's script (its config `args`): the frozen policy and the script's g (`builder`),
-    with the checkpoint's weights, in eval mode: (policy, tokenizer, method, eos_ids)."""
+def frozen_policy(args, device="cpu"):
+    """The frozen policy of a run's config `args` (its team's policy, its --dtype) on `device`: (policy,
+    tokenizer, dtype). A neighbour's script builds its g beside it and calls restore_trained."""
     from experts import frozen_dtype, load_model
     device = torch.device(device)
     dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
     policy, tok = load_model(args.team_models["policy"], device, dtype)
-    method = builder(args.team_models, policy.config.hidden_size, args, device, dtype)
-    return restore_trained(policy, tok, method, args, lora_state, method_state)
+    return policy, tok, dtype
 
 
 @torch.no_grad()
-def evaluate_neighbour_run(args, n, builder, batch_size=50, lora_state=None, method_state=None, device="cpu"):
-    """The greedy validation score of a neighbour's run on its seed's first n items (evaluate.py's result)."""
+def score_run(policy, tok, method, eos_ids, args, n, batch_size=50):
+    """The greedy validation score of a loaded run (restore_trained's) on its seed's first n items:
+    evaluate.py's result."""
     items = validation_items(args, n)
-    policy, tok, method, eos_ids = load_neighbour(args, builder, lora_state, method_state, device)
     per_item, status = score_items(policy, tok, method, eos_ids, items, args, batch_size=batch_size)
     return scored(per_item, status, items, args, args.method)
 
 
-def evaluate_neighbour(argv, script, builder):
-    """A neighbour script's `evaluate --run DIR --n N` (neighbours/conductor.py, neighbours/rlae.py): its run
-    (g built by `builder`) scored on its checkpoint, eval.json written. Ctrl-C / SIGTERM end it in one line
-    with exit code 130 / 143 within seconds, nothing half-written (support/harness/stop.py)."""
-    from experts import pick_device
+@contextlib.contextmanager
+def evaluating(made):
+    """Around a neighbour script's `evaluate`: Ctrl-C / SIGTERM end it in one line with exit code 130 / 143
+    within seconds (support/harness/stop.py), and a loader's ValueError / FileNotFoundError (an unknown
+    task, missing data, no CUDA) in one line with exit code 2; either way nothing half-written, and the
+    folders neighbour_eval_args made removed again."""
     from support.harness.config import remove_created
     from support.harness.stop import stopping_on_signals
-    a, cfg, state, path, made = neighbour_eval_args(argv, script)
     with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
                              cleanup=lambda: remove_created(made)):
         try:
-            result = evaluate_neighbour_run(cfg, a.n, builder, a.batch_size, state["lora"], state["method"],
-                                            pick_device(a.device))
-        except (ValueError, FileNotFoundError) as e:  # unknown task, missing data, no CUDA
+            yield
+        except (ValueError, FileNotFoundError) as e:
             remove_created(made)
             fail(str(e))
-        save_eval(path, result, state)
 
 
 def save_eval(path, result, state):
