@@ -31,6 +31,7 @@ embedding, standardised states at depth 1.0, 100 validation items scored with C,
 shuffled C (evaluate.py --paired).
 """
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -43,7 +44,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from support.lib.stats import holm, mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
-from verdict import costs, cpu_capability, load, run_once  # noqa: E402
+from verdict import costs, cpu_capability, load, read_timing, run_once  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict2")
 TASK = ["--task", "gcd", "--task-config", '{"min_numbers": 2, "max_numbers": 2, "min_value": 1, "max_value": 100}']
@@ -244,7 +245,33 @@ def verdict_markdown(runs, records):
                  f"{n} | {seeds} | {mean} | {ci} | {p} | – |")
         L[-1] += f" {items} |"
     L += ["", *run_rows(runs, window=10)]
-    return "\n".join(L) + "\n\n## Wall time\n\n" + costs(records)
+    return "\n".join(L) + "\n\n## Wall time\n\n" + step_costs(records)
+
+
+def step_costs(records, pause=5.0):
+    """Markdown: each archived run's training time as the sum of its steps' own seconds (metrics.jsonl: every
+    process of a resumed run, each step once), its evaluation's, and the total in core-hours (one thread a run).
+    timing.json's train_seconds is the last process's wall time alone, short for a run resumed after a stop. A
+    step that took more than `pause` times the run's median was a SIGSTOP pause (provenance.txt logs each) and
+    counts at the median."""
+    L = ["| run | steps s (sum of the steps) | paused steps (counted at the median) | last process s | eval s | "
+         "load average after (1, 5, 15 min) | CPU |", "|---|---|---|---|---|---|---|"]
+    total = 0.0
+    for name in sorted(os.listdir(records)) if os.path.isdir(records) else []:
+        path, t = os.path.join(records, name, "metrics.jsonl"), read_timing(os.path.join(records, name))
+        if not os.path.exists(path):
+            continue
+        seconds = np.array([json.loads(line)["seconds"] for line in open(path) if line.strip()])
+        median = float(np.median(seconds))
+        paused = seconds > pause * median
+        train = float(np.where(paused, median, seconds).sum())
+        total += train + t.get("eval_seconds", 0.0)
+        load = ", ".join(f"{x:.1f}" for x in t["load_average_after"]) if "load_average_after" in t else "–"
+        last, ev = (f"{t[k]:.0f}" if k in t else "–" for k in ("train_seconds", "eval_seconds"))
+        L.append(f"| {name} | {train:.0f} | {int(paused.sum())} | {last} | {ev} | {load} | {t.get('cpu', '–')} |")
+    L += ["", f"Total: {total / 3600:.2f} core-hours over {len(L) - 2} runs (steps and evaluations; each "
+          "process's start and model loading, about a minute, not counted)."]
+    return "\n".join(L) + "\n"
 
 
 # --------------------------------------------------------------------------------------------------

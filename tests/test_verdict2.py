@@ -181,3 +181,20 @@ def test_the_worker_runs_what_is_unfinished_and_commits_each_record(tmp_path, mo
     log = subprocess.run(["git", "log", "--format=%s", "--name-only"], cwd=repo, capture_output=True, text=True).stdout
     assert log.count("verdict2: record of") == len(plan) - 3 and "other.txt" not in log
     assert "verdict2: 12 of 12 runs archived" in verdict2.status(str(records), str(out))
+
+
+def test_the_wall_time_counts_every_process_of_a_resumed_run_and_a_pause_at_the_median(tmp_path):
+    """A run stopped and resumed: timing.json holds only the last process's seconds (60 s here), so the table
+    sums the steps' own seconds instead; one step 1000 s long was a SIGSTOP pause and counts at the median."""
+    import json
+
+    from verdict2 import step_costs
+    d = tmp_path / "ours_strong-s1"
+    d.mkdir()
+    seconds = [10.0] * 9 + [1000.0]
+    (d / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "seconds": s}) + "\n"
+                                             for i, s in enumerate(seconds)))
+    (d / "timing.json").write_text(json.dumps({"train_seconds": 60.0, "eval_seconds": 20.0, "cpu": "AVX2"}))
+    md = step_costs(str(tmp_path))
+    assert "| ours_strong-s1 | 100 | 1 | 60 | 20 |" in md, md
+    assert f"Total: {120 / 3600:.2f} core-hours over 1 runs" in md
