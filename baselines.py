@@ -95,7 +95,7 @@ def expert_pool(names, args, device, dtype, heads=False):
     where g_phi and the policy are."""
     from experts import ExpertPool
     where = getattr(args, "expert_device", None) or device
-    return ExpertPool(names, where, dtype, args.pooling, args.seed,
+    return ExpertPool(names, where, dtype, args.pooling, seed=args.seed,
                       depth=getattr(args, "expert_depth", 1.0), out_device=device,
                       store=getattr(args, "expert_cache", None), heads=heads)
 
@@ -129,7 +129,7 @@ def ours(team, out_dim, args, device, dtype):
     """The paper's method (§3)."""
     pool = expert_pool(team["experts"], args, device, dtype)
     adapter = PerceiverAdapter(pool.dims, out_dim, args.latent_dim, args.num_latents,
-                               args.num_heads)
+                               num_heads=args.num_heads)
     # g_phi stays float32 whatever the frozen weights are; .to(device) moves StateNorm's buffers
     # too (moving only the adapter left them on the CPU: every `ours` run on a GPU failed at its
     # first step, the device check's first run on an H200)
@@ -142,7 +142,7 @@ ours.kind = Kind(tokens=True, experts="team", state_norm=True)
 def identical(team, out_dim, args, device, dtype):
     """Control: ours with the policy's own frozen base as the only expert (C2C's "identical"
     arm)."""
-    return ours({**team, "experts": [team["policy"]]}, out_dim, args, device, dtype)
+    return ours({**team, "experts": [team["policy"]]}, out_dim, args, device, dtype=dtype)
 
 
 identical.kind = Kind(tokens=True, experts="policy", state_norm=True)  # its run loads only the policy's weights

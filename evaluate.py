@@ -54,7 +54,8 @@ def load_policy(args, lora_state=None, method_state=None, untrained=False, devic
     policy, tok = load_model(team["policy"], device, dtype)
     method = METHODS["single" if untrained else args.method](team, policy.config.hidden_size, args,
                                                              device, dtype)
-    return restore_trained(policy, tok, method, args, lora_state, method_state, anchor=not untrained)
+    return restore_trained(policy, tok, method, args, lora_state=lora_state,
+                           method_state=method_state, anchor=not untrained)
 
 
 CONDITIONS = ("with_C", "zero_C", "shuffled_C")
@@ -72,12 +73,12 @@ def evaluate(args, n, batch_size=50, lora_state=None, method_state=None, no_cont
     the C of another item, a seeded derangement over the n items: the same distribution of C, no
     information about this item)."""
     items = validation_items(args, n)
-    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device)
+    policy, tok, method, eos_ids = load_policy(args, lora_state, method_state, untrained, device=device)
     conditions = conditions or ("zero_C" if no_context else "with_C",)
-    per_item, status = score_items(policy, tok, method, eos_ids, items, args, conditions,
-                                   batch_size, share_prefix)
-    result = scored(per_item, status, items, args, "untrained" if untrained else args.method,
-                    conditions[0], no_context)
+    per_item, status = score_items(policy, tok, method, eos_ids, items=items, args=args,
+                                   conditions=conditions, batch_size=batch_size, share_prefix=share_prefix)
+    result = scored(per_item, status, items, args, method_name="untrained" if untrained else args.method,
+                    condition=conditions[0], no_context=no_context)
     sources = [it.get("metadata", {}).get("source_dataset", args.task) for it in items]
     if len(conditions) > 1:
         result["conditions"] = {c: {**summary(np.array(v["score"]), sources, per_dataset=False),
@@ -208,7 +209,8 @@ def main(argv=None):
         try:
             check_models(models)
             result = evaluate(SimpleNamespace(**cfg), a.n, a.batch_size, state.get("lora"),
-                              state.get("method"), a.no_context, untrained=a.untrained,
+                              method_state=state.get("method"), no_context=a.no_context,
+                              untrained=a.untrained,
                               device=pick_device(a.device),
                               conditions=CONDITIONS if a.paired else None,
                               share_prefix=not a.no_shared_prefix)

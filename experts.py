@@ -271,7 +271,8 @@ class ExpertPool:
         # train.py --expert-device: experts run on device, states go here
         self.out_device = out_device or device
         # on disk: one file per (expert, how it is read, text), named by a hash of all three
-        self.store = store and [StateStore(store, store_identity(n, device, dtype, pooling, depth, max_length))
+        self.store = store and [StateStore(store, store_identity(n, device, dtype, pooling,
+                                                                 depth=depth, max_length=max_length))
                                 for n in self.names]
         self.load = lambda n: load_model(n, device, dtype, head=heads)
         # heads: only output_collab generates from its experts; the others read one state each.

@@ -130,7 +130,7 @@ def load_entries(task, split, size, seed=0, data_path=None, config=None):
     specs = [DatasetSpec(name, 1.0, dict(config)) for name, config in configs.items()]
     composite_config = CompositeConfig(size=max_draws, seed=split_seed(seed, split), datasets=specs)
     composite = CompositeDataset(composite_config)
-    return LazyEntries(composite, split, size, max_draws, task)
+    return LazyEntries(composite, split, size, max_draws, task=task)
 
 
 class LazyEntries(Sequence):
@@ -230,7 +230,7 @@ def policy_prompts(tok, questions, hints, args):
     None). Training and evaluation both call this, so a fork that changes the prompt changes it
     in both."""
     return [build_prompt(tok, q if h is None else q + h, args.system_prompt, args.worked_example,
-                                 args.response_prefix) for q, h in zip(questions, hints)]
+                                 response_prefix=args.response_prefix) for q, h in zip(questions, hints)]
 
 
 def responses(response_prefix, completions):

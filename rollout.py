@@ -208,7 +208,7 @@ def prefill(policy, prompt_ids, prompt_mask, C, G, position, share=True, keep=1,
     log-probs and gradients). Where fewer than `min_shared` inputs are shared (a single prompt, or
     C differs per row and sits in front) the prompts run whole, as with share=False."""
     embed = policy.get_input_embeddings()
-    x, mask, pos = policy_inputs(embed, prompt_ids, prompt_mask, C, position)  # (B, P', D)
+    x, mask, pos = policy_inputs(embed, prompt_ids, prompt_mask, C, position=position)  # (B, P', D)
     rows = [x[b][mask[b]] for b in range(x.shape[0])] if share else []  # each row's real inputs
     P = shared_length(rows, keep)
     if len(rows) < 2 or P < min_shared:
@@ -252,7 +252,8 @@ def shared_length(rows, keep=1):
 def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_shared=16):
     """`prefill` with G = 1 (evaluation, the neighbours' writers): the rows' common beginning once,
     their own tails at batch B."""
-    return prefill(policy, prompt_ids, prompt_mask, C, 1, position, keep=keep, min_shared=min_shared)
+    return prefill(policy, prompt_ids, prompt_mask, C, G=1, position=position, keep=keep,
+                   min_shared=min_shared)
 
 
 # --------------------------------------------------------------------------------------------------
@@ -299,7 +300,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32
     merge = contextlib.nullcontext() if dtype == torch.int8 else lora_merged(policy)
     with merge, low:
-        start = prefill(policy, prompt_ids, prompt_mask, C, G, position, share)
+        start = prefill(policy, prompt_ids, prompt_mask, C, G=G, position=position, share=share)
         return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
                       return_logprobs, allowed, uniforms)
 
@@ -320,8 +321,10 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     On CUDA the same loop runs with fixed shapes, its step captured as a CUDA graph (DECODE)."""
     path = DECODE if DECODE != "auto" else "graph" if logits.device.type == "cuda" else "eager"
     if path != "eager" and allowed is None and static_decode.supports(policy, cache):
-        return static_decode.decode(policy, cache, logits, mask, pos, max_new_tokens, temperature,
-                                    eos_ids, pad_id, greedy, return_logprobs, uniforms,
+        return static_decode.decode(policy, cache, logits, mask, pos=pos,
+                                    max_new_tokens=max_new_tokens, temperature=temperature,
+                                    eos_ids=eos_ids, pad_id=pad_id, greedy=greedy,
+                                    return_logprobs=return_logprobs, uniforms=uniforms,
                                     graph=path == "graph", sync_every=SYNC_EVERY)
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
     preallocate(cache, max_new_tokens)  # each token written in place (support/lib/kv_cache.py)
@@ -369,8 +372,8 @@ def greedy_texts(model, tok, prompts, max_new_tokens):
     same answers evaluate.py's greedy decoding gives."""
     ids, mask = encode_prompts(tok, prompts, model.device)
     eos_ids = eos_token_ids(model, tok)
-    out = decode(model, *prefill_shared(model, ids, mask, None, "after"), max_new_tokens, 1.0, eos_ids,
-                 tok.pad_token_id, greedy=True)              # (B, T): padding after each EOS
+    out = decode(model, *prefill_shared(model, ids, mask, None, position="after"), max_new_tokens, 1.0,
+                 eos_ids, tok.pad_token_id, greedy=True)              # (B, T): padding after each EOS
     return tok.batch_decode(out, skip_special_tokens=True)
 
 
@@ -405,7 +408,8 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     plain = policy.config.model_type in PLAIN_HEADS  # logits = lm_head(h): the head can run apart
     body = policy.base_model if plain else policy
     with mlps_recomputed(policy):
-        cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, N // B, position, share)
+        cache, first, mask, pos = prefill(policy, prompt_ids, prompt_mask, C, G=N // B,
+                                          position=position, share=share)
         mask = torch.cat([mask, completion_mask], 1)                     # (N, P' + T)
         pos = pos + completion_mask.long().cumsum(-1)  # (N, T) = (mask.cumsum - 1) there
         out = body(input_ids=completion_ids, attention_mask=mask, position_ids=pos, use_cache=True,
@@ -417,7 +421,7 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     rest = None if allowed_mask is None else allowed_mask[:, 1:]
     return torch.cat([token_logprobs(first[:, None], completion_ids[:, :1], temperature, y0),   # (N, 1)
                       head_logprobs(policy.get_output_embeddings(), out.last_hidden_state[:, :-1],
-                                    completion_ids[:, 1:], temperature, rest)], 1)           # (N, T)
+                                    completion_ids[:, 1:], temperature, allowed_mask=rest)], 1)  # (N, T)
 
 
 PLAIN_HEADS = ("llama", "qwen2", "qwen3", "mistral", "gpt2")  # model types whose logits are lm_head(h)

@@ -119,23 +119,24 @@ def grpo_step(step, run, args, score_batch):
     # ---- rollout: C = g(x) per micro-batch, then every micro-batch's G samples per prompt, all in
     # one decode loop (--rollout-batch splits it), each conditioned on its prompt's C ------------
     inputs = [micro_batch_inputs(run, args, step, micro) for micro in micros]  # (items, ctx, ids, mask)
-    samples = sample_step(run, args, step, micros, inputs)       # [(comp, logp_mu)] per micro-batch
+    samples = sample_step(run, args, step, micros, inputs=inputs)  # [(comp, logp_mu)] per micro-batch
     batches = []
     for micro, (items, ctx, ids, mask), (comp, logp_mu) in zip(micros, inputs, samples):
         # ---- reward: the task's scorer (or the random-reward control), plus --format-bonus ------
         key = (step, micro, 0)  # seeds the random-reward control's coins
-        drawn = score_draw(run, args, items, comp, logp_mu, key, score_batch)
+        drawn = score_draw(run, args, items, comp, logp_mu=logp_mu, key=key, score_batch=score_batch)
         first = dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
                      first_counts=drawn["counts"])  # what the log reports: the first draw
         if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
-            redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch)
+            redraw_flat_groups(run, args, items, ids, mask=mask, ctx=ctx, drawn=drawn, key=key,
+                               score_batch=score_batch)
         comp = drawn["comp"]                                          # (B*G, T) every group's
         comp_mask = grpo.completion_mask(comp, run.eos_ids)        # (B*G, T) up to EOS, inclusive
         # ---- advantage: group-relative, one group per prompt ------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
         signal = ~grpo.flat_groups(drawn["r"], G)  # (B,) groups whose rewards differ: A != 0
         # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
-        logp_ref = reference_logprobs(run, args, ids, mask, ctx.C, comp, comp_mask)
+        logp_ref = reference_logprobs(run, args, ids, mask, C=ctx.C, comp=comp, comp_mask=comp_mask)
         batches.append(MicroBatch(items=items, questions=[it["question"] for it in items], ctx=ctx,
                                   ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, r=drawn["r"],
                                   adv=adv, logp_ref=logp_ref, logp_mu=drawn["logp_mu"],
@@ -151,8 +152,9 @@ def grpo_step(step, run, args, score_batch):
         losses, stats = [], []
         for b in batches:
             C = g(b.questions, reuse=b.ctx).C  # the rollout's C again (its states), now with gradient
-            logp = rollout.completion_logprobs(policy, b.ids, b.mask, C, b.comp, b.comp_mask,
-                                               args.temperature, run.position,
+            logp = rollout.completion_logprobs(policy, b.ids, b.mask, C, completion_ids=b.comp,
+                                               completion_mask=b.comp_mask,
+                                               temperature=args.temperature, position=run.position,
                                                share=not args.no_shared_prefix)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b.logp_old = logp.detach()
@@ -163,7 +165,7 @@ def grpo_step(step, run, args, score_batch):
                                      beta=args.beta, aggregation=args.loss_aggregation,
                                      is_weight=b.is_weight)  # is_weight: None without --tis-cap
             if args.channel_weight:  # lever: + lambda * grpo.channel_forcing_loss
-                loss, m = add_channel_forcing(loss, m, logp, b, C, run, args)
+                loss, m = add_channel_forcing(loss, m, logp, b, C=C, run=run, args=args)
             (loss / args.grad_accum).backward()  # each micro-batch holds B*G completions
             losses.append(loss.item())
             stats.append(m)
@@ -179,7 +181,8 @@ def grpo_step(step, run, args, score_batch):
 
     # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------
     batches = distributed.gather(world, batches, run.device)  # every rank's, in order
-    rec = step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args)
+    rec = step_metrics(step, batches, losses, stats, grad_norm=grad_norm, group_norms=group_norms,
+                       skipped=skipped, run=run, args=args)
     tokens = sum(int(b.comp_mask.sum()) for b in batches)  # generated: EOS counts, padding does not
     rec.update(wall_clock(t0, tokens))  # seconds, tokens_per_s
     return rec, batches
@@ -203,7 +206,7 @@ def train(args, world, score_batch):
         for step in range(start, args.steps):
             rec, batches = grpo_step(step, run, args, score_batch)
             # ---- log and checkpoint: samples.jsonl, metrics.jsonl, the log line, checkpoint.pt ----
-            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)  # --max-bad-steps
+            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
             bar.update(1)
         bar.close()
         return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
@@ -221,7 +224,7 @@ def micro_batch_inputs(run, args, step, micro):
     ids [B, P], mask [B, P])."""
     distributed.seed_micro_batch(args.seed, step, micro, run.pool)
     n = len(run.train_items)
-    picks = rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, n, args.seed)
+    picks = rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, n_items=n, seed=args.seed)
     items = [run.train_items[i] for i in picks]
     return (items, *context_and_prompts(run, args, items))
 
@@ -253,9 +256,9 @@ def sample_step(run, args, step, micros, inputs):
         ids, mask = rollout.same_width([(i, m) for _, _, i, m in part], run.tok.pad_token_id)
         Cs = [ctx.C for _, ctx, _, _ in part]
         C = None if Cs[0] is None else torch.cat(Cs)                           # (B_all, m, D)
-        u = torch.cat([row_uniforms(args, step, micro, 0, len(i) * G)
+        u = torch.cat([row_uniforms(args, step, micro, 0, n=len(i) * G)
                        for micro, (_, _, i, _) in zip(micros[c:c + chunk], part)]).to(run.device)
-        comp, logp_mu = sample_rows(run, args, ids, mask, C, u)
+        comp, logp_mu = sample_rows(run, args, ids, mask, C=C, uniforms=u)
         start = 0
         for _, _, i, _ in part:  # back into micro-batches
             rows = slice(start, start + len(i) * G)
@@ -280,9 +283,9 @@ def sample_rows(run, args, ids, mask, C, uniforms):
     dtype = None if args.rollout_dtype == "float32" else getattr(torch, args.rollout_dtype)
     frozen = run.policy.get_input_embeddings().weight.dtype
     own = dtype is not None or frozen != torch.float32
-    out = rollout.sample(run.policy, ids, mask, C, args.group_size, args.max_new_tokens,
-                         args.temperature, run.eos_ids, run.tok.pad_token_id,
-                         run.position, return_logprobs=own, dtype=dtype, uniforms=uniforms,
+    out = rollout.sample(run.policy, ids, mask, C, G=args.group_size, max_new_tokens=args.max_new_tokens,
+                         temperature=args.temperature, eos_ids=run.eos_ids, pad_id=run.tok.pad_token_id,
+                         position=run.position, return_logprobs=own, dtype=dtype, uniforms=uniforms,
                          share=not args.no_shared_prefix)
     return out if own else (out, None)
 
@@ -313,9 +316,9 @@ def score_draw(run, args, items, comp, logp_mu, key, score_batch):
 def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
     """A new draw of B prompts x G (dynamic sampling's re-draws), scored: score_draw's dict."""
     step, micro, draw = key
-    u = row_uniforms(args, step, micro, draw, len(ids) * args.group_size).to(run.device)
-    comp, logp_mu = sample_rows(run, args, ids, mask, C, u)
-    return score_draw(run, args, items, comp, logp_mu, key, score_batch)
+    u = row_uniforms(args, step, micro, draw, n=len(ids) * args.group_size).to(run.device)
+    comp, logp_mu = sample_rows(run, args, ids, mask, C=C, uniforms=u)
+    return score_draw(run, args, items, comp, logp_mu=logp_mu, key=key, score_batch=score_batch)
 
 
 def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch):
@@ -326,9 +329,10 @@ def redraw_flat_groups(run, args, items, ids, mask, ctx, drawn, key, score_batch
         redo = grpo.flat_groups(drawn["r"], args.group_size).nonzero().squeeze(1)  # (k,) prompts
         if len(redo) == 0:
             break
-        again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask[redo],
-                               None if ctx.C is None else ctx.C[redo], (step, micro, draw), score_batch)
-        replace_groups(drawn, again, redo, args.group_size, run.tok.pad_token_id)
+        again = draw_and_score(run, args, [items[i] for i in redo.tolist()], ids[redo], mask=mask[redo],
+                               C=None if ctx.C is None else ctx.C[redo], key=(step, micro, draw),
+                               score_batch=score_batch)
+        replace_groups(drawn, again, redo, args.group_size, pad_id=run.tok.pad_token_id)
 
 
 def replace_groups(drawn, again, prompts, G, pad_id):
@@ -355,8 +359,9 @@ def reference_logprobs(run, args, ids, mask, C, comp, comp_mask):
     method, policy = run.method, run.policy
     with torch.no_grad(), lora_disabled(policy):
         C0 = None if C is None else empty_context(method, C)
-        return rollout.completion_logprobs(policy, ids, mask, C0, comp, comp_mask, args.temperature,
-                                           run.position, share=not args.no_shared_prefix)
+        return rollout.completion_logprobs(policy, ids, mask, C0, completion_ids=comp,
+                                           completion_mask=comp_mask, temperature=args.temperature,
+                                           position=run.position, share=not args.no_shared_prefix)
 
 
 def dapo_advantages(batches, G, world, aggregation):
@@ -368,7 +373,7 @@ def dapo_advantages(batches, G, world, aggregation):
                                         for b in batches])  # (completions, in groups with signal)
     n_all, n_signal = (sum(c) for c in zip(*counts))
     for b in batches:
-        b.adv = b.adv * grpo.signal_scale(b.signal, b.comp_mask, n_signal, n_all, aggregation)
+        b.adv = b.adv * grpo.signal_scale(b.signal, b.comp_mask, n_signal, n_all, aggregation=aggregation)
 
 
 def add_channel_forcing(loss, metrics, logp, b, C, run, args):
@@ -378,8 +383,10 @@ def add_channel_forcing(loss, metrics, logp, b, C, run, args):
     if len(C) < 2:
         return loss, {**metrics, "cf_loss": 0.0, "cf_margin": float("nan"), "cf_fraction": 0.0}
     C_mismatched = C.roll(-1, dims=0)                          # (B, m, D) prompt b reads C of b + 1
-    logp_mismatched = rollout.completion_logprobs(run.policy, b.ids, b.mask, C_mismatched, b.comp,
-                                                  b.comp_mask, args.temperature, run.position,
+    logp_mismatched = rollout.completion_logprobs(run.policy, b.ids, b.mask, C_mismatched,
+                                                  completion_ids=b.comp,
+                                                  completion_mask=b.comp_mask,
+                                                  temperature=args.temperature, position=run.position,
                                                   share=not args.no_shared_prefix)
     cf, m = grpo.channel_forcing_loss(logp, logp_mismatched, b.adv, b.comp_mask)
     return loss + args.channel_weight * cf, {**metrics, **m}

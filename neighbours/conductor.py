@@ -414,7 +414,7 @@ class Conductor(nn.Module):
         as one batch (rollout.greedy_texts: their common beginning, system prompt and worked example, once)."""
         model, tok = self.workers[k]
         sp, we, rp = self.prompt_args
-        prompts = [rewards.build_prompt(tok, m, sp, we, rp) for m in messages]
+        prompts = [rewards.build_prompt(tok, m, sp, we, response_prefix=rp) for m in messages]
         todo = list(dict.fromkeys(p for p in prompts if (k, p) not in self.cache))
         if todo:
             said = rollout.greedy_texts(model, tok, todo, self.max_new_tokens)
@@ -437,7 +437,8 @@ class Conductor(nn.Module):
         [B*G, T], allowed_mask): None with --workflow-decoding free (rollout.sample as it is, max_new_tokens
         tokens), else the grammar's masks [B*G, T, V] (WorkflowMasks; its own token budget, longest_workflow)."""
         if self.decoding == "free":
-            comp = rollout.sample(policy, ids, mask, None, G, max_new_tokens, temperature, eos_ids, tok.pad_token_id,
+            comp = rollout.sample(policy, ids, mask, None, G=G, max_new_tokens=max_new_tokens,
+                                  temperature=temperature, eos_ids=eos_ids, pad_id=tok.pad_token_id,
                                   greedy=greedy)
             return comp, None
         V = policy.get_output_embeddings().weight.shape[0]
@@ -445,10 +446,11 @@ class Conductor(nn.Module):
             import llguidance.hf
             self.grammar_tok = (tok, llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=list(eos_ids)))
         K, S, L = len(self.workers), self.max_steps, self.max_subtask_chars
-        masks = WorkflowMasks(self.grammar_tok[1], workflow_grammar(K, S, L), ids.shape[0] * G, V, eos_ids,
-                              ids.device)
+        masks = WorkflowMasks(self.grammar_tok[1], workflow_grammar(K, S, L), ids.shape[0] * G, V,
+                              eos_ids=eos_ids, device=ids.device)
         budget = len(longest_workflow(K, S, L)) + 1
-        comp = rollout.sample(policy, ids, mask, None, G, budget, temperature, eos_ids, tok.pad_token_id,
+        comp = rollout.sample(policy, ids, mask, None, G=G, max_new_tokens=budget,
+                              temperature=temperature, eos_ids=eos_ids, pad_id=tok.pad_token_id,
                               greedy=greedy, allowed=masks)
         return comp, masks.allowed_mask(comp.shape[1], comp.device)
 
@@ -481,8 +483,8 @@ def conductor(team, out_dim, args, device, dtype):
     if decoding == "constrained" and not have_llguidance():
         raise ImportError(NO_LIBRARY)
     return Conductor(workers, names, args.max_workflow_steps, args.max_new_tokens,
-                     (args.system_prompt, args.worked_example, args.response_prefix), decoding,
-                     getattr(args, "max_subtask_chars", 40))
+                     prompt_args=(args.system_prompt, args.worked_example, args.response_prefix),
+                     decoding=decoding, max_subtask_chars=getattr(args, "max_subtask_chars", 40))
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -497,7 +499,7 @@ def grpo_step(step, run, args, score_batch):
     batches = []
     for micro in range(args.grad_accum):
         items = [run.train_items[i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                              len(run.train_items), args.seed)]
+                                                              n_items=len(run.train_items), seed=args.seed)]
         questions = [it["question"] for it in items]
         # ---- rollout: G workflows per question, written by the policy --------------------------------------
         ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, cond.max_steps) for q in questions],
@@ -510,7 +512,7 @@ def grpo_step(step, run, args, score_batch):
         # ---- the workers carry the workflows out; the last answer is scored -------------------------------
         parsed = [n for n, p in enumerate(plans) if p is not None]
         if args.reward == "random":  # the control: a coin per workflow, nothing runs or is read (deviation 8)
-            r = torch.tensor(rewards.coin_rewards(args.seed, step, micro, 0, len(plans)), device=device)
+            r = torch.tensor(rewards.coin_rewards(args.seed, step, micro, 0, n=len(plans)), device=device)
             outputs, counts = [""] * len(plans), {}
         else:
             outputs = cond.run_workflows([q for q in questions for _ in range(G)], plans)
@@ -525,7 +527,9 @@ def grpo_step(step, run, args, score_batch):
         logp_ref = None
         if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
             with torch.no_grad(), lora_disabled(policy):
-                logp_ref = rollout.completion_logprobs(policy, ids, mask, None, comp, comp_mask, args.temperature,
+                logp_ref = rollout.completion_logprobs(policy, ids, mask, None, completion_ids=comp,
+                                                       completion_mask=comp_mask,
+                                                       temperature=args.temperature,
                                                        allowed_mask=allowed_mask)
         batches.append(dict(questions=questions, items=items, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
                             allowed_mask=allowed_mask,
@@ -535,8 +539,9 @@ def grpo_step(step, run, args, score_batch):
     optimizer.zero_grad(set_to_none=True)
     losses, stats = [], []
     for b in batches:
-        logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None, b["comp"], b["comp_mask"],
-                                           args.temperature, allowed_mask=b["allowed_mask"])
+        logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None,
+                                           completion_ids=b["comp"], completion_mask=b["comp_mask"],
+                                           temperature=args.temperature, allowed_mask=b["allowed_mask"])
         logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
         loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp_ref, advantages=b["adv"],
                                  mask=b["comp_mask"], clip_eps=args.clip_eps, beta=args.beta,
@@ -611,7 +616,7 @@ def build_run(args, device):
     """train.Run with this script's g: the frozen policy (seeded) with LoRA, conductor(...), the data and the
     optimiser, in train.build_run's seeded order."""
     parts = load_policy_and_data(args, device)
-    g = conductor(parts.team, parts.policy.config.hidden_size, args, device, parts.dtype)
+    g = conductor(parts.team, parts.policy.config.hidden_size, args, device, dtype=parts.dtype)
     return train.run_around(parts, g, args, device)
 
 
@@ -630,7 +635,7 @@ def train_run(args, score_batch):
         for step in range(start, args.steps):
             rec, batches = grpo_step(step, run, args, score_batch)
             # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
-            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
+            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
             bar.update(1)
         bar.close()
         return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
@@ -643,16 +648,16 @@ def evaluate(argv):
     checkpoint, eval.json written (nothing half-written on Ctrl-C, SIGTERM or bad input)."""
     a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/conductor.py")
     with evaluating(made):
-        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"],
-                              pick_device(a.device))
+        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
+                              device=pick_device(a.device))
     save_eval(path, result, state)
 
 
 def load_trained(args, lora_state=None, method_state=None, device="cpu"):
     """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
     policy, tok, dtype = frozen_policy(args, device)
-    g = conductor(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype)
-    return restore_trained(policy, tok, g, args, lora_state, method_state)
+    g = conductor(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype=dtype)
+    return restore_trained(policy, tok, g, args, lora_state=lora_state, method_state=method_state)
 
 
 def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):

@@ -238,7 +238,7 @@ class Member:
         """Prefill the prompts (padding behind each first token, rollout.encode_prompts, so no attention row is
         all masked; their common beginning run once, rollout.prefill_shared) and repeat each row's cache G times."""
         ids, mask = encode_prompts(self.tok, prompts, self.model.device)
-        self.cache, logits, mask, _ = prefill_shared(self.model, ids, mask, None, "after")
+        self.cache, logits, mask, _ = prefill_shared(self.model, ids, mask, None, position="after")
         self.cache.batch_repeat_interleave(G)                                   # (B, ...) -> (B*G, ...)
         self.mask, self.logits = mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
 
@@ -290,7 +290,7 @@ class RLAE(nn.Module):
         still decoding in), for the loss pass."""
         sp, we, rp = self.prompt_args
         for m in self.members:
-            m.start([rewards.build_prompt(m.tok, q, sp, we, rp) for q in questions], G)
+            m.start([rewards.build_prompt(m.tok, q, sp, we, response_prefix=rp) for q in questions], G)
         N, K, J = len(questions) * G, len(self.members), math.ceil(self.max_new_tokens / self.span)
         rows_q = [q for q in questions for _ in range(G)]
         units = [[] for _ in range(N)]
@@ -352,8 +352,8 @@ def rlae(team, out_dim, args, device, dtype):
         if not is_encoder(model):
             members.append((model, tok)), names.append(name)
     encoder = ExpertPool([team["router"]], device, dtype, pooling="mean")
-    return RLAE(members, names, encoder, args.ensemble_span, args.max_new_tokens,
-                (args.system_prompt, args.worked_example, args.response_prefix)).to(device)
+    return RLAE(members, names, encoder, args.ensemble_span, max_new_tokens=args.max_new_tokens,
+                prompt_args=(args.system_prompt, args.worked_example, args.response_prefix)).to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------
@@ -367,11 +367,11 @@ def grpo_step(step, run, args, score_batch):
     batches = []
     for micro in range(args.grad_accum):
         items = [run.train_items[i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                              len(run.train_items), args.seed)]
+                                                              n_items=len(run.train_items), seed=args.seed)]
         questions = [it["question"] for it in items]
         texts, traj = ens.decode(questions, G, args.temperature)                       # ---- rollout
         if args.reward == "random":                                                     # ---- reward
-            r = rewards.coin_rewards(args.seed, step, micro, 0, len(texts))     # the control: text never read
+            r = rewards.coin_rewards(args.seed, step, micro, 0, n=len(texts))  # the control: text never read
             counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in texts)}
         else:
             r, counts = score_batch([it for it in items for _ in range(G)], texts)
@@ -452,7 +452,7 @@ def build_run(args, device):
     """train.Run with this script's g: the frozen policy (seeded) with LoRA, rlae(...), the data and the
     optimiser, in train.build_run's seeded order."""
     parts = load_policy_and_data(args, device)
-    g = rlae(parts.team, parts.policy.config.hidden_size, args, device, parts.dtype)
+    g = rlae(parts.team, parts.policy.config.hidden_size, args, device, dtype=parts.dtype)
     return train.run_around(parts, g, args, device)
 
 
@@ -471,7 +471,7 @@ def train_run(args, score_batch):
         for step in range(start, args.steps):
             rec, batches = grpo_step(step, run, args, score_batch)
             # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
-            bad_steps = after_step(run, args, step, rec, batches, bar, bad_steps)
+            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
             bar.update(1)
         bar.close()
         return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
@@ -484,16 +484,16 @@ def evaluate(argv):
     checkpoint, eval.json written (nothing half-written on Ctrl-C, SIGTERM or bad input)."""
     a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/rlae.py")
     with evaluating(made):
-        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], state["method"],
-                              pick_device(a.device))
+        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
+                              device=pick_device(a.device))
     save_eval(path, result, state)
 
 
 def load_trained(args, lora_state=None, method_state=None, device="cpu"):
     """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
     policy, tok, dtype = frozen_policy(args, device)
-    g = rlae(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype)
-    return restore_trained(policy, tok, g, args, lora_state, method_state)
+    g = rlae(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype=dtype)
+    return restore_trained(policy, tok, g, args, lora_state=lora_state, method_state=method_state)
 
 
 def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):

@@ -194,3 +194,58 @@ def test_no_function_takes_the_algorithm_as_an_argument():
                            and isinstance(n.func, ast.Name) and n.func.id in params
                            and n.func.id not in CALLABLE_PARAMETERS]
     assert not called, called
+
+
+def definitions():
+    """Each project file's top-level functions and classes (a class by its __init__): name -> (parameters
+    without self, how many of them are positional-only), or None where it takes *args."""
+    defs = {}
+    for path in project_files():
+        found = {}
+        for node in ast.parse(open(os.path.join(ROOT, path)).read()).body:
+            fn = node if isinstance(node, ast.FunctionDef) else next(
+                (m for m in node.body if isinstance(m, ast.FunctionDef) and m.name == "__init__"), None) \
+                if isinstance(node, ast.ClassDef) else None
+            if fn is not None:
+                a = fn.args
+                names = [x.arg for x in a.posonlyargs + a.args][1 if isinstance(node, ast.ClassDef) else 0:]
+                found[node.name] = None if a.vararg else (names + [x.arg for x in a.kwonlyargs])
+        defs[path] = found
+    return defs
+
+
+def module_file(name):
+    path = os.path.join(*name.split(".")) + ".py"
+    return path if os.path.exists(os.path.join(ROOT, path)) else None
+
+
+def test_a_function_with_more_than_four_parameters_is_called_with_keywords():
+    """In the core, support/ and the neighbours, a call to a project function or class that has more than four
+    parameters passes at most four of them by position; the rest are named at the call (`completion_ids=comp`),
+    so a reader does not count commas. Calls through `*args` are left alone."""
+    defs, wrong = definitions(), []
+    for path in project_files():
+        if not (path in CORE or path.startswith(("support/", "neighbours/"))):
+            continue
+        tree = ast.parse(open(os.path.join(ROOT, path)).read())
+        names = {k: (path, k) for k in defs[path]}  # what a bare name or `module.name` calls
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Import):
+                names.update({a.asname or a.name: module_file(a.name) for a in node.names if module_file(a.name)})
+            if isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                for a in node.names:
+                    whole, home = module_file(f"{node.module}.{a.name}"), module_file(node.module)
+                    if whole or (home and a.name in defs[home]):
+                        names[a.asname or a.name] = whole or (home, a.name)
+        for node in ast.walk(tree):
+            if not isinstance(node, ast.Call) or any(isinstance(x, ast.Starred) for x in node.args):
+                continue
+            f = node.func
+            target = names.get(f.id) if isinstance(f, ast.Name) else None
+            if isinstance(f, ast.Attribute) and isinstance(f.value, ast.Name) and isinstance(names.get(f.value.id), str):
+                target = (names[f.value.id], f.attr)
+            if not isinstance(target, tuple) or defs[target[0]].get(target[1]) is None:
+                continue
+            if len(defs[target[0]][target[1]]) > 4 and len(node.args) > 4:
+                wrong.append(f"{path}:{node.lineno} {target[1]}: {len(node.args)} positional")
+    assert not wrong, wrong

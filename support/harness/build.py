@@ -41,7 +41,7 @@ def load_policy_and_data(args, device):
     PolicyAndData. Raises ValueError with a one-line message on bad input."""
     team = team_models(args)
     train_items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed,
-                                       args.data_path, args.task_config)
+                                       data_path=args.data_path, config=args.task_config)
     dtype = frozen_dtype(args.dtype, device)
     torch.manual_seed(args.seed), np.random.seed(args.seed), random.seed(args.seed)
     policy, tok = load_model(team["policy"], device, dtype, attention=args.attention)
@@ -74,11 +74,11 @@ def precompute_states(run, args):
     items = run.train_items
     picks = sorted({i for step in range(args.steps) for micro in range(args.grad_accum)
                     for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                   len(items), args.seed)})
+                                                   n_items=len(items), seed=args.seed)})
     questions = [items[i] for i in picks]
     if args.eval_items:
-        val = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
-                                   args.task_config)
+        val = rewards.load_entries(args.task, "val", args.eval_items, args.seed, data_path=args.data_path,
+                                   config=args.task_config)
         questions += [val[i] for i in range(min(args.eval_items, len(val)))]
     for s in range(0, len(questions), 64):
         chunk = questions[s:s + 64]

@@ -318,7 +318,7 @@ def check_run(args, world, config_path):
                                                                                               "train.jsonl")):
         fail(f"--data-path {args.data_path}: a folder to train on must hold train.jsonl")
     if args.task == "gsm8k" and args.data_path and args.eval_items:  # read test.jsonl before the models load
-        rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, args.data_path)
+        rewards.load_entries("gsm8k", "val", args.eval_items, args.seed, data_path=args.data_path)
     team, by_team = team_models(args), f"--team {args.team}"  # each model with the flag that chose it
     models = [(team["policy"], "--policy" if args.policy else by_team)]
     if kind(args.method).experts == "team":  # identical's only expert is the policy itself
@@ -349,8 +349,8 @@ def check_prompt_lengths(run, args, start):
         return
     items = run.train_items
     picks = sorted({i for step in range(start, args.steps) for micro in range(args.grad_accum)
-                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum, len(items),
-                                                   args.seed)})
+                    for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
+                                                   n_items=len(items), seed=args.seed)})
     checked = [("training item", i, items[i]["question"]) for i in picks]
     if args.eval_items:
         from support.harness.validation import validation_items

@@ -103,7 +103,8 @@ def load_trained(out, device="cpu"):
     method = METHODS[meta["method"]](meta["team_models"], policy.config.hidden_size, args, device, dtype)
     peft = load_file(os.path.join(out, "lora_peft", "adapter_model.safetensors"))
     lora = {k[len("base_model.model."):-len(".weight")]: v.to(device) for k, v in peft.items()}  # save_peft's names
-    return restore_trained(policy, tok, method, args, lora, {k: v.to(device) for k, v in g_state.items()})
+    return restore_trained(policy, tok, method, args, lora_state=lora,
+                           method_state={k: v.to(device) for k, v in g_state.items()})
 
 
 def read_g_phi(out):

@@ -48,8 +48,8 @@ def gold_logprobs(policy, tok, prompts, golds, C, args, device):
     ans = tok([f"{g}</answer>" for g in golds], return_tensors="pt", padding=True,
               add_special_tokens=False)
     comp, comp_mask = ans["input_ids"].to(device), ans["attention_mask"].bool().to(device)
-    logp = completion_logprobs(policy, ids, mask, C, comp, comp_mask, 1.0,
-                               context_slot(tok, args.context_position, split))  # (B, T)
+    logp = completion_logprobs(policy, ids, mask, C, completion_ids=comp, completion_mask=comp_mask,
+                               temperature=1.0, position=context_slot(tok, args.context_position, split))  # (B, T)
     return torch.where(comp_mask, logp, torch.zeros_like(logp)).sum(-1).tolist()
 
 
@@ -81,14 +81,14 @@ def greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos_ids, sh
     keep = max(1, bridge[0]) if bridge else 1  # the columns the gold pass crops stay in each tail
     with lora_merged(policy):
         cache, first, pmask, pos = (
-            prefill_shared(policy, ids, mask, C, slot, keep) if share_prefix
-            else prefill(policy, ids, mask, C, 1, slot, share=False))
+            prefill_shared(policy, ids, mask, C, position=slot, keep=keep) if share_prefix
+            else prefill(policy, ids, mask, C, G=1, position=slot, share=False))
         gold = gold_from_prefill(policy, tok, cache, pmask, pos, *bridge) if bridge else \
-            gold_logprobs(policy, tok, prompts, golds, C, args, ids.device) if shared else None
-        comp = decode(policy, cache, first, pmask, pos, args.max_new_tokens, 1.0, eos_ids,
-                      tok.pad_token_id, greedy=True)
+            gold_logprobs(policy, tok, prompts, golds, C=C, args=args, device=ids.device) if shared else None
+        comp = decode(policy, cache, first, pmask, pos=pos, max_new_tokens=args.max_new_tokens,
+                      temperature=1.0, eos_ids=eos_ids, pad_id=tok.pad_token_id, greedy=True)
     if golds is not None and not shared:
-        gold = gold_logprobs(policy, tok, prompts, golds, C, args, ids.device)
+        gold = gold_logprobs(policy, tok, prompts, golds, C=C, args=args, device=ids.device)
     return comp.masked_fill(~completion_mask(comp, eos_ids), tok.pad_token_id), gold
 
 

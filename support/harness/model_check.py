@@ -3,6 +3,8 @@ What a model flag (--policy, --experts, --team's models, a run's recorded team) 
 anything loads, so that a bad flag fails in a second with one line naming it: a `shape:`, `tiny:` or `pocket:`
 name that exists (and, for pocket, is installed), a local folder with a config.json or a .gguf file, or, with
 the hub off, a hub id already in its cache. experts.load_model is what then loads it.
+
+Try it on CPU:  python -m pytest tests/test_model_check.py -q
 """
 import os
 

@@ -136,9 +136,10 @@ def prompt_tokens(args, team):
         else:
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(spec, local_files_only=True)
-        items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed, args.data_path,
-                                     args.task_config)
-        idx = batch_indices(0, 0, args.batch_size, args.grad_accum, len(items), args.seed)
+        items = rewards.load_entries(args.task, "train", args.dataset_size, args.seed,
+                                     data_path=args.data_path,
+                                     config=args.task_config)
+        idx = batch_indices(0, 0, args.batch_size, args.grad_accum, n_items=len(items), seed=args.seed)
         qs = [items[i]["question"] for i in idx]
         return max(len(tok(p, add_special_tokens=False)["input_ids"]) for p in policy_prompts(tok, qs, [None] * len(qs), args)), True
     except Exception:  # no tokenizer or no data here: a typical reasoning-gym prompt with the system prompt
@@ -162,7 +163,7 @@ def precomputed(args, pool, name, device, dtype):
     "meta": ask the store under the device the run will use."""
     if not args.expert_cache or not os.path.isdir(args.expert_cache):
         return False
-    identity = store_identity(name, device, dtype, pool.pooling, pool.depth, pool.max_length)
+    identity = store_identity(name, device, dtype, pool.pooling, depth=pool.depth, max_length=pool.max_length)
     return reads_stored_states(StateStore(args.expert_cache, identity), pool.pooling, pool.heads)
 
 
@@ -186,7 +187,7 @@ def estimate(args, world_size=1):
     declared = kind(args.method)  # which frozen models it reads, and whether it writes hints (baselines.Kind)
     pools = ([method.pool] if declared.experts else []) + ([method.encoder] if declared.router else [])
     expert_models = [e[0] for pool in pools for name, e in zip(pool.names, pool.models)
-                     if e is not None and not precomputed(args, pool, name, expert_device, dtype)]
+                     if e is not None and not precomputed(args, pool, name, expert_device, dtype=dtype)]
     P, measured = prompt_tokens(args, team)
     B, G, T = args.batch_size, args.group_size, args.max_new_tokens
     n = len(pools[0].models) if pools else 0

@@ -329,8 +329,9 @@ def probe_curves(runs, plt):
         for (meth, seeds), color in zip(by_key(group, lambda r: method_key(r["cfg"])), plt.cm.tab10.colors):
             T = min(len(r["metrics"]) for r in seeds)
             steps = np.arange(1, T + 1)
-            band(axes[0, 0], steps, series(seeds, "c_rms", T) / series(seeds, "embed_rms", T), meth, color)
-            band(axes[0, 1], steps, series(seeds, "c_varying", T), meth, color)
+            band(axes[0, 0], steps, series(seeds, "c_rms", T) / series(seeds, "embed_rms", T), meth,
+                 color=color)
+            band(axes[0, 1], steps, series(seeds, "c_varying", T), meth, color=color)
             for key, style in (("grad_norm_g_phi", "-"), ("grad_norm_lora", ":")):
                 if key in seeds[0]["metrics"][-1]:
                     axes[1, 0].plot(steps, np.nanmean(series(seeds, key, T), 0), style, color=color,
@@ -390,7 +391,8 @@ def rlae_weight_curves(runs, plt):
                 T = min(len(r["metrics"]) for r in seeds)
                 W = series(seeds, "agent_weights", T)                              # (seeds, T, K)
                 for k, (name, color) in enumerate(zip(names, plt.cm.tab10.colors)):
-                    band(ax, np.arange(1, T + 1), W[:, :, k], f"{name}, {what} ({len(seeds)})", color, style=style)
+                    band(ax, np.arange(1, T + 1), W[:, :, k], f"{name}, {what} ({len(seeds)})",
+                         color=color, style=style)
         ax.axhline(1 / len(names), color="grey", ls=":", lw=1)
         ax.set_xlabel("step"), ax.set_ylabel("agent's mean weight")
         ax.set_title(f"RLAE on {task} ({team} team): the agent's weights, task reward against coins", fontsize=9)

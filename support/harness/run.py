@@ -277,7 +277,8 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
     the new count of non-finite steps in a row."""
     sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
     b = batches[0]  # a few completions of the step's first prompt, with their rewards
-    write_samples(run, args, step, b.questions[0], b.items[0].get("answer"), b.texts, b.r)
+    write_samples(run, args, step, b.questions[0], answer=b.items[0].get("answer"), texts=b.texts,
+                  rewards_trained=b.r)
     bad_steps = bad_steps + 1 if rec["skipped_update"] else 0
     stop = bad_steps >= args.max_bad_steps
     life = run.life
@@ -352,7 +353,8 @@ def finish_run(run, args):
     if not life.writer:
         return args.out
     with writes_or_fail(life, args):
-        export_run(args.out, run.policy, run.tok, run.method, args, run.team)  # support/harness/export.py
+        export_run(args.out, run.policy, run.tok, run.method, args=args,
+                   team=run.team)  # support/harness/export.py
     from support.harness.plot import plot_run
     print(f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
           f"{', validation.json' if args.eval_items else ''})", flush=True)

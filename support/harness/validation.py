@@ -98,12 +98,13 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
             if answers_itself:
                 texts = method.answer(policy, tok, questions, args)
             else:
-                comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args,
-                                             eos_ids, share_prefix)
+                comp, gold = greedy_and_gold(policy, tok, ids, mask, C=C, prompts=prompts,
+                                             golds=golds, args=args,
+                                             eos_ids=eos_ids, share_prefix=share_prefix)
                 texts = rewards.responses(args.response_prefix, tok.batch_decode(comp, skip_special_tokens=True))
                 logps += gold or []
             if golds and answers_itself:
-                logps += gold_logprobs(policy, tok, prompts, golds, C, args, device)
+                logps += gold_logprobs(policy, tok, prompts, golds, C=C, args=args, device=device)
             r, counts = rewards.score_batch(batch, texts)
             scores += r
             for k, v in counts.items():
@@ -117,11 +118,11 @@ def score_items(policy, tok, method, eos_ids, items, args, conditions=("with_C",
 def validation_scores(run, args):
     """--eval-items: the live policy's greedy score on each of the first N validation items, the
     items evaluate.py scores for this seed."""
-    items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, args.data_path,
-                                 args.task_config)
+    items = rewards.load_entries(args.task, "val", args.eval_items, args.seed, data_path=args.data_path,
+                                 config=args.task_config)
     items = [items[i] for i in range(min(args.eval_items, len(items)))]
     run.policy.eval(), run.method.eval()
-    per_item, _ = score_items(run.policy, run.tok, run.method, run.eos_ids, items, args,
+    per_item, _ = score_items(run.policy, run.tok, run.method, run.eos_ids, items=items, args=args,
                               batch_size=50)
     run.policy.train(), run.method.train()
     return per_item["with_C"]["score"]
@@ -130,8 +131,8 @@ def validation_scores(run, args):
 def validation_items(args, n):
     """The first n validation items of the run's task and seed: the items every evaluation of the seed
     scores (paired across runs)."""
-    items = rewards.load_entries(args.task, "val", n, args.seed, args.data_path,
-                                 getattr(args, "task_config", None))
+    items = rewards.load_entries(args.task, "val", n, args.seed, data_path=args.data_path,
+                                 config=getattr(args, "task_config", None))
     return [items[i] for i in range(min(n, len(items)))]
 
 
@@ -246,8 +247,9 @@ def score_run(policy, tok, method, eos_ids, args, n, batch_size=50):
     """The greedy validation score of a loaded run (restore_trained's) on its seed's first n items:
     evaluate.py's result."""
     items = validation_items(args, n)
-    per_item, status = score_items(policy, tok, method, eos_ids, items, args, batch_size=batch_size)
-    return scored(per_item, status, items, args, args.method)
+    per_item, status = score_items(policy, tok, method, eos_ids, items=items, args=args,
+                                   batch_size=batch_size)
+    return scored(per_item, status, items, args, method_name=args.method)
 
 
 @contextlib.contextmanager

@@ -6,6 +6,8 @@ their own loops) need from it, in one place.
   cache_of       the cache a forward returned
   preallocate    each layer given room for the tokens a decode loop will add: written in place, not
                  concatenated (Preallocated); one layer at a time, so the prefill's copy goes as it comes
+
+Try it on CPU:  python -m pytest tests/test_memory.py -q
 """
 import functools
 import inspect

@@ -201,7 +201,7 @@ def _score_here(entry, answer, config_of):
         answer = answer.encode("utf-8", "replace").decode("utf-8")  # lone surrogates -> '?'
         kind, config = _kind(name), config_of(name)
         if kind in IN_PROCESS_KINDS:
-            return _call_scorer(_LOCAL_SCORERS, name, config, entry, answer), None
+            return _call_scorer(_LOCAL_SCORERS, name, config, entry, answer=answer), None
         if GUARDS[kind](answer, entry) is not None:
             return (0.0, "refused"), None
         return None, (name, config, entry, answer)
@@ -229,7 +229,7 @@ def _worker_main(conn):
         except EOFError:
             return
         for name, config, entry, answer in jobs:
-            conn.send(_call_scorer(scorers, name, config, entry, answer))
+            conn.send(_call_scorer(scorers, name, config, entry, answer=answer))
 
 
 class _Worker:

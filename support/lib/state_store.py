@@ -9,6 +9,8 @@ A shared cache is untrusted input, as a shared run folder is: a state file that 
 counts as missing and is computed again, its file replaced; a width file that is not a number is refused in one
 line before any model loads (cache_problem). Writes are support/lib/files.replaced's: exclusive, never through a
 link, nothing left behind on a full disk.
+
+Try it on CPU:  python -m pytest tests/test_experts.py -q -k store
 """
 import glob
 import hashlib
