@@ -248,6 +248,28 @@ def verdict_markdown(runs, records):
     return "\n".join(L) + "\n\n## Wall time\n\n" + step_costs(records)
 
 
+def verdict_headline(rows, runs):
+    """The README's second verdict, as lines of markdown (results/verdict2/headline.md; a test holds the README to
+    its first line): while incomplete, the count of runs and nothing else, because a partial table is no claim;
+    once complete, the outcome, then each test of the family with its 95 % interval over seeds, the seeds that
+    went each way and the Holm-adjusted p."""
+    done, total = sum(len(v) for v in runs.values()), len(verdict_plan())
+    design = (f"pre-registered, amendment 2: `single` and `ours_strong` × {len(VERDICT_SEEDS)} seeds on gcd, H1a and "
+              "H2, one-sided exact sign-flip tests over seeds, Holm over 2")
+    outcome = verdict_outcome(rows, runs)
+    if outcome.startswith("incomplete"):
+        return [f"**The second verdict is running** ({design}): {done} of {total} runs archived; a partial table "
+                "is no claim."]
+    L = [f"**Second verdict: {outcome}** ({design}; {done} of {total} runs; 95 % intervals over seeds)."]
+    what = {"H1a": "`ours_strong` − `single`", "H2": "`ours_strong` with its C − shuffled C"}
+    for r in rows:
+        d = list(r["per_seed"].values())
+        better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
+        L.append(f"- {r['name']}, {what[r['name']]}: {r['mean']:+.1f} points [{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}], "
+                 f"{better} / {worse} seeds, Holm p = {r['p_holm']:.3g}")
+    return L
+
+
 def step_costs(records, pause=5.0):
     """Markdown: each archived run's training time as the sum of its steps' own seconds (metrics.jsonl: every
     process of a resumed run, each step once), its evaluation's, and the total in core-hours (one thread a run).
@@ -425,9 +447,12 @@ def main():
         elif not a.analyse:
             campaign(a, records)
         if a.analyse or not (a.status or a.worker):
-            md = verdict_markdown(load(records), records)
+            runs = load(records)
+            md = verdict_markdown(runs, records)
             with open(os.path.join(os.path.dirname(records), "table.md"), "w") as f:
                 f.write(md)
+            with open(os.path.join(os.path.dirname(records), "headline.md"), "w") as f:  # README.md quotes it
+                f.write("\n".join(verdict_headline(verdict_rows(runs), runs)) + "\n")
             print(md)
         return
     a.out = a.out or os.path.join(ROOT, "runs", "verdict2")

@@ -198,3 +198,44 @@ def test_the_wall_time_counts_every_process_of_a_resumed_run_and_a_pause_at_the_
     md = step_costs(str(tmp_path))
     assert "| ours_strong-s1 | 100 | 1 | 60 | 20 |" in md, md
     assert f"Total: {120 / 3600:.2f} core-hours over 1 runs" in md
+
+
+def test_the_readme_quotes_the_second_verdict_the_archive_gives():
+    """README.md's second-verdict line is the first line of results/verdict2/headline.md, which --analyse writes from
+    the archived records. While the campaign is incomplete the line may only say that it runs, with a count no
+    larger than the archive's (the campaign commits records between analyses; a partial table is no claim); once
+    all 12 runs are archived the file must be exactly what the records give."""
+    from verdict import load
+    from verdict2 import RESULTS, verdict_headline, verdict_plan, verdict_rows
+    runs = load(os.path.join(RESULTS, "runs"))
+    lines = verdict_headline(verdict_rows(runs), runs)
+    with open(os.path.join(RESULTS, "headline.md")) as f:
+        written = f.read().splitlines()
+    done = sum(len(v) for v in runs.values())
+    if done < len(verdict_plan()):
+        assert len(written) == 1 and written[0].startswith("**The second verdict is running**"), written
+        count = int(written[0].split(": ")[-1].split(" of ")[0].split()[-1])
+        assert count <= done and written[0] == lines[0].replace(f" {done} of ", f" {count} of "), written
+    else:
+        assert written == lines, "results/verdict2/headline.md is stale: run verdict2.py --verdict --analyse"
+    with open(os.path.join(ROOT, "README.md")) as f:
+        assert written[0] in f.read().splitlines(), "README.md's second verdict differs from its headline.md"
+
+
+def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test():
+    """Synthetic records: with 2 of 12 runs the headline is the count alone; with all 12 it names the outcome and
+    each test of the family with its interval, the seeds each way and the Holm p."""
+    from verdict2 import VERDICT_SEEDS, verdict_headline, verdict_rows
+    part = {"single": {0: items_record(0)}, "ours_strong": {0: items_record(50, shuffled=40)}}
+    assert verdict_headline(verdict_rows(part), part) == [
+        "**The second verdict is running** (pre-registered, amendment 2: `single` and `ours_strong` × 6 seeds on gcd, "
+        "H1a and H2, one-sided exact sign-flip tests over seeds, Holm over 2): 2 of 12 runs archived; a partial "
+        "table is no claim."]
+    full = {"single": {s: items_record(0) for s in VERDICT_SEEDS},
+            "ours_strong": {s: items_record(50, shuffled=40) for s in VERDICT_SEEDS}}
+    lines = verdict_headline(verdict_rows(full), full)
+    assert lines[0].startswith("**Second verdict: shown** (") and "12 of 12 runs" in lines[0]
+    assert lines[1].startswith("- H1a, `ours_strong` − `single`: +50.0 points [")
+    assert lines[1].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[1]
+    assert lines[2].startswith("- H2, `ours_strong` with its C − shuffled C: +10.0 points [")
+    assert lines[2].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[2]
