@@ -12,7 +12,8 @@ zero context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 pro
 grad-accum), lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default
 is the paper's (`--help`: support/harness/config.py; a --preset is a dict of flag values).
 
-One optimiser step, grpo_step: rollout -> reward -> advantage -> reference -> loss -> step -> log.
+The loop, train: for each step, grpo_step (rollout -> reward -> advantage -> reference -> loss -> step
+-> its metrics), then its samples, log line, metrics.jsonl and checkpoint (support/harness/run.after_step).
 A line marked `# lever:` is not the paper's (a flag, off by default): skip them to read the paper's.
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):

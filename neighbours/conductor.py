@@ -27,10 +27,8 @@ per algorithm: grpo_step below is train.py's step with the workflow in place of 
 train.py's loop, copied, over it with this script's g (train.py's helpers: checks, checkpoints, --resume,
 --eval-items). No torchrun: one process. evaluate.py calls Conductor.answer.
 
-Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list):
-it knows brackets, commas, integers and quoted strings and nothing else. Nothing the model writes is ever
-evaluated: no eval, and not ast.literal_eval either (it accepts far more syntax than three flat lists need, e.g.
-sets, tuples, huge integers and arbitrarily deep nesting, which can exhaust the recursion limit).
+The workflow's text, its parser (nothing the model writes is ever evaluated), its reward and its grammar are
+neighbours/workflow.py.
 
 Deviations from the paper (numbered):
   1. Up to --max-workflow-steps steps (default 2, for a 2-core CPU; the paper allows 5), and one worked example of
@@ -77,8 +75,6 @@ distribution A [N, 1, K], so
 `utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
 for the other methods and support/harness/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
 """
-import importlib.util
-import itertools
 import os
 import sys
 import time
@@ -107,9 +103,10 @@ from support.harness.config import fail  # noqa: E402
 from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run  # noqa: E402
 from support.harness.validation import evaluating, frozen_policy, neighbour_eval_args  # noqa: E402
 from support.harness.validation import restore_trained, save_eval, score_run  # noqa: E402
+from neighbours.workflow import CONDUCTOR_PREFIX, MAX_STRING, NO_LIBRARY, WorkflowMasks  # noqa: E402
+from neighbours.workflow import have_llguidance, longest_workflow, parse_workflow  # noqa: E402
+from neighbours.workflow import workflow_grammar, workflow_reward  # noqa: E402
 
-CONDUCTOR_PREFIX = "model_id = ["
-NAMES = ("model_id", "subtasks", "access_list")
 CONDUCTOR_SYSTEM = (
     "You are a conductor. You solve a problem by giving subtasks to worker models. Write three Python lists of "
     "equal length, at most {max_steps} entries each:\n"
@@ -123,226 +120,6 @@ EXAMPLE_PROBLEM = "What is 3 + 4?"  # the worked example: one earlier turn of th
 EXAMPLE_WORKFLOW = ('model_id = [0, 1]\nsubtasks = ["Solve the problem.", "Check the answer and give it."]\n'
                     'access_list = [[], [0]]')
 WORKER_MESSAGE = "{subtask}\n\nProblem: {question}"
-MAX_TEXT = 4000      # characters of workflow text the parser reads at most
-MAX_STRING = 500     # characters of one subtask
-NO_LIBRARY = ("--workflow-decoding constrained needs llguidance: pip install -r requirements-conductor.txt "
-              "(or pass --workflow-decoding free)")
-SUBTASK_CHAR = r"[ !#-\[\]-~]"  # constrained subtasks: printable ASCII but the quote and the backslash
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Parsing the workflow: a small recursive-descent parser for lists of integers, strings and lists
-
-
-class ParseError(ValueError):
-    pass
-
-
-def parse_list(text, i, depth=0):
-    """Parse one list starting at text[i] == "[". Returns (value, index after the closing bracket). Elements are
-    non-negative integers (at most 6 digits), quoted strings ("..." or '...', escapes \\" \\' \\\\ \\n) or lists,
-    at most 2 levels deep. Anything else, an identifier, a call, an operator, a number with a sign or a
-    point, raises ParseError: this is what keeps model text from ever being more than data."""
-    if depth > 1:
-        raise ParseError("lists nest at most 2 deep")
-    if text[i:i + 1] != "[":
-        raise ParseError(f"expected '[' at {i}")
-    i, out = i + 1, []
-    while True:
-        i = skip_space(text, i)
-        if text[i:i + 1] == "]":
-            return out, i + 1
-        if out:  # a comma between elements (a trailing comma before "]" is fine, as in Python)
-            if text[i:i + 1] != ",":
-                raise ParseError(f"expected ',' or ']' at {i}")
-            i = skip_space(text, i + 1)
-            if text[i:i + 1] == "]":
-                return out, i + 1
-        c = text[i:i + 1]
-        if c == "[":
-            v, i = parse_list(text, i, depth + 1)
-        elif c in ("'", '"'):
-            v, i = parse_string(text, i)
-        elif c.isdigit():
-            j = i
-            while text[j:j + 1].isdigit():
-                j += 1
-            if j - i > 6:
-                raise ParseError("integer too long")
-            v, i = int(text[i:j]), j
-        else:
-            raise ParseError(f"unexpected {c!r} at {i}" if c else "unterminated list")
-        out.append(v)
-
-
-def parse_string(text, i):
-    quote, i, chars = text[i], i + 1, []
-    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
-    while i < len(text) and text[i] != quote:
-        if text[i] == "\\" and text[i + 1:i + 2] in escapes:
-            chars.append(escapes[text[i + 1]])
-            i += 2
-        elif text[i] == "\n":
-            raise ParseError("newline inside a string")
-        else:
-            chars.append(text[i])
-            i += 1
-        if len(chars) > MAX_STRING:
-            raise ParseError("string too long")
-    if i >= len(text):
-        raise ParseError("unterminated string")
-    return "".join(chars), i + 1
-
-
-def skip_space(text, i):
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
-
-
-def worker_index(v, n_workers):
-    """0 or "Model 0" -> 0; anything else (out of range, another name) raises ParseError."""
-    if isinstance(v, str) and v.startswith("Model ") and v[6:].isdigit() and len(v) <= 12:
-        v = int(v[6:])
-    if not isinstance(v, int) or not 0 <= v < n_workers:
-        raise ParseError(f"model_id entry {v!r} is not a worker (0..{n_workers - 1})")
-    return v
-
-
-def parse_workflow(text, n_workers, max_steps):
-    """The workflow in `text` -> (workers [int], subtasks [str], access [[int]]) with access already resolved
-    ("all" -> every earlier step), or None when it is malformed. The three assignments must come first, in
-    order (`model_id = [...]`, `subtasks = [...]`, `access_list = [...]`, whitespace between them); text after
-    them is ignored."""
-    try:
-        text, i, lists = text[:MAX_TEXT], 0, []
-        for name in NAMES:
-            i = skip_space(text, i)
-            if not text.startswith(name, i):
-                raise ParseError(f"expected {name}")
-            i = skip_space(text, i + len(name))
-            if text[i:i + 1] != "=":
-                raise ParseError(f"expected '=' after {name}")
-            v, i = parse_list(text, skip_space(text, i + 1))
-            lists.append(v)
-        ids, subtasks, access = lists
-        if not (1 <= len(ids) <= max_steps and len(ids) == len(subtasks) == len(access)):
-            raise ParseError(f"need 1..{max_steps} steps and three lists of one length")
-        workers = [worker_index(v, n_workers) for v in ids]
-        if not all(isinstance(s, str) and s.strip() for s in subtasks):
-            raise ParseError("every subtask must be a non-empty string")
-        seen = []
-        for j, a in enumerate(access):
-            if a == "all":
-                a = list(range(j))
-            if not (isinstance(a, list) and all(isinstance(k, int) and 0 <= k < j for k in a)):
-                raise ParseError(f"access_list[{j}] must be 'all' or a list of earlier steps")
-            seen.append(sorted(set(a)))
-        return workers, subtasks, seen
-    except (ParseError, RecursionError):
-        return None
-
-
-def workflow_reward(plan, score):
-    """0 if the workflow did not parse; else 0.5 + 0.5 * the task score of its output: 0.5 wrong, 1 right."""
-    return 0.0 if plan is None else 0.5 + 0.5 * float(score)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# Constrained decoding: the three lists sampled under their grammar (--workflow-decoding constrained)
-
-
-def have_llguidance():
-    return importlib.util.find_spec("llguidance") is not None
-
-
-def workflow_grammar(n_workers, max_steps, max_chars):
-    """The workflows parse_workflow accepts, narrowed to the worked example's spelling, as a Lark grammar (in
-    llguidance's dialect) for the text after CONDUCTOR_PREFIX. A grammar cannot count, so the three lists'
-    common length n is spelled out, one alternative per n = 1..max_steps; for n = 2:
-
-        w2: wid ", " wid "]\nsubtasks = [" SUBTASK ", " SUBTASK "]\naccess_list = [" access0 ", " access1 "]"
-
-    wid: a worker, 0..K-1 as an integer. SUBTASK: a double-quoted string of 1..max_chars printable ASCII
-    characters without quote or backslash (so no escapes, and one byte per character), whose first character
-    is not a space (so it is never blank). access_j: [], "all", or an increasing list of steps < j."""
-    first, rest = SUBTASK_CHAR.replace("[ ", "["), SUBTASK_CHAR
-    lines = [f"start: {' | '.join(f'w{n}' for n in range(1, max_steps + 1))}",
-             f"wid: {' | '.join(f'{chr(34)}{k}{chr(34)}' for k in range(n_workers))}",
-             f'SUBTASK: /"{first}{rest}{{0,{max_chars - 1}}}"/']
-    for n in range(1, max_steps + 1):
-        sep = ' ", " '
-        lines.append(f'w{n}: {sep.join(["wid"] * n)} "]\\nsubtasks = [" {sep.join(["SUBTASK"] * n)} '
-                     f'"]\\naccess_list = [" {sep.join(f"access{j}" for j in range(n))} "]"')
-    for j in range(max_steps):
-        options = ["[]", '"all"'] + [f"[{', '.join(map(str, c))}]" for r in range(1, j + 1)
-                                     for c in itertools.combinations(range(j), r)]
-        lines.append(f"access{j}: " + " | ".join('"' + o.replace('"', '\\"') + '"' for o in options))
-    return "\n".join(lines)
-
-
-def longest_workflow(n_workers, max_steps, max_chars):
-    """The longest text workflow_grammar allows. Every token carries at least one byte, so a completion of
-    len(longest_workflow(...)) + 1 tokens (the + 1: EOS) always has room to finish: the constrained
-    rollout's token budget, which --max-new-tokens (the workers' budget) therefore does not cap."""
-    n = max_steps
-    access = [max(['"all"', f"[{', '.join(map(str, range(j)))}]"], key=len) for j in range(n)]
-    return (", ".join([str(n_workers - 1)] * n) + ']\nsubtasks = [' + ", ".join(['"' + "x" * max_chars + '"'] * n)
-            + ']\naccess_list = [' + ", ".join(access) + "]")
-
-
-def unpack_bits(bits, vocab_size):
-    """Packed masks [..., W] int32 -> bool [..., vocab_size]: bit b of word w says whether token 32 w + b may
-    come next (llguidance's layout: 1/32 of the memory of a bool mask, the form the rollout records). Read as
-    little-endian bytes, that is bit b % 8 of byte 4 w + b // 8, so one byte per token is the largest temporary."""
-    shifts = torch.arange(8, dtype=torch.uint8, device=bits.device)
-    octets = bits.contiguous().view(torch.uint8)                                            # (..., 4 W)
-    return ((octets.unsqueeze(-1) >> shifts) & 1).bool().flatten(-2)[..., :vocab_size]     # (..., V)
-
-
-class WorkflowMasks:
-    """rollout.sample's `allowed` for constrained decoding: one llguidance matcher per completion row follows the
-    tokens drawn so far and gives the tokens the grammar allows next; every mask it gives is recorded (packed),
-    so that the scoring pass scores the same masked distributions the tokens were drawn from.
-
-    Why the masks must reach the scoring pass. With logits z, temperature T and allowed set A_t, the sampler
-    draws from the renormalised distribution
-        q(k) = p(k) 1[k in A_t] / sum_{j in A_t} p(j),   p = softmax(z / T)
-             = exp(z_k / T) / sum_{j in A_t} exp(z_j / T)
-    so  log q(k) = z_k / T - logsumexp_{j in A_t}(z_j / T): log_softmax of z / T with the entries outside A_t set
-    to -inf (grpo.token_logprobs with allowed_mask). GRPO's ratio q_theta / q_old and its KL must use q, the
-    policy that sampled, not p. And d log q(k) / d z_j = (1[j = k] - q(j)) / T for j in A_t, 0 outside: a step
-    the grammar forces (|A_t| = 1) has log q = 0 and no gradient, so the gradient is all on the free slots
-    (which worker, what subtask, which earlier answers)."""
-
-    def __init__(self, grammar_tok, grammar, n_rows, vocab_size, eos_ids, device="cpu"):
-        import llguidance
-        import llguidance.torch
-        self.fill, self.words = llguidance.torch.fill_next_token_bitmask, (vocab_size + 31) // 32
-        compiled = llguidance.LLMatcher.grammar_from_lark(grammar)
-        self.matchers = [llguidance.LLMatcher(grammar_tok, compiled) for _ in range(n_rows)]
-        self.vocab_size, self.eos_ids, self.device = vocab_size, set(eos_ids), device
-        self.done, self.bits = [False] * n_rows, []       # bits: per step, int32 [N, W]
-
-    def __call__(self, last):
-        """last: the tokens drawn at the previous step [N] (None before the first) -> bool [N, V] allowed next.
-        A finished row (its EOS drawn) allows everything: its tokens are padding that no loss reads, and an
-        all -inf row would make its log-probs NaN."""
-        for n, t in enumerate([] if last is None else last.tolist()):
-            if self.done[n] or t in self.eos_ids:
-                self.done[n] = True
-            elif not self.matchers[n].consume_token(t):
-                raise RuntimeError(f"token {t} is not in the grammar: {self.matchers[n].get_error()}")
-        bits = torch.full((len(self.matchers), self.words), -1, dtype=torch.int32)   # -1: every bit set
-        for n, m in enumerate(self.matchers):
-            if not self.done[n]:
-                self.fill(m, bits, n)
-        self.bits.append(bits)
-        return unpack_bits(bits, self.vocab_size).to(self.device)
-
-    def allowed_mask(self, T, device):
-        """bool [N, T, V]: the mask of each of the first T steps (the rollout's completion length)."""
-        return unpack_bits(torch.stack(self.bits[:T], 1), self.vocab_size).to(device)
 
 
 # ----------------------------------------------------------------------------------------------------------

@@ -9,7 +9,8 @@ import torch
 
 import rewards
 from neighbours import conductor as C
-from neighbours.conductor import parse_workflow
+from neighbours import workflow as W
+from neighbours.workflow import parse_workflow
 
 GOOD = 'model_id = [0, 1]\nsubtasks = ["Add the numbers.", "Check the sum and answer."]\naccess_list = [[], [0]]'
 
@@ -92,7 +93,7 @@ def test_a_parser_that_evaluates_model_text_fails_the_check():
 
 
 def test_reward_levels_and_worker_usage():
-    assert [C.workflow_reward(p, s) for p, s in [(None, 1.0), (([0], ["a"], [[]]), 0.0), (([0], ["a"], [[]]), 1.0)]] \
+    assert [W.workflow_reward(p, s) for p, s in [(None, 1.0), (([0], ["a"], [[]]), 0.0), (([0], ["a"], [[]]), 1.0)]] \
         == [0.0, 0.5, 1.0]
     cond = C.Conductor([None, None, None], ["a", "b", "c"], 2, 4, ("simple", False, ""))
     A = cond.usage([([0, 2], ["x", "y"], [[], [0]]), None, ([1, 1], ["x", "y"], [[], []])])   # (2, 1, 3)
@@ -308,7 +309,7 @@ def test_every_constrained_workflow_parses(tiny_policy, K, S, max_chars):
             assert allowed.shape == (*comp.shape, len(tok))
             assert (comp == tok.eos_token_id).any(-1).all()                    # every row reached its EOS
             for t in texts:
-                plan = parse_workflow(C.CONDUCTOR_PREFIX + t, K, S)
+                plan = parse_workflow(W.CONDUCTOR_PREFIX + t, K, S)
                 assert plan is not None, t
                 assert all(1 <= len(s) <= max_chars for s in plan[1]), t
                 lengths.add(len(plan[0]))
@@ -353,9 +354,9 @@ def test_constrained_logprobs_are_the_masked_distributions(tiny_policy):
     cond = C.Conductor([None, None], ["w0", "w1"], 2, 8, ("simple", False, ""), "constrained", 6)
     eos = rollout.eos_token_ids(model, tok)
     cond.write_workflows(model, tok, ids, mask, 1, T, eos, 8)                              # builds the grammar tok
-    masks = C.WorkflowMasks(cond.grammar_tok[1], C.workflow_grammar(2, 2, 6), comp.shape[0], len(tok), eos)
+    masks = W.WorkflowMasks(cond.grammar_tok[1], W.workflow_grammar(2, 2, 6), comp.shape[0], len(tok), eos)
     torch.manual_seed(1)
-    comp2, logp_old = rollout.sample(model, ids, mask, None, G, len(C.longest_workflow(2, 2, 6)) + 1, T, eos,
+    comp2, logp_old = rollout.sample(model, ids, mask, None, G, len(W.longest_workflow(2, 2, 6)) + 1, T, eos,
                                      tok.pad_token_id, return_logprobs=True, allowed=masks)
     assert torch.equal(comp2, comp)
     torch.testing.assert_close(logp_old[comp_mask], logp[comp_mask], rtol=1e-5, atol=1e-5)
@@ -379,12 +380,12 @@ def test_free_decoding_is_rollout_sample_as_it_was(tiny_policy):
 
 def test_workflow_grammar_text():
     """The grammar spells out one alternative per length, the workers as integers and each step's access lists."""
-    g = C.workflow_grammar(3, 2, 40)
+    g = W.workflow_grammar(3, 2, 40)
     assert 'start: w1 | w2' in g and 'wid: "0" | "1" | "2"' in g and "{0,39}" in g
     assert 'access0: "[]" | "\\"all\\""' in g and 'access1: "[]" | "\\"all\\"" | "[0]"' in g
-    assert parse_workflow(C.CONDUCTOR_PREFIX + C.longest_workflow(3, 2, 40), 3, 2) is not None
+    assert parse_workflow(W.CONDUCTOR_PREFIX + W.longest_workflow(3, 2, 40), 3, 2) is not None
     bits = torch.tensor([[-1, 5]], dtype=torch.int32)                  # all of 0..31, then tokens 32 and 34
-    assert C.unpack_bits(bits, 40).nonzero()[:, 1].tolist() == list(range(32)) + [32, 34]
+    assert W.unpack_bits(bits, 40).nonzero()[:, 1].tolist() == list(range(32)) + [32, 34]
 
 
 @pytest.mark.parametrize("flags, message", [
@@ -434,18 +435,18 @@ def test_constrained_masks_with_the_pocket_policys_tokenizer():
     _, tok = load_model("pocket:smollm2-135m-instruct")
     import rollout
     K, S, L, N, V = 2, 2, 30, 32, len(tok)
-    masks = C.WorkflowMasks(llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=[tok.eos_token_id]),
-                            C.workflow_grammar(K, S, L), N, V, [tok.eos_token_id])
+    masks = W.WorkflowMasks(llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=[tok.eos_token_id]),
+                            W.workflow_grammar(K, S, L), N, V, [tok.eos_token_id])
     torch.manual_seed(0)
     base, last, rows = torch.randn(N, V) * 4, None, []
-    for _ in range(len(C.longest_workflow(K, S, L)) + 1):
+    for _ in range(len(W.longest_workflow(K, S, L)) + 1):
         last = rollout.draw(base.masked_fill(~masks(last), float("-inf")), 1.0)          # (N,)
         rows.append(last)
     comp = torch.stack(rows, 1)
     for row in comp.tolist():
         assert tok.eos_token_id in row
         text = tok.decode(row[:row.index(tok.eos_token_id)])
-        assert parse_workflow(C.CONDUCTOR_PREFIX + text, K, S) is not None, text
+        assert parse_workflow(W.CONDUCTOR_PREFIX + text, K, S) is not None, text
 
 
 def test_random_reward_pays_the_seeded_coins_and_runs_no_worker(tmp_path, monkeypatch):

@@ -158,7 +158,7 @@ def test_a_killed_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     def kill_at_step_2(point, step):
         if (point, step) == ("step", 2):
             raise Killed
-    monkeypatch.setattr(support.harness.run, "sigkill_hook", kill_at_step_2)  # where the run's loop calls it
+    monkeypatch.setattr(support.harness.run, "sigkill_hook", kill_at_step_2)  # after_step calls it first
     calls = []
     with pytest.raises(Killed):
         NL.main(FLAGS + where, runner=in_process(calls))
