@@ -11,7 +11,7 @@ import torch
 
 import grpo
 import rewards
-from neighbours import rlae
+from neighbours import rlae, union_vocab
 from experts import TEAMS
 from support.lib.tiny_models import tiny_tokenizer
 
@@ -37,7 +37,7 @@ def spm_tokenizer():
 @pytest.fixture(scope="module")
 def two_vocabs():
     toks = [tiny_tokenizer(), spm_tokenizer()]
-    return toks, rlae.UnionVocab(toks, [{t.eos_token_id} for t in toks], [len(t) for t in toks])
+    return toks, union_vocab.UnionVocab(toks, [{t.eos_token_id} for t in toks], [len(t) for t in toks])
 
 
 def text_round_trip_failures(vocab, toks, text=TEXT):
@@ -74,9 +74,9 @@ def test_schemes_and_union_round_trips(two_vocabs):
 
 def test_a_union_that_reads_byte_level_tokens_as_text_fails_the_round_trip(monkeypatch):
     """The planted mistake: byte-level token strings taken literally ("\u0120the" for " the")."""
-    monkeypatch.setattr(rlae, "token_scheme", lambda tok: "plain")
+    monkeypatch.setattr(union_vocab, "token_scheme", lambda tok: "plain")
     toks = [tiny_tokenizer(), spm_tokenizer()]
-    vocab = rlae.UnionVocab(toks, [{t.eos_token_id} for t in toks], [len(t) for t in toks])
+    vocab = union_vocab.UnionVocab(toks, [{t.eos_token_id} for t in toks], [len(t) for t in toks])
     assert text_round_trip_failures(vocab, toks) != []
 
 
@@ -85,12 +85,12 @@ def sum_error(member_probs, vocab, K=2, N=5):
     torch.manual_seed(0)
     P = torch.stack([member_probs(vocab, k, 3 * torch.randn(N, len(vocab.to_union[k])), 1.0) for k in range(K)])
     w = torch.distributions.Dirichlet(torch.ones(K)).sample((N,))
-    return (rlae.mixture(P, w).sum(-1) - 1).abs().max().item()
+    return (union_vocab.mixture(P, w).sum(-1) - 1).abs().max().item()
 
 
 def test_mixture_is_a_distribution_and_a_planted_one_is_not(two_vocabs):
     _, vocab = two_vocabs
-    assert sum_error(rlae.UnionVocab.member_probs, vocab) < 1e-5
+    assert sum_error(union_vocab.UnionVocab.member_probs, vocab) < 1e-5
 
     def not_renormalised(self, k, logits, temperature):  # the planted mistake: the dropped specials' mass is lost
         probs = torch.softmax(logits.float() / temperature, -1)
@@ -107,7 +107,7 @@ def test_mixture_equals_a_member_when_its_weight_is_one(two_vocabs):
     P = torch.stack([vocab.member_probs(k, z, 0.7) for k, z in enumerate(logits)])               # (K, N, U)
     for k in range(2):
         w = torch.nn.functional.one_hot(torch.full((3,), k), 2).float()
-        assert torch.allclose(rlae.mixture(P, w), P[k], atol=1e-7)
+        assert torch.allclose(union_vocab.mixture(P, w), P[k], atol=1e-7)
     # and member k's union distribution is its own softmax over its kept tokens, moved to union ids (an
     # independent formula: renormalise first, then scatter)
     k, z = 1, logits[1]
