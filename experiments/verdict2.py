@@ -14,7 +14,7 @@ the router's learning rate chosen by a pilot before the verdict is pre-registere
     python experiments/verdict2.py --verdict --cores 0 --out /work/runs/verdict2-campaign \
         --records /work/main/results/verdict2/runs --commit-into /work/main
     python experiments/verdict2.py --verdict --status --out ... --records ...   # archived, running, left
-    python experiments/verdict2.py --verdict --analyse      # results/verdict2/table.md from the records
+    python experiments/verdict2.py --verdict --analyse      # table.md, headline.md, README.md's line: the records
 
 What changed against the first verdict (experiments/verdict.py, lcm, 48-token completions):
   testbed   gcd-2n-to100, chosen by the probe of the expert the arms read (results/screen/table.md)
@@ -244,7 +244,7 @@ def verdict_markdown(runs, records):
                  f"{r['p_holm']:.3g} |" if "p_holm" in r else f"| {r['name']}: `{r['arm']}` − {r['comparator']} | "
                  f"{n} | {seeds} | {mean} | {ci} | {p} | – |")
         L[-1] += f" {items} |"
-    L += ["", *run_rows(runs, window=10)]
+    L += ["", *instruction_sets(runs), "", *run_rows(runs, window=10)]
     return "\n".join(L) + "\n\n## Wall time\n\n" + step_costs(records)
 
 
@@ -268,6 +268,36 @@ def verdict_headline(rows, runs):
         L.append(f"- {r['name']}, {what[r['name']]}: {r['mean']:+.1f} points [{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}], "
                  f"{better} / {worse} seeds, Holm p = {r['p_holm']:.3g}")
     return L
+
+
+def instruction_sets(runs):
+    """Markdown: the instruction set each seed's two arms ran on (timing.json's "cpu"), and the seeds whose arms ran
+    on different ones. The pre-registered device was an AVX-512 CPU; a machine replaced between sessions may have
+    another, where float sums run in another order: such a seed's pair is still the same items and draws, but not
+    the same arithmetic (provenance.txt says when and why)."""
+    arms = [a for a in verdict_arms() if a in runs]
+    seeds = sorted({s for a in arms for s in runs[a]})
+    sets = {s: {a: runs[a][s].get("cpu", "?") for a in arms if s in runs[a]} for s in seeds}
+    row = " · ".join(f"s{s}: " + ", ".join(f"`{a}` {c}" for a, c in v.items()) for s, v in sets.items())
+    mixed = [s for s, v in sets.items() if len(v) == len(verdict_arms()) and len(set(v.values())) > 1]
+    return [f"Instruction sets (each run's timing.json): {row or 'no runs'}.",
+            f"Seeds whose two arms ran on different instruction sets: {', '.join(map(str, mixed)) or 'none'} "
+            "(pre-registered: AVX-512; an exploratory reading only, the family's tests take every seed)."]
+
+
+def quote_headline(readme, line):
+    """Put `line` (headline.md's first) under the README's marker comment for the second verdict, in place of the
+    line there. Raises ValueError when the marker is missing: the README and the test that holds them equal must
+    agree on where it goes."""
+    marker = "<!-- the first line of results/verdict2/headline.md"
+    with open(readme) as f:
+        lines = f.read().split("\n")
+    at = [i for i, x in enumerate(lines) if x.startswith(marker)]
+    if len(at) != 1 or at[0] + 1 >= len(lines):
+        raise ValueError(f"{readme}: expected one line starting {marker!r} above the second verdict's line")
+    lines[at[0] + 1] = line
+    with open(readme, "w") as f:
+        f.write("\n".join(lines))
 
 
 def step_costs(records, pause=5.0):
@@ -432,6 +462,8 @@ def main():
                    "run's record goes (results/verdict2/runs of a checkout)")
     p.add_argument("--commit-into", default=None, help="the verdict: a git checkout (the main one, not the frozen "
                    "clone) in which each finished run's record is committed; --records should lie inside it")
+    p.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="the verdict: --analyse also puts "
+                   "headline.md's first line into this README's second-verdict line ('' leaves it)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one core's loop (campaign starts it)
     p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -451,8 +483,11 @@ def main():
             md = verdict_markdown(runs, records)
             with open(os.path.join(os.path.dirname(records), "table.md"), "w") as f:
                 f.write(md)
+            headline = verdict_headline(verdict_rows(runs), runs)
             with open(os.path.join(os.path.dirname(records), "headline.md"), "w") as f:  # README.md quotes it
-                f.write("\n".join(verdict_headline(verdict_rows(runs), runs)) + "\n")
+                f.write("\n".join(headline) + "\n")
+            if a.readme:
+                quote_headline(a.readme, headline[0])
             print(md)
         return
     a.out = a.out or os.path.join(ROOT, "runs", "verdict2")

@@ -239,3 +239,31 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     assert lines[1].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[1]
     assert lines[2].startswith("- H2, `ours_strong` with its C − shuffled C: +10.0 points [")
     assert lines[2].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[2]
+
+
+def test_the_verdicts_table_names_each_seeds_instruction_sets_and_the_mixed_pairs():
+    """A seed whose two arms ran on different CPUs (the machine replaced between sessions) is named in the table."""
+    from verdict2 import instruction_sets
+    runs = {"single": {0: items_record(0), 3: items_record(0)}, "ours_strong": {0: items_record(5), 3: items_record(5)}}
+    for arm, seed, cpu in (("single", 0, "AVX512"), ("ours_strong", 0, "AVX512"), ("single", 3, "AVX512"),
+                           ("ours_strong", 3, "AVX2")):
+        runs[arm][seed]["cpu"] = cpu
+    lines = instruction_sets(runs)
+    assert lines[0] == ("Instruction sets (each run's timing.json): s0: `single` AVX512, `ours_strong` AVX512 · "
+                        "s3: `single` AVX512, `ours_strong` AVX2."), lines[0]
+    assert lines[1].startswith("Seeds whose two arms ran on different instruction sets: 3 ("), lines[1]
+    del runs["ours_strong"][3]  # a seed with one arm archived is not a mixed pair yet
+    assert instruction_sets(runs)[1].startswith("Seeds whose two arms ran on different instruction sets: none ("), runs
+
+
+def test_analyse_puts_the_headline_under_the_readmes_marker_and_refuses_a_readme_without_one(tmp_path):
+    from verdict2 import quote_headline
+    readme = tmp_path / "README.md"
+    marker = "<!-- the first line of results/verdict2/headline.md (written by ...); a test holds them equal -->"
+    readme.write_text(f"# x\n\n{marker}\n**The second verdict is running**: 7 of 12.\nAs amended ...\n")
+    quote_headline(str(readme), "**Second verdict: not shown** (...).")
+    assert readme.read_text() == f"# x\n\n{marker}\n**Second verdict: not shown** (...).\nAs amended ...\n"
+    readme.write_text("# x\nno marker\n")
+    with pytest.raises(ValueError, match="expected one line starting"):
+        quote_headline(str(readme), "**Second verdict: shown**")
+    assert readme.read_text() == "# x\nno marker\n"  # nothing written
