@@ -14,7 +14,7 @@ the router's learning rate chosen by a pilot before the verdict is pre-registere
     python experiments/verdict2.py --verdict --cores 0 --out /work/runs/verdict2-campaign \
         --records /work/main/results/verdict2/runs --commit-into /work/main
     python experiments/verdict2.py --verdict --status --out ... --records ...   # archived, running, left
-    python experiments/verdict2.py --verdict --analyse      # table.md, headline.md, README.md's line: the records
+    python experiments/verdict2.py --verdict --analyse      # table.md, headline.md, README.md's quote of it
 
 What changed against the first verdict (experiments/verdict.py, lcm, 48-token completions):
   testbed   gcd-2n-to100, chosen by the probe of the expert the arms read (results/screen/table.md)
@@ -249,17 +249,17 @@ def verdict_markdown(runs, records):
 
 
 def verdict_headline(rows, runs):
-    """The README's second verdict, as lines of markdown (results/verdict2/headline.md; a test holds the README to
-    its first line): while incomplete, the count of runs and nothing else, because a partial table is no claim;
-    once complete, the outcome, then each test of the family with its 95 % interval over seeds, the seeds that
-    went each way and the Holm-adjusted p."""
+    """The README's second verdict, as lines of markdown (results/verdict2/headline.md; the README quotes it whole
+    and a test holds them equal): while incomplete, the count of runs and nothing else, because a partial table is
+    no claim; once complete, the outcome, then each test of the family with its 95 % interval over seeds, the seeds
+    that went each way and the Holm-adjusted p, then what the outcome can and cannot say (verdict_reading)."""
     done, total = sum(len(v) for v in runs.values()), len(verdict_plan())
     design = (f"pre-registered, amendment 2: `single` and `ours_strong` × {len(VERDICT_SEEDS)} seeds on gcd, H1a and "
               "H2, one-sided exact sign-flip tests over seeds, Holm over 2")
     outcome = verdict_outcome(rows, runs)
     if outcome.startswith("incomplete"):
         return [f"**The second verdict is running** ({design}): {done} of {total} runs archived; a partial table "
-                "is no claim."]
+                "is no claim.", f"Until all {total} are in, that RL shapes collaboration here is **not shown**."]
     L = [f"**Second verdict: {outcome}** ({design}; {done} of {total} runs; 95 % intervals over seeds)."]
     what = {"H1a": "`ours_strong` − `single`", "H2": "`ours_strong` with its C − shuffled C"}
     for r in rows:
@@ -267,7 +267,21 @@ def verdict_headline(rows, runs):
         better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
         L.append(f"- {r['name']}, {what[r['name']]}: {r['mean']:+.1f} points [{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}], "
                  f"{better} / {worse} seeds, Holm p = {r['p_holm']:.3g}")
-    return L
+    return L + ["", verdict_reading(rows)]  # the blank line ends the list
+
+
+def verdict_reading(rows):
+    """What the family's outcome can and cannot say, as the pre-registration (amendment 2) reads each case."""
+    passed = {r["name"] for r in rows if r["p_holm"] < 0.05}
+    can = {frozenset({"H1a", "H2"}): "RL shapes collaboration here: the trained policy scores more with the strong "
+                                     "expert's C than alone (H1a) and reads its own item's C, not any C (H2)",
+           frozenset({"H1a"}): "`ours_strong` beats the policy alone, but reading its own item's C is not shown: "
+                               "the gain may be the trainable interface, not the expert (H1b, the soft prompt that "
+                               "would tell them apart, was cut)",
+           frozenset({"H2"}): "the policy reads its own item's C, but gains nothing shown over the policy alone",
+           frozenset(): "neither test is shown; the intervals above bound what 6 seeds can exclude"}[frozenset(passed)]
+    return (f"What it can say: {can}. What it cannot: the routing question (several experts, H3, was cut), and "
+            "beyond one testbed (gcd), one expert (Qwen2.5-Coder-1.5B) and a 135M policy on a CPU.")
 
 
 def instruction_sets(runs):
@@ -285,19 +299,32 @@ def instruction_sets(runs):
             "(pre-registered: AVX-512; an exploratory reading only, the family's tests take every seed)."]
 
 
-def quote_headline(readme, line):
-    """Put `line` (headline.md's first) under the README's marker comment for the second verdict, in place of the
-    line there. Raises ValueError when the marker is missing: the README and the test that holds them equal must
-    agree on where it goes."""
-    marker = "<!-- the first line of results/verdict2/headline.md"
+HEADLINE_BEGIN = "<!-- results/verdict2/headline.md, whole"
+HEADLINE_END = "<!-- end of results/verdict2/headline.md -->"
+
+
+def quoted_headline(text):
+    """The lines of a README's text between its second-verdict markers, and where they start and end."""
+    lines = text.split("\n")
+    begin = [i for i, x in enumerate(lines) if x.startswith(HEADLINE_BEGIN)]
+    end = [i for i, x in enumerate(lines) if x == HEADLINE_END]
+    if len(begin) != 1 or len(end) != 1 or end[0] <= begin[0]:
+        raise ValueError(f"expected one line starting {HEADLINE_BEGIN!r}, then one {HEADLINE_END!r}")
+    return lines[begin[0] + 1:end[0]], begin[0] + 1, end[0]
+
+
+def quote_headline(readme, headline):
+    """Put headline.md's lines between the README's second-verdict markers, in place of what is there. Raises
+    ValueError (and writes nothing) when the markers are missing."""
     with open(readme) as f:
-        lines = f.read().split("\n")
-    at = [i for i, x in enumerate(lines) if x.startswith(marker)]
-    if len(at) != 1 or at[0] + 1 >= len(lines):
-        raise ValueError(f"{readme}: expected one line starting {marker!r} above the second verdict's line")
-    lines[at[0] + 1] = line
+        text = f.read()
+    try:
+        _, a, b = quoted_headline(text)
+    except ValueError as e:
+        raise ValueError(f"{readme}: {e}") from None
+    lines = text.split("\n")
     with open(readme, "w") as f:
-        f.write("\n".join(lines))
+        f.write("\n".join(lines[:a] + list(headline) + lines[b:]))
 
 
 def step_costs(records, pause=5.0):
@@ -463,7 +490,7 @@ def main():
     p.add_argument("--commit-into", default=None, help="the verdict: a git checkout (the main one, not the frozen "
                    "clone) in which each finished run's record is committed; --records should lie inside it")
     p.add_argument("--readme", default=os.path.join(ROOT, "README.md"), help="the verdict: --analyse also puts "
-                   "headline.md's first line into this README's second-verdict line ('' leaves it)")
+                   "headline.md between this README's second-verdict markers ('' leaves it)")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)  # one core's loop (campaign starts it)
     p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -487,7 +514,7 @@ def main():
             with open(os.path.join(os.path.dirname(records), "headline.md"), "w") as f:  # README.md quotes it
                 f.write("\n".join(headline) + "\n")
             if a.readme:
-                quote_headline(a.readme, headline[0])
+                quote_headline(a.readme, headline)
             print(md)
         return
     a.out = a.out or os.path.join(ROOT, "runs", "verdict2")

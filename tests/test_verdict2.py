@@ -201,25 +201,25 @@ def test_the_wall_time_counts_every_process_of_a_resumed_run_and_a_pause_at_the_
 
 
 def test_the_readme_quotes_the_second_verdict_the_archive_gives():
-    """README.md's second-verdict line is the first line of results/verdict2/headline.md, which --analyse writes from
-    the archived records. While the campaign is incomplete the line may only say that it runs, with a count no
-    larger than the archive's (the campaign commits records between analyses; a partial table is no claim); once
-    all 12 runs are archived the file must be exactly what the records give."""
+    """README.md quotes results/verdict2/headline.md whole between its markers, and that file is what --analyse
+    writes from the archived records. While the campaign is incomplete the file may only say that it runs, with a
+    count no larger than the archive's (the campaign commits records between analyses; a partial table is no
+    claim); once all 12 runs are archived it must be exactly what the records give."""
     from verdict import load
-    from verdict2 import RESULTS, verdict_headline, verdict_plan, verdict_rows
+    from verdict2 import RESULTS, quoted_headline, verdict_headline, verdict_plan, verdict_rows
     runs = load(os.path.join(RESULTS, "runs"))
     lines = verdict_headline(verdict_rows(runs), runs)
     with open(os.path.join(RESULTS, "headline.md")) as f:
         written = f.read().splitlines()
     done = sum(len(v) for v in runs.values())
     if done < len(verdict_plan()):
-        assert len(written) == 1 and written[0].startswith("**The second verdict is running**"), written
+        assert written[0].startswith("**The second verdict is running**"), written
         count = int(written[0].split(": ")[-1].split(" of ")[0].split()[-1])
-        assert count <= done and written[0] == lines[0].replace(f" {done} of ", f" {count} of "), written
+        assert count <= done and written == [lines[0].replace(f" {done} of ", f" {count} of "), *lines[1:]], written
     else:
         assert written == lines, "results/verdict2/headline.md is stale: run verdict2.py --verdict --analyse"
     with open(os.path.join(ROOT, "README.md")) as f:
-        assert written[0] in f.read().splitlines(), "README.md's second verdict differs from its headline.md"
+        assert quoted_headline(f.read())[0] == written, "README.md's second verdict differs from its headline.md"
 
 
 def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test():
@@ -230,7 +230,7 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     assert verdict_headline(verdict_rows(part), part) == [
         "**The second verdict is running** (pre-registered, amendment 2: `single` and `ours_strong` × 6 seeds on gcd, "
         "H1a and H2, one-sided exact sign-flip tests over seeds, Holm over 2): 2 of 12 runs archived; a partial "
-        "table is no claim."]
+        "table is no claim.", "Until all 12 are in, that RL shapes collaboration here is **not shown**."]
     full = {"single": {s: items_record(0) for s in VERDICT_SEEDS},
             "ours_strong": {s: items_record(50, shuffled=40) for s in VERDICT_SEEDS}}
     lines = verdict_headline(verdict_rows(full), full)
@@ -239,6 +239,7 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     assert lines[1].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[1]
     assert lines[2].startswith("- H2, `ours_strong` with its C − shuffled C: +10.0 points [")
     assert lines[2].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[2]
+    assert lines[3] == "" and lines[4].startswith("What it can say: RL shapes collaboration here: "), lines[3:]
 
 
 def test_the_verdicts_table_names_each_seeds_instruction_sets_and_the_mixed_pairs():
@@ -256,14 +257,35 @@ def test_the_verdicts_table_names_each_seeds_instruction_sets_and_the_mixed_pair
     assert instruction_sets(runs)[1].startswith("Seeds whose two arms ran on different instruction sets: none ("), runs
 
 
-def test_analyse_puts_the_headline_under_the_readmes_marker_and_refuses_a_readme_without_one(tmp_path):
-    from verdict2 import quote_headline
+def test_analyse_puts_the_headline_between_the_readmes_markers_and_refuses_a_readme_without_them(tmp_path):
+    from verdict2 import HEADLINE_BEGIN, HEADLINE_END, quote_headline, quoted_headline
     readme = tmp_path / "README.md"
-    marker = "<!-- the first line of results/verdict2/headline.md (written by ...); a test holds them equal -->"
-    readme.write_text(f"# x\n\n{marker}\n**The second verdict is running**: 7 of 12.\nAs amended ...\n")
-    quote_headline(str(readme), "**Second verdict: not shown** (...).")
-    assert readme.read_text() == f"# x\n\n{marker}\n**Second verdict: not shown** (...).\nAs amended ...\n"
-    readme.write_text("# x\nno marker\n")
-    with pytest.raises(ValueError, match="expected one line starting"):
-        quote_headline(str(readme), "**Second verdict: shown**")
-    assert readme.read_text() == "# x\nno marker\n"  # nothing written
+    begin = HEADLINE_BEGIN + " (written by ...); a test holds them equal -->"
+    readme.write_text(f"# x\n\n{begin}\n**The second verdict is running**: 7 of 12.\nUntil ...\n{HEADLINE_END}\n\nrest\n")
+    quote_headline(str(readme), ["**Second verdict: not shown** (...).", "- H1a ...", "", "What it can say: ..."])
+    assert readme.read_text() == (f"# x\n\n{begin}\n**Second verdict: not shown** (...).\n- H1a ...\n\n"
+                                  f"What it can say: ...\n{HEADLINE_END}\n\nrest\n")
+    assert quoted_headline(readme.read_text())[0] == ["**Second verdict: not shown** (...).", "- H1a ...", "",
+                                                      "What it can say: ..."]
+    for broken in ("# x\nno marker\n", f"# x\n{begin}\nno end\n", f"{HEADLINE_END}\n{begin}\n"):
+        readme.write_text(broken)
+        with pytest.raises(ValueError, match="expected one line starting"):
+            quote_headline(str(readme), ["**Second verdict: shown**"])
+        assert readme.read_text() == broken  # nothing written
+
+
+def test_the_reading_says_what_each_outcome_of_the_family_can_and_cannot_say():
+    """The pre-registration's reading of each case: both tests, H1a alone (the interface, not the expert), H2
+    alone (reads C, gains nothing shown), neither."""
+    from verdict2 import verdict_reading
+
+    def rows(h1a, h2):
+        return [{"name": "H1a", "p_holm": h1a}, {"name": "H2", "p_holm": h2}]
+    both, h1a, h2, neither = (verdict_reading(rows(*p)) for p in ((0.03, 0.03), (0.03, 0.5), (0.5, 0.03), (0.5, 0.5)))
+    assert both.startswith("What it can say: RL shapes collaboration here: ")
+    assert h1a.startswith("What it can say: `ours_strong` beats the policy alone, but reading its own item's C is "
+                          "not shown: the gain may be the trainable interface")
+    assert h2.startswith("What it can say: the policy reads its own item's C, but gains nothing shown over")
+    assert neither.startswith("What it can say: neither test is shown")
+    assert all("What it cannot: the routing question" in x for x in (both, h1a, h2, neither))
+    assert verdict_reading(rows(0.05, 0.03)) == h2  # Holm p < 0.05, strictly, as pre-registered
