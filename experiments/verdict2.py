@@ -469,8 +469,25 @@ def status(records, out):
         path = os.path.join(out, name + ".claim")
         pid = int(open(path).read().strip() or 0) if os.path.exists(path) else 0
         (done if finished(records, name) else running if pid and alive(pid) else left).append(name)
-    return (f"verdict2: {len(done)} of {len(done) + len(running) + len(left)} runs archived; in progress: "
-            f"{', '.join(running) or 'none'}; left: {', '.join(left) or 'none'}")
+    lines = [f"verdict2: {len(done)} of {len(done) + len(running) + len(left)} runs archived; in progress: "
+             f"{', '.join(running) or 'none'}; left: {', '.join(left) or 'none'}"]
+    for name in running + left:
+        progress = run_progress(os.path.join(out, name), "" if name in running else " (stopped: resumes there)")
+        lines += [f"  {name}: {progress}"] if progress else []
+    return "\n".join(lines)
+
+
+def run_progress(run_dir, note="", recent=20):
+    """A started run's last finished step and, from its last `recent` steps' seconds, the hours of steps left
+    (evaluation not counted); None before its first step."""
+    path = os.path.join(run_dir, "metrics.jsonl")
+    seconds = [json.loads(line)["seconds"] for line in open(path) if line.strip()] if os.path.exists(path) else []
+    if not seconds:
+        return None
+    rate = float(np.median(seconds[-recent:]))
+    left = (VERDICT_STEPS - len(seconds)) * rate / 3600
+    return (f"step {len(seconds)} of {VERDICT_STEPS}{note}, {rate:.0f} s a step lately (median of the last "
+            f"{min(recent, len(seconds))}): ~{left:.1f} h of steps left")
 
 
 def main():

@@ -289,3 +289,25 @@ def test_the_reading_says_what_each_outcome_of_the_family_can_and_cannot_say():
     assert neither.startswith("What it can say: neither test is shown")
     assert all("What it cannot: the routing question" in x for x in (both, h1a, h2, neither))
     assert verdict_reading(rows(0.05, 0.03)) == h2  # Holm p < 0.05, strictly, as pre-registered
+
+
+def test_status_says_each_started_runs_step_and_the_hours_its_steps_have_left(tmp_path):
+    """A run claimed by a live process is in progress, with its last step and the time its steps have left at the
+    median of its recent steps; a started run whose process is gone is left, and resumes from its checkpoint."""
+    import json
+
+    from verdict2 import VERDICT_STEPS, status, verdict_plan
+    records, out = tmp_path / "records", tmp_path / "runs"
+    records.mkdir(), out.mkdir()
+    (a, _), (b, _) = verdict_plan()[:2]
+    for name, seconds in ((a, [40.0] * 5 + [30.0] * 25), (b, [20.0] * 10)):
+        (out / name).mkdir()
+        (out / name / "metrics.jsonl").write_text("".join(json.dumps({"step": i + 1, "seconds": x}) + "\n"
+                                                          for i, x in enumerate(seconds)))
+    (out / (a + ".claim")).write_text(str(os.getpid()))         # a live process holds a
+    lines = status(str(records), str(out)).splitlines()
+    assert lines[0].startswith(f"verdict2: 0 of 12 runs archived; in progress: {a}; left: {b}, "), lines[0]
+    assert lines[1] == (f"  {a}: step 30 of {VERDICT_STEPS}, 30 s a step lately (median of the last 20): "
+                        f"~{(VERDICT_STEPS - 30) * 30 / 3600:.1f} h of steps left"), lines[1]
+    assert lines[2].startswith(f"  {b}: step 10 of {VERDICT_STEPS} (stopped: resumes there), 20 s a step"), lines[2]
+    assert len(lines) == 3  # the runs not started say nothing more
