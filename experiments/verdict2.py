@@ -273,13 +273,15 @@ def verdict_headline(rows, runs):
 def verdict_reading(rows):
     """What the family's outcome can and cannot say, as the pre-registration (amendment 2) reads each case."""
     passed = {r["name"] for r in rows if r["p_holm"] < 0.05}
-    can = {frozenset({"H1a", "H2"}): "RL shapes collaboration here: the trained policy scores more with the strong "
-                                     "expert's C than alone (H1a) and reads its own item's C, not any C (H2)",
+    can = {frozenset({"H1a", "H2"}): "RL shapes collaboration here: the policy trained with the strong expert's C "
+                                     "scores more than the policy trained alone (H1a) and reads its own item's C, "
+                                     "not any C (H2)",
            frozenset({"H1a"}): "`ours_strong` beats the policy alone, but reading its own item's C is not shown: "
                                "the gain may be the trainable interface, not the expert (H1b, the soft prompt that "
                                "would tell them apart, was cut)",
            frozenset({"H2"}): "the policy reads its own item's C, but gains nothing shown over the policy alone",
-           frozenset(): "neither test is shown; the intervals above bound what 6 seeds can exclude"}[frozenset(passed)]
+           frozenset(): "neither test is shown (each interval above holds the effects these 6 seeds "
+                        "cannot exclude)"}[frozenset(passed)]
     return (f"What it can say: {can}. What it cannot: the routing question (several experts, H3, was cut), and "
             "beyond one testbed (gcd), one expert (Qwen2.5-Coder-1.5B) and a 135M policy on a CPU.")
 

@@ -261,7 +261,8 @@ def test_analyse_puts_the_headline_between_the_readmes_markers_and_refuses_a_rea
     from verdict2 import HEADLINE_BEGIN, HEADLINE_END, quote_headline, quoted_headline
     readme = tmp_path / "README.md"
     begin = HEADLINE_BEGIN + " (written by ...); a test holds them equal -->"
-    readme.write_text(f"# x\n\n{begin}\n**The second verdict is running**: 7 of 12.\nUntil ...\n{HEADLINE_END}\n\nrest\n")
+    readme.write_text(f"# x\n\n{begin}\n**The second verdict is running**: 7 of 12.\nUntil ...\n"
+                      f"{HEADLINE_END}\n\nrest\n")
     quote_headline(str(readme), ["**Second verdict: not shown** (...).", "- H1a ...", "", "What it can say: ..."])
     assert readme.read_text() == (f"# x\n\n{begin}\n**Second verdict: not shown** (...).\n- H1a ...\n\n"
                                   f"What it can say: ...\n{HEADLINE_END}\n\nrest\n")
