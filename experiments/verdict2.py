@@ -250,8 +250,8 @@ def verdict_markdown(runs, records):
 
 def verdict_headline(rows, runs):
     """The README's second verdict, as lines of markdown (results/verdict2/headline.md; the README quotes it whole
-    and a test holds them equal): while incomplete, the count of runs and nothing else, because a partial table is
-    no claim; once complete, the outcome, then each test of the family with its 95 % interval over seeds, the seeds
+    and a test holds them equal): while incomplete, the count of runs and "not shown", nothing more, because a
+    partial table is no claim; once complete, the outcome, then each test of the family with its 95 % interval over seeds, the seeds
     that went each way and the Holm-adjusted p, then what the outcome can and cannot say (verdict_reading)."""
     done, total = sum(len(v) for v in runs.values()), len(verdict_plan())
     design = (f"pre-registered, amendment 2: `single` and `ours_strong` × {len(VERDICT_SEEDS)} seeds on gcd, H1a and "
@@ -325,8 +325,9 @@ def quote_headline(readme, headline):
     except ValueError as e:
         raise ValueError(f"{readme}: {e}") from None
     lines = text.split("\n")
-    with open(readme, "w") as f:
+    with open(readme + ".tmp", "w") as f:  # written whole, then renamed: never a half-written README
         f.write("\n".join(lines[:a] + list(headline) + lines[b:]))
+    os.replace(readme + ".tmp", readme)
 
 
 def step_costs(records, pause=5.0):
