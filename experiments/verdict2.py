@@ -31,6 +31,7 @@ embedding, standardised states at depth 1.0, 100 validation items scored with C,
 shuffled C (evaluate.py --paired).
 """
 import argparse
+import fcntl
 import json
 import os
 import subprocess
@@ -369,24 +370,27 @@ def finished(records, name):
 
 def claim(out, name):
     """Take a run for this process: OUT/NAME.claim created exclusively with our pid. A claim whose process is gone
-    (a stop, a kill) is taken over. Returns whether the run is ours."""
+    (a stop, a kill) is taken over. Returns whether the run is ours. Workers started together all find a stopped
+    campaign's claims dead; without a lock two of them could both take one over (each removing the other's fresh
+    claim), so the read, removal and creation happen under one lock on OUT/.claims.lock."""
     path = os.path.join(out, name + ".claim")
-    for _ in range(2):
+    lock_fd = os.open(os.path.join(out, ".claims.lock"), os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
+    with os.fdopen(lock_fd, "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
         try:
-            fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
-        except FileExistsError:
-            try:
-                pid = int(open(path).read().strip() or 0)
-            except (OSError, ValueError):
-                pid = 0
+            pid = int(open(path).read().strip() or 0)
+        except FileNotFoundError:
+            pid = None
+        except (OSError, ValueError):
+            pid = 0
+        if pid is not None:
             if pid and alive(pid):
                 return False
             os.unlink(path)  # its process is gone: the run is resumed from its last checkpoint
-            continue
+        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
         return True
-    return False
 
 
 def alive(pid):

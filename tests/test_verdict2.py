@@ -146,6 +146,36 @@ def test_a_claim_is_exclusive_and_a_dead_workers_claim_is_taken_over(tmp_path):
     assert (tmp_path / "ours_strong-s0.claim").read_text() == str(os.getpid())
 
 
+def _claim_at_once(out, name, start, done, results):
+    from verdict2 import claim
+    start.wait()
+    try:
+        results.put(claim(out, name))
+    except Exception as e:  # noqa: BLE001 - the race's failure is what this test reports
+        results.put(repr(e))
+    done.wait()  # the winner stays alive until all have tried, so its claim stays live
+
+
+def test_workers_taking_over_one_dead_claim_at_once_leave_exactly_one_owner(tmp_path):
+    """Two workers started together both find the stopped campaign's claim dead. Only one may take it over, and the
+    other must neither crash (the claim it read is gone) nor remove the claim the winner has just written."""
+    import multiprocessing as mp
+    ctx = mp.get_context("fork")
+    n = 6
+    for round_ in range(8):
+        name = f"ours_strong-s{round_}"
+        (tmp_path / (name + ".claim")).write_text("999999999")  # a worker of a stopped campaign
+        start, done, results = ctx.Barrier(n), ctx.Barrier(n), ctx.Queue()
+        procs = [ctx.Process(target=_claim_at_once, args=(str(tmp_path), name, start, done, results))
+                 for _ in range(n)]
+        for p in procs:
+            p.start()
+        got = [results.get(timeout=60) for _ in range(n)]
+        for p in procs:
+            p.join(60)
+        assert sorted(map(str, got)) == ["False"] * (n - 1) + ["True"], (round_, got)
+
+
 def test_the_worker_runs_what_is_unfinished_and_commits_each_record(tmp_path, monkeypatch):
     """A stopped campaign started again: archived runs are skipped, the others run (run_once resumes a run from its
     checkpoint), and each finished record is committed in the main checkout, only its own paths."""
