@@ -434,6 +434,17 @@ def worker(a, records):
             os.unlink(os.path.join(a.out, name + ".claim"))
 
 
+def worker_problem(core):
+    """Why this process cannot be a worker, or None. The pre-registered runs use one thread on one core (another
+    thread count sums in another order); the campaign starts its workers so, but one started by hand may not be."""
+    pinned, threads = os.sched_getaffinity(0), os.environ.get("OMP_NUM_THREADS")
+    if pinned != {core} or threads != "1":
+        return (f"a worker must run on core {core} alone with OMP_NUM_THREADS=1 (it runs on cores "
+                f"{sorted(pinned)} with OMP_NUM_THREADS={threads}): start the campaign, which pins its workers, or "
+                f"OMP_NUM_THREADS=1 taskset -c {core} ...")
+    return None
+
+
 def frozen_clone_problem():
     """Why this checkout cannot run the verdict (it must be a clone at a commit, its tracked files unchanged), or
     None."""
@@ -526,6 +537,10 @@ def main():
         if a.status:
             print(status(records, a.out))
         elif a.worker:
+            problem = worker_problem(a.core)
+            if problem:
+                print(f"error: {problem}", file=sys.stderr)
+                sys.exit(2)
             worker(a, records)
         elif not a.analyse:
             campaign(a, records)

@@ -342,3 +342,17 @@ def test_status_says_each_started_runs_step_and_the_hours_its_steps_have_left(tm
                         f"~{(VERDICT_STEPS - 30) * 30 / 3600:.1f} h of steps left"), lines[1]
     assert lines[2].startswith(f"  {b}: step 10 of {VERDICT_STEPS} (stopped: resumes there), 20 s a step"), lines[2]
     assert len(lines) == 3  # the runs not started say nothing more
+
+
+def test_a_worker_started_by_hand_unpinned_or_on_many_threads_is_refused(monkeypatch):
+    """A worker started without the campaign's taskset and OMP_NUM_THREADS=1 would run a pre-registered run on
+    other cores and threads (another order of sums): it is refused with one line naming both."""
+    from verdict2 import worker_problem
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {0, 1})
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert "cores [0, 1]" in worker_problem(1)
+    monkeypatch.setattr(os, "sched_getaffinity", lambda pid: {1})
+    monkeypatch.delenv("OMP_NUM_THREADS")
+    assert "OMP_NUM_THREADS=None" in worker_problem(1)
+    monkeypatch.setenv("OMP_NUM_THREADS", "1")
+    assert worker_problem(1) is None and worker_problem(0) is not None
