@@ -253,7 +253,8 @@ def verdict_headline(rows, runs):
     """The README's second verdict, as lines of markdown (results/verdict2/headline.md; the README quotes it whole
     and a test holds them equal): while incomplete, the count of runs and "not shown", nothing more, because a
     partial table is no claim; once complete, the outcome, then each test of the family with its 95 % interval over
-    seeds, the seeds that went each way and the Holm-adjusted p, then what the outcome can and cannot say (verdict_reading)."""
+    seeds, the seeds that went each way and the Holm-adjusted p, then what the outcome can and cannot say
+    (verdict_reading)."""
     done, total = sum(len(v) for v in runs.values()), len(verdict_plan())
     design = (f"pre-registered, amendment 2: `single` and `ours_strong` × {len(VERDICT_SEEDS)} seeds on gcd, H1a and "
               "H2, one-sided exact sign-flip tests over seeds, Holm over 2")
