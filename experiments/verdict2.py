@@ -32,6 +32,7 @@ shuffled C (evaluate.py --paired).
 """
 import argparse
 import fcntl
+import itertools
 import json
 import os
 import subprocess
@@ -213,25 +214,50 @@ def verdict_rows(runs):
     return rows
 
 
+def best_possible_p(observed, n):
+    """The smallest one-sided sign-flip p (sign_flip_p's "greater") that n seeds can still give when only the
+    differences `observed` are known, whatever the other n - k turn out to be. Flipping the signs of a set S of the
+    observed seeds alone leaves the sum at least the observed one exactly when the sum over S is <= 0, whatever the
+    others are, so p >= #{S : sum over S <= 0} / 2^n; large positive missing differences reach the bound (then every
+    flip that takes one of them lowers the sum). With all n known it is the p itself."""
+    d = np.asarray(observed, dtype=float)
+    subsets = np.array(list(itertools.product((0.0, 1.0), repeat=len(d))))
+    return float(np.sum(subsets @ d <= 1e-9)) / 2 ** n
+
+
+def futility(rows):
+    """Per test of the family, the best p its pre-registered seeds can still give (best_possible_p) and the Holm p
+    those give together. Holm's adjusted p never falls when a p rises, so a test whose best Holm p is >= 0.05
+    cannot pass whatever the runs left give, and more runs never change that (each adds sets to the count)."""
+    best = [best_possible_p(list(r["per_seed"].values()), len(VERDICT_SEEDS)) for r in rows]
+    return {r["name"]: (p, q) for r, p, q in zip(rows, best, holm(best))}
+
+
 def verdict_outcome(rows, runs):
-    """"shown" when every test of the family has Holm p < 0.05 on all pre-registered seeds, "not shown" otherwise,
-    "incomplete" until every run of the plan is archived (a partial table is no claim)."""
+    """"shown" when every test of the family has Holm p < 0.05 on all pre-registered seeds, "not shown" otherwise;
+    until every run of the plan is archived, "incomplete" (a partial table is no claim), or "not shown (fixed ...)"
+    once no result of the runs left can make every test pass (futility)."""
     done = sum(len(v) for v in runs.values())
     total = len(verdict_plan())
     if done < total or any(len(r["per_seed"]) < len(VERDICT_SEEDS) for r in rows):
+        if any(q >= 0.05 for _, q in futility(rows).values()):
+            return f"not shown (fixed after {done} of {total} runs)"
         return f"incomplete: {done} of {total} runs archived"
     return "shown" if all(r["p_holm"] < 0.05 for r in rows) else "not shown"
 
 
 def verdict_markdown(runs, records):
     rows = verdict_rows(runs)
+    fut = futility(rows)
     L = ["# The second verdict (experiments/verdict2.py --verdict --analyse)", "",
          f"**{verdict_outcome(rows, runs)}.** Pre-registered in preregistration.md (amendment 2): exact solve rates "
          "on the same 100 validation items per seed; per seed one difference in points; p: exact one-sided "
-         "sign-flip over seeds, Holm over the family; the interval is the same test's by inversion; the item-level "
-         "comparison (the items' seed means, bootstrap interval, sign test) is exploratory.", "",
-         "| test | seeds | per seed (points) | mean ± sd | 95 % interval | p | Holm p | items: mean [95 %], "
-         "better / worse, p (exploratory) |", "|---|---|---|---|---|---|---|---|"]
+         "sign-flip over the seeds archived, Holm over the family; the interval is the same test's by inversion; "
+         f"best p: the smallest p the {len(VERDICT_SEEDS)} pre-registered seeds can still give, whatever the runs "
+         "left give (p itself once all are in), and the Holm p of those; the item-level comparison (the items' seed "
+         "means, bootstrap interval, sign test) is exploratory.", "",
+         f"| test | seeds | per seed (points) | mean ± sd | 95 % interval | p | Holm p | best p, {len(VERDICT_SEEDS)} "
+         "seeds (Holm) | items: mean [95 %], better / worse, p (exploratory) |", "|---" * 9 + "|"]
     for r in rows:
         n = len(r["per_seed"])
         seeds = ", ".join(f"{v:+.0f}" for v in r["per_seed"].values()) or "–"
@@ -244,7 +270,7 @@ def verdict_markdown(runs, records):
         L.append(f"| {r['name']}: `{r['arm']}` − {r['comparator']} | {n} | {seeds} | {mean} | {ci} | {p} | "
                  f"{r['p_holm']:.3g} |" if "p_holm" in r else f"| {r['name']}: `{r['arm']}` − {r['comparator']} | "
                  f"{n} | {seeds} | {mean} | {ci} | {p} | – |")
-        L[-1] += f" {items} |"
+        L[-1] += " {:.3g} ({:.3g}) | {} |".format(*fut[r["name"]], items)
     L += ["", *instruction_sets(runs), "", *run_rows(runs, window=10)]
     return "\n".join(L) + "\n\n## Wall time\n\n" + step_costs(records)
 
@@ -262,14 +288,36 @@ def verdict_headline(rows, runs):
     if outcome.startswith("incomplete"):
         return [f"**The second verdict is running** ({design}): {done} of {total} runs archived; a partial table "
                 "is no claim.", f"Until all {total} are in, that RL shapes collaboration here is **not shown**."]
-    L = [f"**Second verdict: {outcome}** ({design}; {done} of {total} runs; 95 % intervals over seeds)."]
     what = {"H1a": "`ours_strong` − `single`", "H2": "`ours_strong` with its C − shuffled C"}
+    if outcome.startswith("not shown (fixed"):
+        return fixed_headline(rows, done, total, design, what)
+    L = [f"**Second verdict: {outcome}** ({design}; {done} of {total} runs; 95 % intervals over seeds)."]
     for r in rows:
         d = list(r["per_seed"].values())
         better, worse = sum(x > 0 for x in d), sum(x < 0 for x in d)
         L.append(f"- {r['name']}, {what[r['name']]}: {r['mean']:+.1f} points [{r['ci'][0]:+.1f}, {r['ci'][1]:+.1f}], "
                  f"{better} / {worse} seeds, Holm p = {r['p_holm']:.3g}")
     return L + ["", verdict_reading(rows)]  # the blank line ends the list
+
+
+def fixed_headline(rows, done, total, design, what):
+    """The headline once the outcome is fixed before every run is in (futility): the outcome, each test's mean over
+    the seeds run with every seed's value, and the best p its 6 seeds could still give, then what that can say."""
+    n, fut = 2 ** len(VERDICT_SEEDS), futility(rows)
+    L = [f"**Second verdict: not shown, fixed after {done} of {total} runs** ({design}): whatever the runs left "
+         "give, the family cannot pass."]
+    for r in rows:
+        d = list(r["per_seed"].values())
+        p, q = fut[r["name"]]
+        L.append(f"- {r['name']}, {what[r['name']]}: {r['mean']:+.1f} points over {len(d)} seeds "
+                 f"({', '.join(f'{x:+.0f}' for x in d)}); the best p {len(VERDICT_SEEDS)} seeds can give: "
+                 f"{round(p * n)}/{n} = {p:.3g}, Holm {q:.3g}")
+    spread = ", ".join(f"{r['name']} sd {r['sd']:.1f}" for r in rows)
+    return L + ["", "What it can say: the pre-registered tests cannot reach Holm p < 0.05, so the runs left were "
+                    "not needed for the outcome; the means are descriptive. What it cannot: that the expert's C "
+                    f"does not help (seeds this far apart, {spread} points, are as consistent with no effect as "
+                    "with the means above), the routing question (several experts, H3, was cut), and beyond one "
+                    "testbed (gcd), one expert (Qwen2.5-Coder-1.5B) and a 135M policy on a CPU."]
 
 
 def verdict_reading(rows):

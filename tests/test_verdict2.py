@@ -133,9 +133,33 @@ def test_the_verdicts_table_tests_each_seed_and_says_nothing_until_complete():
     ours[3] = items_record(15, shuffled=21)                     # one seed below single and below shuffled C
     rows = verdict_rows({"single": single, "ours_strong": ours})
     assert rows[0]["p_holm"] > 0.05 and verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "not shown"
-    del ours[5]
+    del ours[5]                 # 11 of 12, and a seed down in each test: 2 of 64 sign sets tie whatever seed 5 gives
+    rows = verdict_rows({"single": single, "ours_strong": ours})
+    assert verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "not shown (fixed after 11 of 12 runs)"
+    ours[3] = items_record(28, shuffled=21)                     # every seed up again: seed 5 could still pass both
     rows = verdict_rows({"single": single, "ours_strong": ours})
     assert verdict_outcome(rows, {"single": single, "ours_strong": ours}).startswith("incomplete: 11 of 12")
+
+
+def test_the_best_possible_p_bounds_every_completion_and_is_reached_by_large_ones():
+    """best_possible_p(observed, n): no values of the n - k missing differences give a smaller one-sided sign-flip p;
+    large positive ones reach it; with all n known it is the p itself. The archive's own case after 9 of 12 runs:
+    H1a +53, +13, +9, -22 and H2 +0, +0, +11, +0 over 6 seeds can reach no less than 5/64 and 8/64."""
+    import numpy as np
+
+    from support.lib.stats import sign_flip_p
+    from verdict2 import best_possible_p
+    assert best_possible_p([53, 13, 9, -22], 6) == 5 / 64 and best_possible_p([0, 0, 11, 0], 6) == 8 / 64
+    rng = np.random.default_rng(0)
+    for _ in range(300):
+        n = int(rng.integers(2, 8))
+        k = int(rng.integers(0, n + 1))
+        d = list(rng.integers(-30, 31, n).astype(float))
+        bound = best_possible_p(d[:k], n)
+        assert sign_flip_p(d, "greater") >= bound - 1e-12, (d, k)
+        assert sign_flip_p(d[:k] + [1e6] * (n - k), "greater") == pytest.approx(bound), (d, k)
+        if k == n:
+            assert bound == pytest.approx(sign_flip_p(d, "greater"))
 
 
 def test_a_claim_is_exclusive_and_a_dead_workers_claim_is_taken_over(tmp_path):
@@ -234,7 +258,8 @@ def test_the_readme_quotes_the_second_verdict_the_archive_gives():
     """README.md quotes results/verdict2/headline.md whole between its markers, and that file is what --analyse
     writes from the archived records. While the campaign is incomplete the file may only say that it runs, with a
     count no larger than the archive's (the campaign commits records between analyses; a partial table is no
-    claim); once all 12 runs are archived it must be exactly what the records give."""
+    claim); once all 12 runs are archived, or the outcome is fixed before (futility), it must be exactly what the
+    records give."""
     from verdict import load
     from verdict2 import RESULTS, quoted_headline, verdict_headline, verdict_plan, verdict_rows
     runs = load(os.path.join(RESULTS, "runs"))
@@ -242,8 +267,7 @@ def test_the_readme_quotes_the_second_verdict_the_archive_gives():
     with open(os.path.join(RESULTS, "headline.md")) as f:
         written = f.read().splitlines()
     done = sum(len(v) for v in runs.values())
-    if done < len(verdict_plan()):
-        assert written[0].startswith("**The second verdict is running**"), written
+    if done < len(verdict_plan()) and written[0].startswith("**The second verdict is running**"):
         count = int(written[0].split(": ")[-1].split(" of ")[0].split()[-1])
         assert count <= done and written == [lines[0].replace(f" {done} of ", f" {count} of "), *lines[1:]], written
     else:
@@ -270,6 +294,31 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     assert lines[2].startswith("- H2, `ours_strong` with its C − shuffled C: +10.0 points [")
     assert lines[2].endswith("6 / 0 seeds, Holm p = 0.0312"), lines[2]
     assert lines[3] == "" and lines[4].startswith("What it can say: RL shapes collaboration here: "), lines[3:]
+    del full["single"][5], full["ours_strong"][5]
+    full["single"][4] = items_record(60)                        # seed 4 down in H1a, and equal to shuffled C in H2
+    full["ours_strong"][4] = items_record(40, shuffled=40)
+    lines = verdict_headline(verdict_rows(full), full)
+    assert lines[0].startswith("**Second verdict: not shown, fixed after 10 of 12 runs** (pre-registered"), lines[0]
+    assert lines[1] == ("- H1a, `ours_strong` − `single`: +36.0 points over 5 seeds (+50, +50, +50, +50, -20); the "
+                        "best p 6 seeds can give: 2/64 = 0.0312, Holm 0.0625"), lines[1]
+    assert lines[2] == ("- H2, `ours_strong` with its C − shuffled C: +8.0 points over 5 seeds (+10, +10, +10, +10, "
+                        "+0); the best p 6 seeds can give: 2/64 = 0.0312, Holm 0.0625"), lines[2]
+    assert lines[3] == "" and lines[4].startswith("What it can say: the pre-registered tests cannot reach"), lines[4]
+
+
+def test_the_verdicts_table_gives_each_tests_best_possible_p_beside_its_p(tmp_path):
+    """The table's outcome line and, per test, the best p its 6 seeds can still give and their Holm p."""
+    from verdict2 import verdict_markdown
+    runs = {"single": {s: items_record(0) for s in range(4)},
+            "ours_strong": {s: items_record(d, shuffled=10) for s, d in enumerate((53, 13, 9))}}
+    runs["single"][3] = items_record(22)
+    runs["ours_strong"][3] = items_record(0, shuffled=0)   # H1a +53, +13, +9, -22; H2 +43, +3, -1, +0
+    md = verdict_markdown(runs, str(tmp_path))
+    assert "**not shown (fixed after 8 of 12 runs).**" in md, md
+    assert ("| H1a: `ours_strong` − single | 4 | +53, +13, +9, -22 | +13.2 ± 30.8 | – | 0.312 | 0.5 | "
+            "0.0781 (0.125) |") in md
+    assert ("| H2: `ours_strong` − shuffled C | 4 | +43, +3, -1, +0 | +11.3 ± 21.2 | – | 0.25 | 0.5 | "
+            "0.0625 (0.125) |") in md
 
 
 def test_the_verdicts_table_names_each_seeds_instruction_sets_and_the_mixed_pairs():
