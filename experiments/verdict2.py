@@ -10,7 +10,8 @@ the router's learning rate chosen by a pilot before the verdict is pre-registere
 
     # the verdict (amendment 2 of results/verdict2/preregistration.md), from a frozen clone at its commit: one pinned
     # worker per core takes the plan's unfinished runs (a stopped run resumes from its last step's checkpoint),
-    # each finished run's record is archived and committed in the main checkout; start it again after any stop
+    # each finished run's record is archived and committed in the main checkout; start it again after any stop;
+    # once the outcome is fixed (futility), a seed with no archived run is not started (not_needed)
     python experiments/verdict2.py --verdict --cores 0 --out /work/runs/verdict2-campaign \
         --records /work/main/results/verdict2/runs --commit-into /work/main
     python experiments/verdict2.py --verdict --status --out ... --records ...   # archived, running, left
@@ -31,6 +32,7 @@ embedding, standardised states at depth 1.0, 100 validation items scored with C,
 shuffled C (evaluate.py --paired).
 """
 import argparse
+import contextlib
 import fcntl
 import itertools
 import json
@@ -469,11 +471,24 @@ def commit_record(repo, records, name):
     return False
 
 
+def not_needed(records):
+    """The plan's runs the outcome no longer needs: once it is fixed before every run is in (futility), each run of
+    a seed none of whose runs is archived (a seed with one arm archived is finished, to give that arm its pair).
+    Not a pre-registered rule: adopted on 2026-11-28 after 9 of 12 runs, when the outcome became fixed
+    (results/verdict2/README.md)."""
+    runs = load(records)
+    if not verdict_outcome(verdict_rows(runs), runs).startswith("not shown (fixed"):
+        return set()
+    seeds = {seed for arm in runs.values() for seed in arm}
+    return {name for name, _ in verdict_plan() if int(name.rsplit("-s", 1)[1]) not in seeds}
+
+
 def worker(a, records):
-    """Run the plan's unfinished runs one after another until none is left that no other worker holds."""
+    """Run the plan's unfinished runs one after another until none is left that no other worker holds (or that
+    the outcome still needs: not_needed)."""
     log = os.path.join(a.out, f"log-core{a.core}.txt")
     for name, flags in verdict_plan():
-        if finished(records, name) or not claim(a.out, name):
+        if finished(records, name) or name in not_needed(records) or not claim(a.out, name):
             continue
         try:
             run_once(os.path.join(a.out, name), [*flags, "--expert-cache", os.path.join(a.out, "expert-states")],
@@ -531,14 +546,18 @@ def campaign(a, records):
 
 
 def status(records, out):
-    """Which runs of the plan are archived, in progress (claimed by a live process) or left."""
-    done, running, left = [], [], []
+    """Which runs of the plan are archived, in progress (claimed by a live process), left or not needed."""
+    done, running, left, unneeded = [], [], [], []
+    skip = not_needed(records)
     for name, _ in verdict_plan():
         path = os.path.join(out, name + ".claim")
-        pid = int(open(path).read().strip() or 0) if os.path.exists(path) else 0
-        (done if finished(records, name) else running if pid and alive(pid) else left).append(name)
-    lines = [f"verdict2: {len(done)} of {len(done) + len(running) + len(left)} runs archived; in progress: "
-             f"{', '.join(running) or 'none'}; left: {', '.join(left) or 'none'}"]
+        with open(path) if os.path.exists(path) else contextlib.nullcontext(None) as f:
+            pid = int(f.read().strip() or 0) if f else 0
+        (done if finished(records, name) else running if pid and alive(pid) else unneeded if name in skip
+         else left).append(name)
+    lines = [f"verdict2: {len(done)} of {len(verdict_plan())} runs archived; in progress: "
+             f"{', '.join(running) or 'none'}; left: {', '.join(left) or 'none'}"
+             + (f"; not needed (the outcome is fixed, futility): {', '.join(unneeded)}" if unneeded else "")]
     for name in running + left:
         progress = run_progress(os.path.join(out, name), "" if name in running else " (stopped: resumes there)")
         lines += [f"  {name}: {progress}"] if progress else []

@@ -2,6 +2,7 @@
 pilot's table reads exact solve rates (score == 1), C − shuffled C and C's drift from the archived records."""
 import os
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -216,15 +217,13 @@ def test_the_worker_runs_what_is_unfinished_and_commits_each_record(tmp_path, mo
     git("add", "other.txt")
     plan = verdict2.verdict_plan()
     for name, _ in plan[:3]:                                    # three runs archived before the stop
-        (records / name).mkdir()
-        (records / name / ("eval_paired.json" if name.startswith("ours") else "eval.json")).write_text("{}")
+        write_record(records, name, items_record(50, shuffled=40) if name.startswith("ours") else items_record(0))
     ran = []
 
     def fake_run_once(out, flags, n_eval, has_context, log, into):
         ran.append(os.path.basename(out))
-        os.makedirs(os.path.join(into, os.path.basename(out)), exist_ok=True)
-        name = "eval_paired.json" if has_context else "eval.json"
-        open(os.path.join(into, os.path.basename(out), name), "w").write("{}")
+        write_record(Path(into), os.path.basename(out), items_record(50, shuffled=40) if has_context
+                     else items_record(0))   # every seed up: the outcome stays open, every run is needed
     monkeypatch.setattr(verdict2, "run_once", fake_run_once)
     monkeypatch.setenv("GIT_AUTHOR_NAME", "t"), monkeypatch.setenv("GIT_AUTHOR_EMAIL", "t@t")
     monkeypatch.setenv("GIT_COMMITTER_NAME", "t"), monkeypatch.setenv("GIT_COMMITTER_EMAIL", "t@t")
@@ -391,6 +390,43 @@ def test_status_says_each_started_runs_step_and_the_hours_its_steps_have_left(tm
                         f"~{(VERDICT_STEPS - 30) * 30 / 3600:.1f} h of steps left"), lines[1]
     assert lines[2].startswith(f"  {b}: step 10 of {VERDICT_STEPS} (stopped: resumes there), 20 s a step"), lines[2]
     assert len(lines) == 3  # the runs not started say nothing more
+
+
+def write_record(records, name, rec):
+    """An archived run's record on disk, as run_once leaves it: its evaluation, config and metrics."""
+    import json
+    d = records / name
+    d.mkdir(parents=True)
+    (d / ("eval_paired.json" if name.startswith("ours") else "eval.json")).write_text(json.dumps(rec["eval"]))
+    (d / "config.json").write_text("{}")
+    (d / "metrics.jsonl").write_text("".join(json.dumps(m) + "\n" for m in rec["metrics"]))
+
+
+def test_once_the_outcome_is_fixed_a_seed_with_no_archived_run_is_not_started(tmp_path, monkeypatch):
+    """Seeds 0-3 fix the outcome (H1a +50, +50, +50, -20: no completion gets below 2/64 each way, Holm 0.0625).
+    Seed 4's `single` is archived, so its `ours_strong` is still run, to give it its pair; seed 5 has no run and is
+    not started: the worker skips it and --status says why. While the outcome is open, every run is needed."""
+    from types import SimpleNamespace
+    import verdict2
+    records, out = tmp_path / "records", tmp_path / "runs"
+    out.mkdir()
+    for seed, (ours, single, shuffled) in enumerate(((50, 0, 40), (50, 0, 40), (50, 0, 40), (40, 60, 40))):
+        write_record(records, f"single-s{seed}", items_record(single))
+        write_record(records, f"ours_strong-s{seed}", items_record(ours, shuffled=shuffled))
+    write_record(records, "single-s4", items_record(30))
+    assert verdict2.not_needed(str(records)) == {"single-s5", "ours_strong-s5"}
+    ran = []
+    monkeypatch.setattr(verdict2, "run_once", lambda out, *a: ran.append(os.path.basename(out)))
+    verdict2.worker(SimpleNamespace(out=str(out), core=0, n_eval=100, commit_into=None), str(records))
+    assert ran == ["ours_strong-s4"], ran
+    lines = verdict2.status(str(records), str(out)).splitlines()
+    assert lines[0] == ("verdict2: 9 of 12 runs archived; in progress: none; left: ours_strong-s4; not needed (the "
+                        "outcome is fixed, futility): single-s5, ours_strong-s5"), lines[0]
+    open_records = tmp_path / "open"
+    for seed in range(4):                                       # every seed up: seeds 4 and 5 could still pass it
+        write_record(open_records, f"single-s{seed}", items_record(0))
+        write_record(open_records, f"ours_strong-s{seed}", items_record(50, shuffled=40))
+    assert verdict2.not_needed(str(open_records)) == set()
 
 
 def test_a_worker_started_by_hand_unpinned_or_on_many_threads_is_refused(monkeypatch):
