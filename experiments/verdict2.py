@@ -292,7 +292,7 @@ def verdict_headline(rows, runs):
                 "is no claim.", f"Until all {total} are in, that RL shapes collaboration here is **not shown**."]
     what = {"H1a": "`ours_strong` − `single`", "H2": "`ours_strong` with its C − shuffled C"}
     if outcome.startswith("not shown (fixed"):
-        return fixed_headline(rows, done, total, design, what)
+        return fixed_headline(rows, runs, done, total, design, what)
     L = [f"**Second verdict: {outcome}** ({design}; {done} of {total} runs; 95 % intervals over seeds)."]
     for r in rows:
         d = list(r["per_seed"].values())
@@ -302,7 +302,7 @@ def verdict_headline(rows, runs):
     return L + ["", verdict_reading(rows)]  # the blank line ends the list
 
 
-def fixed_headline(rows, done, total, design, what):
+def fixed_headline(rows, runs, done, total, design, what):
     """The headline once the outcome is fixed before every run is in (futility): the outcome, each test's mean over
     the seeds run with every seed's value, and the best p its 6 seeds could still give, then what that can say."""
     n, fut = 2 ** len(VERDICT_SEEDS), futility(rows)
@@ -319,7 +319,18 @@ def fixed_headline(rows, done, total, design, what):
                     "not needed for the outcome; the means are descriptive. What it cannot: that the expert's C "
                     f"does not help (seeds this far apart, {spread} points, are as consistent with no effect as "
                     "with the means above), the routing question (several experts, H3, was cut), and beyond one "
-                    "testbed (gcd), one expert (Qwen2.5-Coder-1.5B) and a 135M policy on a CPU."]
+                    "testbed (gcd), one expert (Qwen2.5-Coder-1.5B) and a 135M policy on a CPU. " + c_unused(runs)]
+
+
+def c_unused(runs, arm="ours_strong"):
+    """A sentence: in how many of the arm's seeds every item scored the same with its C, with C = the anchor and with
+    shuffled C (the greedy answers' scores, item by item): there the trained policy's score is the same whichever C,
+    so its difference from `single` is not the expert's information reaching the answer."""
+    seeds = [s for s, rec in runs.get(arm, {}).items() if item_exact(rec, "shuffled_C") is not None]
+    same = [s for s in seeds if item_exact(runs[arm][s]) == item_exact(runs[arm][s], "zero_C")
+            == item_exact(runs[arm][s], "shuffled_C")]
+    return (f"In {len(same)} of {len(seeds)} seeds `{arm}` scored every item the same with its C, with the anchor "
+            "and with another item's C: there its difference from `single` does not pass through C at evaluation.")
 
 
 def verdict_reading(rows):

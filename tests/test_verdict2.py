@@ -111,13 +111,13 @@ def test_the_verdicts_arms_parse_with_the_power_and_slot_of_amendment_2():
             assert args.router_lr * args.steps >= 3e-4 * 300 and args.experts == "pocket:qwen2.5-coder-1.5b-instruct"
 
 
-def items_record(with_c, shuffled=None, n=100):
-    """A run's record whose per-item exact scores give `with_c` (and `shuffled`) right answers of n."""
+def items_record(with_c, shuffled=None, n=100, anchor=0):
+    """A run's record whose per-item exact scores give `with_c` (and `shuffled`, `anchor`) right answers of n."""
     def scores(k):
         return {"score": [1.0] * k + [0.5] * (n - k), "gold_logprob": [-1.0] * n}  # 0.5: partial credit, not exact
     per_item = {"with_C": scores(with_c)}
     if shuffled is not None:
-        per_item.update(zero_C=scores(0), shuffled_C=scores(shuffled))
+        per_item.update(zero_C=scores(anchor), shuffled_C=scores(shuffled))
     return {"eval": {"per_item": per_item, "score": 0.0, "solve_rate": with_c / n}, "metrics": [
         {"step": 1, "reward": 0.1, "zero_std_fraction": 0.5}], "cfg": {}}
 
@@ -295,7 +295,7 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     assert lines[3] == "" and lines[4].startswith("What it can say: RL shapes collaboration here: "), lines[3:]
     del full["single"][5], full["ours_strong"][5]
     full["single"][4] = items_record(60)                        # seed 4 down in H1a, and equal to shuffled C in H2
-    full["ours_strong"][4] = items_record(40, shuffled=40)
+    full["ours_strong"][4] = items_record(40, shuffled=40, anchor=40)   # every item the same, whatever C is
     lines = verdict_headline(verdict_rows(full), full)
     assert lines[0].startswith("**Second verdict: not shown, fixed after 10 of 12 runs** (pre-registered"), lines[0]
     assert lines[1] == ("- H1a, `ours_strong` − `single`: +36.0 points over 5 seeds (+50, +50, +50, +50, -20); the "
@@ -303,6 +303,9 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     assert lines[2] == ("- H2, `ours_strong` with its C − shuffled C: +8.0 points over 5 seeds (+10, +10, +10, +10, "
                         "+0); the best p 6 seeds can give: 2/64 = 0.0312, Holm 0.0625"), lines[2]
     assert lines[3] == "" and lines[4].startswith("What it can say: the pre-registered tests cannot reach"), lines[4]
+    assert lines[4].endswith(" In 1 of 5 seeds `ours_strong` scored every item the same with its C, with the anchor "
+                             "and with another item's C: there its difference from `single` does not pass through "
+                             "C at evaluation."), lines[4]
 
 
 def test_the_verdicts_table_gives_each_tests_best_possible_p_beside_its_p(tmp_path):
