@@ -243,7 +243,7 @@ def verdict_outcome(rows, runs):
     total = len(verdict_plan())
     if done < total or any(len(r["per_seed"]) < len(VERDICT_SEEDS) for r in rows):
         if any(q >= 0.05 for _, q in futility(rows).values()):
-            return f"not shown (fixed after {done} of {total} runs)"
+            return f"not shown (fixed with {done} of {total} runs in)"
         return f"incomplete: {done} of {total} runs archived"
     return "shown" if all(r["p_holm"] < 0.05 for r in rows) else "not shown"
 
@@ -306,7 +306,7 @@ def fixed_headline(rows, runs, done, total, design, what):
     """The headline once the outcome is fixed before every run is in (futility): the outcome, each test's mean over
     the seeds run with every seed's value, and the best p its 6 seeds could still give, then what that can say."""
     n, fut = 2 ** len(VERDICT_SEEDS), futility(rows)
-    L = [f"**Second verdict: not shown, fixed after {done} of {total} runs** ({design}): whatever the runs left "
+    L = [f"**Second verdict: not shown, fixed with {done} of {total} runs in** ({design}): whatever the runs left "
          "give, the family cannot pass."]
     for r in rows:
         d = list(r["per_seed"].values())

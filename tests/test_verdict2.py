@@ -136,7 +136,7 @@ def test_the_verdicts_table_tests_each_seed_and_says_nothing_until_complete():
     assert rows[0]["p_holm"] > 0.05 and verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "not shown"
     del ours[5]                 # 11 of 12, and a seed down in each test: 2 of 64 sign sets tie whatever seed 5 gives
     rows = verdict_rows({"single": single, "ours_strong": ours})
-    assert verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "not shown (fixed after 11 of 12 runs)"
+    assert verdict_outcome(rows, {"single": single, "ours_strong": ours}) == "not shown (fixed with 11 of 12 runs in)"
     ours[3] = items_record(28, shuffled=21)                     # every seed up again: seed 5 could still pass both
     rows = verdict_rows({"single": single, "ours_strong": ours})
     assert verdict_outcome(rows, {"single": single, "ours_strong": ours}).startswith("incomplete: 11 of 12")
@@ -297,7 +297,7 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
     full["single"][4] = items_record(60)                        # seed 4 down in H1a, and equal to shuffled C in H2
     full["ours_strong"][4] = items_record(40, shuffled=40, anchor=40)   # every item the same, whatever C is
     lines = verdict_headline(verdict_rows(full), full)
-    assert lines[0].startswith("**Second verdict: not shown, fixed after 10 of 12 runs** (pre-registered"), lines[0]
+    assert lines[0].startswith("**Second verdict: not shown, fixed with 10 of 12 runs in** (pre-registered"), lines[0]
     assert lines[1] == ("- H1a, `ours_strong` − `single`: +36.0 points over 5 seeds (+50, +50, +50, +50, -20); the "
                         "best p 6 seeds can give: 2/64 = 0.0312, Holm 0.0625"), lines[1]
     assert lines[2] == ("- H2, `ours_strong` with its C − shuffled C: +8.0 points over 5 seeds (+10, +10, +10, +10, "
@@ -316,7 +316,7 @@ def test_the_verdicts_table_gives_each_tests_best_possible_p_beside_its_p(tmp_pa
     runs["single"][3] = items_record(22)
     runs["ours_strong"][3] = items_record(0, shuffled=0)   # H1a +53, +13, +9, -22; H2 +43, +3, -1, +0
     md = verdict_markdown(runs, str(tmp_path))
-    assert "**not shown (fixed after 8 of 12 runs).**" in md, md
+    assert "**not shown (fixed with 8 of 12 runs in).**" in md, md
     assert ("| H1a: `ours_strong` − single | 4 | +53, +13, +9, -22 | +13.2 ± 30.8 | – | 0.312 | 0.5 | "
             "0.0781 (0.125) |") in md
     assert ("| H2: `ours_strong` − shuffled C | 4 | +43, +3, -1, +0 | +11.3 ± 21.2 | – | 0.25 | 0.5 | "
