@@ -32,7 +32,6 @@ embedding, standardised states at depth 1.0, 100 validation items scored with C,
 shuffled C (evaluate.py --paired).
 """
 import argparse
-import contextlib
 import fcntl
 import itertools
 import json
@@ -439,13 +438,7 @@ def claim(out, name):
     lock_fd = os.open(os.path.join(out, ".claims.lock"), os.O_CREAT | os.O_WRONLY | os.O_NOFOLLOW, 0o644)
     with os.fdopen(lock_fd, "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
-        try:
-            with open(path) as f:
-                pid = int(f.read().strip() or 0)
-        except FileNotFoundError:
-            pid = None
-        except (OSError, ValueError):
-            pid = 0
+        pid = claim_pid(path)
         if pid is not None:
             if pid and alive(pid):
                 return False
@@ -454,6 +447,17 @@ def claim(out, name):
         with os.fdopen(fd, "w") as f:
             f.write(str(os.getpid()))
         return True
+
+
+def claim_pid(path):
+    """The pid a claim file holds: None without the file, 0 when it cannot be read as one."""
+    try:
+        with open(path) as f:
+            return int(f.read().strip() or 0)
+    except FileNotFoundError:
+        return None
+    except (OSError, ValueError):
+        return 0
 
 
 def alive(pid):
@@ -561,9 +565,7 @@ def status(records, out):
     done, running, left, unneeded = [], [], [], []
     skip = not_needed(records)
     for name, _ in verdict_plan():
-        path = os.path.join(out, name + ".claim")
-        with open(path) if os.path.exists(path) else contextlib.nullcontext(None) as f:
-            pid = int(f.read().strip() or 0) if f else 0
+        pid = claim_pid(os.path.join(out, name + ".claim"))
         (done if finished(records, name) else running if pid and alive(pid) else unneeded if name in skip
          else left).append(name)
     lines = [f"verdict2: {len(done)} of {len(verdict_plan())} runs archived; in progress: "
