@@ -470,14 +470,14 @@ def alive(pid):
     return True
 
 
-def commit_record(repo, records, name):
+def commit_record(repo, records, name, label="verdict2"):
     """git add + commit of one run's record in `repo` (the main checkout, not the frozen clone), only those paths;
     a failure (a busy index, no repo) is printed and left for the next run's commit, which adds the whole folder."""
     rel = os.path.relpath(records, repo)
     for attempt in range(5):
         add = subprocess.run(["git", "add", "--", rel], cwd=repo, capture_output=True, text=True)
         done = add.returncode == 0 and subprocess.run(
-            ["git", "commit", "-q", "-m", f"verdict2: record of {name} (experiments/verdict2.py --verdict)", "--",
+            ["git", "commit", "-q", "-m", f"{label}: record of {name} (experiments/{label}.py)", "--",
              rel], cwd=repo, capture_output=True, text=True).returncode == 0
         if done:
             return True
