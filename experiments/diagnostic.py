@@ -237,15 +237,12 @@ def starvation(mine):
 def third_seed_arms(records):
     """Arms whose two seeds disagree on any prediction (both measured), while the core-hours spent and one more run
     at the arm's measured cost stay within BUDGET_HOURS."""
+    if not all(finished(records, f"{arm}-s{seed}") for arm in arms() for seed in SEEDS):
+        return []  # decided only once every first-round run is in
     picked, spent = [], spent_hours(records)
     for arm in arms():
-        verdicts = []
-        for seed in SEEDS:
-            d = os.path.join(records, f"{arm}-s{seed}")
-            if not finished(records, f"{arm}-s{seed}"):
-                return picked  # decided only once every first-round run is in
-            mine, twin = measures(load_run(d)), twin_measures(seed)
-            verdicts.append(predictions(arm, mine, twin))
+        verdicts = [predictions(arm, measures(load_run(os.path.join(records, f"{arm}-s{seed}"))), twin_measures(seed))
+                    for seed in SEEDS]
         if verdicts[0] != verdicts[1]:
             cost = max(run_hours(os.path.join(records, f"{arm}-s{s}")) for s in SEEDS)
             if spent + cost <= BUDGET_HOURS:
@@ -279,8 +276,8 @@ def table(records):
          "signal: completions in groups that carried a learning signal; C − shuffled / C − anchor: exact solve "
          "rate with its C minus with another item's C / with the anchor, points on the same 100 items (gold "
          "log-prob difference in nats in brackets).", "",
-         "| run | steps | flat 1–25 → 200–300 | g_phi 1–25 → 200–300 | signal | exact with C 100 / 200 / 300 | "
-         "C − shuffled 100 / 200 / 300 | C − anchor 100 / 200 / 300 | C rms / token |", "|---" * 9 + "|"]
+         "| run | steps | flat 1–25 → 200–300 | g_phi 1–25 → 200–300 | signal | "
+         "exact with C 100 / 200 / 300 | C − shuffled 100 / 200 / 300 | C − anchor 100 / 200 / 300 | C rms / token |", "|---" * 9 + "|"]
     names = sorted(n for n in os.listdir(records)) if os.path.isdir(records) else []
     rows = [(n, measures(load_run(os.path.join(records, n)))) for n in names]
     seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in names})

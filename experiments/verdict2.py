@@ -329,7 +329,8 @@ def c_unused(runs, arm="ours_strong"):
     same = [s for s in seeds if item_exact(runs[arm][s]) == item_exact(runs[arm][s], "zero_C")
             == item_exact(runs[arm][s], "shuffled_C")]
     return (f"In {len(same)} of {len(seeds)} seeds `{arm}` scored every item the same with its C, with the anchor "
-            "and with another item's C: there its difference from `single` does not pass through C at evaluation.")
+            "and with another item's C (a reading chosen after the data were in): there its difference from `single` does "
+            "not pass through C at evaluation.")
 
 
 def verdict_reading(rows):

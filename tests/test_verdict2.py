@@ -304,8 +304,8 @@ def test_the_second_verdicts_headline_says_nothing_until_complete_then_each_test
                         "+0); the best p 6 seeds can give: 2/64 = 0.0312, Holm 0.0625"), lines[2]
     assert lines[3] == "" and lines[4].startswith("What it can say: the pre-registered tests cannot reach"), lines[4]
     assert lines[4].endswith(" In 1 of 5 seeds `ours_strong` scored every item the same with its C, with the anchor "
-                             "and with another item's C: there its difference from `single` does not pass through "
-                             "C at evaluation."), lines[4]
+                             "and with another item's C (a reading chosen after the data were in): there its "
+                             "difference from `single` does not pass through C at evaluation."), lines[4]
 
 
 def test_the_verdicts_table_gives_each_tests_best_possible_p_beside_its_p(tmp_path):
@@ -444,3 +444,36 @@ def test_a_worker_started_by_hand_unpinned_or_on_many_threads_is_refused(monkeyp
     assert "OMP_NUM_THREADS=None" in worker_problem(1)
     monkeypatch.setenv("OMP_NUM_THREADS", "1")
     assert worker_problem(1) is None and worker_problem(0) is not None
+
+
+def test_the_verdicts_prose_is_what_its_records_give():
+    """Each figure results/verdict2/README.md states beyond table.md, recomputed from the archived records
+    (experiments/verdict2_facts.py). Its story: the page said "fixed after 9 of 12 runs" (H2 alone was fixed after
+    4), "single-s0 wrote an answer in every completion until step ~290" (0.31 at step 211), "read C in 1 seed of 5"
+    (C moved the gold log-prob against the anchor in 3 more) and gave cost ranges with the pauses counted."""
+    import verdict2_facts as facts
+    runs = facts.load(facts.RECORDS)
+    text = " ".join(open(os.path.join(ROOT, "results", "verdict2", "README.md")).read().split())
+    assert facts.first_record_fixing("H2", runs) == 4 and facts.first_record_fixing("H1a", runs) == 9
+    assert facts.best_p_after(4, runs)["H2"] == 4 / 64
+    assert facts.best_p_after(9, runs) == {"H1a": 5 / 64, "H2": 8 / 64}
+    assert "H2 alone could not pass from the 4th record on" in text
+    assert "after the 9th (ours_strong-s3) neither" in text
+    c = facts.collapse_facts(runs)
+    assert (c["spike_step"], round(c["spike_kl"], 1), c["low_steps"], c["below_one_21_289"], c["zero_from"]) == \
+        (207, 44.8, [210, 211, 212], 13, 292)
+    assert "below 1 at 13 of steps 21–289 and fell to 0.31–0.38 at steps 210–212" in text
+    assert f"{c['low_rates'][0]:.2f}–{c['low_rates'][1]:.2f}" == "0.31–0.38"
+    assert "a KL spike of 44.8 (step 207)" in text
+    assert c["s1_low_steps"] == [122, 123, 124, 125, 126, 127]
+    assert "(answer rate 0.00–0.28 at steps 122–127)" in text
+    anchor = facts.c_against(runs)
+    moved = [s for s in (0, 1, 3, 4) if anchor[s][1] < 1e-4]
+    assert moved == [0, 3, 4] and [round(anchor[s][0], 2) for s in moved] == [-0.19, -0.19, 0.67]
+    assert "(−0.19, −0.19, +0.67 nats; sign test over items p = 3e-10, 5e-13, 3e-5; seed 1: +0.77, p 0.37)" in text
+    assert [round(anchor[s][2], 2) for s in (0, 1, 3, 4)] == [0.27, 1.0, 1.0, 0.92]
+    hours = facts.arm_hours()
+    assert [round(x, 2) for x in hours["single"][:2]] == [1.12, 2.55]
+    assert [round(x, 2) for x in hours["ours_strong"][:2]] == [1.41, 3.63]
+    assert round(hours["ours_strong"][2], 1) == 4.8
+    assert "single 1.12–2.55 h a run, ours_strong 1.41–3.63 h; 4.8 h for ours_strong-s3" in text

@@ -1,0 +1,90 @@
+"""experiments/diagnostic.py: each arm is its verdict twin with one flag changed, and the pre-registered measures and
+predictions read synthetic records as results/diagnostic/preregistration.md says."""
+import json
+import os
+import sys
+
+import pytest
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "experiments"))
+import diagnostic  # noqa: E402
+
+from support.harness.checks import parse_args  # noqa: E402
+
+TWIN = os.path.join(ROOT, "results", "verdict2", "runs", "ours_strong-s0", "config.json")
+RUN_ONLY = {"out", "resume", "expert_cache", "team_models", "device_used", "processes", "steps"}
+
+
+@pytest.mark.parametrize("arm, changed", [("paper_lr", {"lr": 1e-4}), ("frozen_policy", {"freeze_policy": True})])
+def test_each_arm_is_its_twin_with_one_flag_changed(arm, changed):
+    with open(TWIN) as f:
+        twin = json.load(f)
+    mine = vars(parse_args([*diagnostic.flags(arm, 0, 100), "--out", "/tmp/unused"]))
+    differ = {k: mine[k] for k in twin if k not in RUN_ONLY and mine.get(k) != twin[k]}
+    assert differ == changed and mine["steps"] == 100
+
+
+def record(flat, g, shuffled, anchor=0.0, steps=300):
+    """A run folder's content: `steps` metric lines with constant flat fraction and g_phi gradient, and paired
+    evaluations at 100/200/300 with C − shuffled C = shuffled[k] points (exact)."""
+    metrics = [{"step": i + 1, "zero_std_fraction": flat, "grad_norm_g_phi": g, "trained_group_fraction": 1 - flat,
+                "answer_rate": 1.0, "c_rms": 1.0, "embed_rms": 1.0} for i in range(steps)]
+    evals = {}
+    for s, d in zip(diagnostic.CHECKPOINTS, shuffled):
+        cond = {"with_C": {"solve_rate": 0.4 + d / 100, "gold_logprob": -1.0},
+                "shuffled_C": {"solve_rate": 0.4, "gold_logprob": -1.5},
+                "zero_C": {"solve_rate": 0.4 + (d - anchor) / 100, "gold_logprob": -1.2}}
+        evals[s] = {"step": s, "conditions": cond}
+    return {"metrics": metrics, "eval": evals, "timing": {}}
+
+
+def test_measures_read_the_windows_and_the_checkpoints():
+    m = diagnostic.measures(record(0.5, 0.2, (1, 3, 6), anchor=2))
+    assert m["flat_early"] == m["flat_late"] == 0.5 and m["g_late"] == pytest.approx(0.2)
+    assert m["signal"] == round(300 * 0.5 * 32)
+    assert [round(m[f"shuffled_{s}"]) for s in (100, 200, 300)] == [1, 3, 6] and round(m["anchor_300"]) == 2
+    assert m["shuffled_gold_300"] == pytest.approx(0.5)
+
+
+def test_the_predictions_in_the_preregistrations_words():
+    twin = diagnostic.measures(record(0.96, 0.007, (0, 0, 0)))
+    explored = diagnostic.predictions("paper_lr", diagnostic.measures(record(0.6, 0.2, (1, 2, 5))), twin)
+    assert all(explored.values()) and len(explored) == 4
+    collapsed = diagnostic.predictions("paper_lr", diagnostic.measures(record(0.98, 0.001, (0, 0, 0))), twin)
+    assert not any(collapsed.values())
+    frozen = diagnostic.measures(record(0.95, 0.05, (0, 0, -1)))
+    assert diagnostic.starvation(frozen) is True
+    assert diagnostic.predictions("frozen_policy", frozen, twin) == {
+        "flat fraction of first draws, steps 200-300, <= 0.70": False,
+        "g_phi gradient median, steps 200-300, >= 0.1": False, "C - shuffled at step 300 > 0": False}
+    early = diagnostic.measures(record(0.5, 0.3, (1, 0, 0), steps=150))   # before step 200: not yet measurable
+    assert diagnostic.predictions("paper_lr", early, twin)["flat fraction of first draws, steps 200-300, <= 0.70"] \
+        is None
+
+
+def write(folder, rec, hours):
+    os.makedirs(folder)
+    with open(os.path.join(folder, "metrics.jsonl"), "w") as f:
+        f.writelines(json.dumps(m) + "\n" for m in rec["metrics"])
+    for s, e in rec["eval"].items():
+        with open(os.path.join(folder, f"eval_paired-{s}.json"), "w") as f:
+            json.dump(e, f)
+    with open(os.path.join(folder, "timing.json"), "w") as f:
+        json.dump({"train_seconds": hours * 3600}, f)
+
+
+def test_a_third_seed_goes_to_an_arm_whose_seeds_disagree_within_the_budget(tmp_path):
+    records = str(tmp_path)
+    assert diagnostic.plan(records)[-1][0] == "frozen_policy-s1" and len(diagnostic.plan(records)) == 4
+    write(os.path.join(records, "paper_lr-s0"), record(0.6, 0.2, (1, 2, 5)), 2.0)
+    write(os.path.join(records, "paper_lr-s1"), record(0.98, 0.001, (0, 0, 0)), 2.0)
+    write(os.path.join(records, "frozen_policy-s0"), record(0.6, 0.2, (1, 2, 5)), 2.0)
+    assert diagnostic.third_seed_arms(records) == []              # decided only once all four are in
+    write(os.path.join(records, "frozen_policy-s1"), record(0.6, 0.2, (1, 2, 5)), 2.0)
+    assert diagnostic.third_seed_arms(records) == ["paper_lr"]    # P's seeds disagree, F's agree
+    assert [n for n, _, _ in diagnostic.plan(records)][-1] == "paper_lr-s2"
+    costly = str(tmp_path / "costly")                            # the same runs at 3.5 h each: 14 h spent already
+    for name in ("paper_lr-s0", "paper_lr-s1", "frozen_policy-s0", "frozen_policy-s1"):
+        write(os.path.join(costly, name), diagnostic.load_run(os.path.join(records, name)), 3.5)
+    assert diagnostic.third_seed_arms(costly) == []
