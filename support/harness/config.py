@@ -149,8 +149,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--system-prompt", default="DeepSeekZero", choices=rewards.SYSTEM_PROMPT_NAMES,
       help="reasoning-gym system prompt")
     a("--team", default="default", choices=sorted(TEAMS), help="expert team (experts.py TEAMS)")
-    a("--method", default=list(methods)[0], choices=sorted(methods),
-      help="how experts reach the policy (baselines.py)")
+    # the choices are in the help text, which argparse wraps, not inline: a fork's long name stays in 100 columns
+    a("--method", default=list(methods)[0], choices=sorted(methods), metavar="NAME",
+      help=f"how experts reach the policy (default: {list(methods)[0]}): {', '.join(sorted(methods))} (baselines.py)")
     a("--policy", default=None, help="policy model: hub id, local folder or .gguf (default: the team's)")
     a("--experts", default=None, help="comma-separated expert models, overriding the team's")
     a("--steps", type=COUNT, default=None, help="optimiser steps (default 500; 233 for gsm8k: one epoch)")
