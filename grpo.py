@@ -8,7 +8,7 @@ out. Per prompt, G completions o_1..o_G with rewards r_1..r_G; for completion i 
     KL_it  = exp(logp_ref - logp) - (logp_ref - logp) - 1            k3, >= 0; pi_ref = the initial policy with
                                                                      zero context tokens (paper section 4.1)
     L      = -1/G sum_i 1/|o_i| sum_t (S_it - beta KL_it)            grpo_loss, aggregation "sequence"
-    L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta KL_it)        aggregation "token" (DAPO)
+    L      = -1/(sum_i |o_i|) sum_i sum_t (S_it - beta KL_it)        aggregation "token" (DAPO), per micro-batch
 
 beta = 0.04, eps_clip = 0.2, mu = 1 inner epoch (the caller passes logp_old = logp.detach(): the ratio is exactly 1,
 the clip never fires and the loss is about 0 while its gradient A * grad(logp) is not). logp = token_logprobs:
@@ -19,7 +19,10 @@ Deviations and choices the paper leaves open (each derived beside the function i
 1. Eq. 4 weights the KL by beta^-1 but calls beta = 0.04 "the KL coefficient": we weight it by beta (25 x KL would
    swamp rewards in [0, 1]).
 2. Eq. 4's KL is a sequence log-ratio; we estimate it per token with k3 (unbiased, non-negative, lower variance).
-3. The loss aggregation is not named: "sequence" (GRPO's) by default, "token" offered.
+3. The loss aggregation is not named: "sequence" (GRPO's) by default, "token" offered. Both sums run over one
+   micro-batch and train.py averages the --grad-accum micro-batches' losses. For "sequence" that is the mean over
+   the step's completions (every micro-batch holds B*G); "token" is a token mean per micro-batch, not DAPO's one
+   mean over the step's tokens: a token of a micro-batch with fewer tokens weighs more (tests/test_train.py).
 4. Empty completions and flat groups are handled exactly (grpo_loss, group_advantages).
 5. Off by default, not the paper's: truncated_is_weights (--tis-cap), channel_forcing_loss (--channel-weight),
    DAPO's dynamic sampling with every group's KL kept (signal_scale, --dynamic-sampling).

@@ -104,3 +104,39 @@ def test_cli_smoke_run(tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoint.pt"))
     assert os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
     assert "step 3/3" in res.stdout + res.stderr
+
+
+def test_token_aggregation_normalises_per_micro_batch_as_documented(tmp_path, monkeypatch):
+    """--loss-aggregation token is DAPO's token mean over one micro-batch, not over the step: train.py
+    backpropagates each micro-batch's grpo_loss / --grad-accum, so the step's loss is
+        L = 1/M sum_m 1/U_m sum_{i, t in m} l_it,    l_it = -(S_it - beta KL_it), U_m: micro-batch m's tokens
+    and a token of a micro-batch with fewer tokens weighs more than under one mean over the step's tokens.
+    Before, grpo.py's docstring and the flag's help did not say so (a fork summing the step's tokens instead
+    would also have to rescale grpo.signal_scale under --dynamic-sampling)."""
+    import grpo
+    import train
+    from support.harness.config import build_parser
+    help_of = {a.dest: a.help for a in build_parser()._actions}
+    assert "per micro-batch" in grpo.__doc__ and "per micro-batch" in help_of["loss_aggregation"]
+    args = train.parse_args(TINY + ["--batch-size", "2", "--grad-accum", "2", "--group-size", "4", "--beta", "0.5",
+                                    "--max-new-tokens", "6", "--loss-aggregation", "token", "--latent-dim", "32",
+                                    "--num-heads", "4", "--num-latents", "4", "--out", str(tmp_path / "run")])
+    run = train.build_run(args, torch.device("cpu"))
+    V = run.policy.get_output_embeddings().weight.shape[0]
+    run.eos_ids = sorted(set(run.eos_ids) | set(range(0, V, 4)))  # a quarter of the tokens end a completion: uneven
+    inputs, backwards = [], []
+    loss_of, backward = grpo.grpo_loss, torch.Tensor.backward
+    monkeypatch.setattr(grpo, "grpo_loss", lambda **kw: inputs.append(kw) or loss_of(**kw))
+    monkeypatch.setattr(torch.Tensor, "backward", lambda self, *a, **k: backwards.append(self.item()) or
+                        backward(self, *a, **k))
+    train.grpo_step(0, run, args, lambda items, texts: ([len(t) % 2 for t in texts], {}))  # rewards that vary
+    per_token, units = [], []
+    for kw in inputs:  # mu = 1: ratio 1, no clip, so S_it = A_i; KL_it = k3 of logp_ref - logp
+        d = kw["logp_ref"] - kw["logp"].detach()
+        l_it = -(kw["advantages"][:, None] - args.beta * (d.exp() - d - 1))          # (N, T)
+        per_token.append(l_it[kw["mask"]].sum().item()), units.append(int(kw["mask"].sum()))
+    assert len(inputs) == len(backwards) == 2 and units[0] != units[1], units  # two micro-batches, uneven
+    per_micro_batch = sum(s / u for s, u in zip(per_token, units)) / 2
+    per_step = sum(per_token) / sum(units)
+    assert sum(backwards) == pytest.approx(per_micro_batch, rel=1e-5, abs=1e-6)
+    assert abs(per_micro_batch - per_step) > 1e-4  # the two normalisations differ here

@@ -168,7 +168,10 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
     a("--beta", type=NONNEG, default=0.04, help="KL coefficient beta (Eq. 4)")
     a("--clip-eps", type=NONNEG, default=0.2, help="PPO clip epsilon, in [0, 1)")
     a("--inner-epochs", type=COUNT, default=1, help="mu: optimisation passes per rollout batch (paper: 1)")
-    a("--loss-aggregation", default="sequence", choices=["sequence", "token"], help="see grpo.py")
+    a("--loss-aggregation", default="sequence", choices=["sequence", "token"],
+      help="sequence: each completion's token mean, then the mean over completions (GRPO's); token: one mean "
+      "over a micro-batch's tokens (DAPO's, but per micro-batch: the step averages the --grad-accum "
+      "micro-batches; grpo.py)")
     a("--lora-rank", type=COUNT, default=8, help="LoRA rank r")
     a("--lora-alpha", type=POSITIVE, default=16.0, help="LoRA alpha (scaling alpha / r)")
     a("--latent-dim", type=COUNT, default=512, help="adapter latent width d")
