@@ -15,65 +15,42 @@ writing, for each question, a workflow of three equal-length lists:
                                                            indices < j, "all" (every earlier answer) or []
 
 The workers run in order; the last worker's answer is the workflow's output. Reward (no KL in the paper):
-
-    r = 0    if the three lists do not parse (or break the rules above)
-    r = 0.5  if they parse and the output is wrong;  1 if it is right
-
-Here the conductor is the same LoRA policy every other method trains, and the workers are the team's frozen
-generative experts (an encoder has no words to give, so it cannot be a worker). The policy's completion is the
-workflow text, so the GRPO pieces are the ordinary ones: rollout.sample, grpo.group_advantages,
-grpo.grpo_loss; only the prompt and the reward differ. This file is a script with its own step, one file
-per algorithm: grpo_step below is train.py's step with the workflow in place of C, and train_run is
-train.py's loop, copied, over it with this script's g (train.py's helpers: checks, checkpoints, --resume,
---eval-items). No torchrun: one process. evaluate.py calls Conductor.answer.
-
-The workflow's text, its parser (nothing the model writes is ever evaluated), its reward and its grammar are
-neighbours/workflow.py.
+r = 0 if the three lists do not parse (or break the rules above), 0.5 if they parse and the output is wrong, 1 if
+it is right. Here the conductor is the LoRA policy every method trains and the workers are the team's frozen
+generative experts (an encoder has no words to give). The completion is the workflow text, so the GRPO pieces are
+the ordinary ones (rollout.sample, grpo.group_advantages, grpo.grpo_loss); only the prompt and the reward differ.
+grpo_step is train.py's step with the workflow in place of C, train_run train.py's loop over it (one process);
+the rest is neighbours/plumbing.py. The workflow's text, parser (model text is never evaluated), reward and
+grammar are neighbours/workflow.py.
 
 Deviations from the paper (numbered):
   1. Up to --max-workflow-steps steps (default 2, for a 2-core CPU; the paper allows 5), and one worked example of
-     a workflow, given as an earlier turn of the conversation (the paper uses 4 few-shot workflows). A workflow
-     longer than the limit is malformed (reward 0), not cut.
-  2. The conductor's response is pre-filled with "model_id = [" (CONDUCTOR_PREFIX): a 135M policy given 48 new
-     tokens rarely starts a Python list by itself. The parser reads prefix + completion.
-  3. Workers decode greedily, each with its own chat template (or plain text when it has none), the task's system
-     prompt, worked example and response prefix (train.py's prompt flags), and the shared --max-new-tokens; a
-     worker's answer is its response prefix followed by what it wrote (rewards.responses), so an answer-only
-     prefix ("<think></think>\n<answer>") gives answers the scorer and the next worker read whole. Greedy
-     workers make a workflow's output a function of its text, so all the reward's variance within a group comes
-     from the conductor's own sampling; and a (worker, prompt) pair seen before is not run again (a cache). A
-     worker decodes as evaluate.py decodes the policy (rollout.decode's argmax, the prompts' common beginning run
-     once: rollout.prefill_shared), not with HF generate, which would apply a generation config's repetition
-     penalty: "each worker alone" here and `evaluate.py --untrained --policy WORKER` give the same answers.
-  4. The output is scored by the task's scorer (rewards.score_batch); with partial credit, r = 0.5 + 0.5 * score
-     for a parsed workflow, so r = 1 exactly when the answer is right and 0.5 when it is wrong. With --reward
-     exact the score is full marks or 0 (rewards.full_marks): r is 0, 0.5 or 1, nothing in between.
-  5. The paper trains without KL; here --beta defaults to 0 (parse_args below), and a user's --beta
-     adds the usual k3 KL to the policy with LoRA off.
-  6. Worker ids may be written as integers (0) or as their names ("Model 0"). The conductor is not a worker
-     (the paper's recursive variant lets it pick itself).
-  7. Constrained decoding (--workflow-decoding constrained, the default; `free` is the paper's plain sampling).
-     The paper's conductor is a 7B model; ours, 135M at temperature 1, derailed into code or prose within a few
-     tokens: 0 of 80 sampled workflows parsed in a 5-step pocket run, every reward was 0 and nothing learned. So
-     the completion is sampled under the workflow's grammar (workflow_grammar: one spelling, the worked example's,
-     with integer worker ids, subtasks of 1..--max-subtask-chars printable ASCII characters and access lists of
-     earlier steps), by llguidance, which gives the tokens allowed next for the text so far; every sampled
-     workflow parses. What the grammar forces (the names, brackets, separators) gets log-prob 0 and no gradient,
-     so GRPO works on the free slots: which worker, what subtask, which earlier answers. The log-probs of the
-     ratio and the KL are those of the masked, renormalised distribution the tokens were drawn from
-     (WorkflowMasks derives it). The grammar bounds the text, so the constrained rollout's token budget is the
-     longest workflow's length (longest_workflow: 134 tokens at most for 2 workers, 2 steps, 40 characters, the
-     defaults; a workflow often stops far sooner) and --max-new-tokens is the workers' budget only. Evaluation
-     writes the greedy workflow under the same grammar.
-  8. --reward random (a control, not in the paper): each workflow's reward is a fair coin (rewards.coin_rewards,
-     as train.py's), the workers never run and nothing is scored. What the worker choice does when the reward
-     says nothing about it: a conductor that learns to pick a worker should move away from this one's choice.
+     a workflow as an earlier turn of the conversation (the paper uses 4 few-shot workflows). A longer workflow is
+     malformed (reward 0), not cut.
+  2. The response is pre-filled with "model_id = [" (CONDUCTOR_PREFIX): a 135M policy given 48 new tokens rarely
+     starts a Python list by itself. The parser reads prefix + completion.
+  3. Workers decode greedily (rollout.greedy_texts, as evaluate.py decodes the policy, not HF generate and its
+     repetition penalty), each with its own chat template, train.py's prompt flags and --max-new-tokens; an
+     answer is the response prefix and what follows it (rewards.responses). Greedy workers make the output a
+     function of the workflow's text: a group's reward variance is the conductor's own, and a (worker, prompt)
+     pair seen before is not run again (a cache).
+  4. Scored by the task's scorer: r = 0.5 + 0.5 * score for a parsed workflow (1 exactly when right); with
+     --reward exact the score is full marks or 0 (rewards.full_marks), so r is 0, 0.5 or 1.
+  5. --beta defaults to 0 (the paper has no KL); a user's --beta adds the k3 KL to the policy with LoRA off.
+  6. Worker ids may be integers (0) or names ("Model 0"). The conductor is not a worker (the paper's recursive
+     variant lets it pick itself).
+  7. Constrained decoding (--workflow-decoding constrained, the default; `free` is the paper's plain sampling): our
+     135M conductor at temperature 1 derailed into code or prose (0 of 80 workflows parsed in a 5-step pocket run;
+     every reward 0), so the workflow is sampled under its grammar (neighbours/workflow.py, llguidance) and always
+     parses. Forced tokens get log-prob 0 and no gradient; the ratio and the KL read the masked distribution the
+     tokens were drawn from (WorkflowMasks). The rollout's budget is the longest workflow (134 tokens for the
+     defaults); --max-new-tokens is the workers'. Evaluation writes the greedy workflow under the same grammar.
+  8. --reward random (a control, not in the paper): a fair coin per workflow (rewards.coin_rewards); no worker runs.
+     A conductor that learns to pick a worker should move away from this one's choice.
 
-Logged per step (README "Metrics"): parse_rate (fraction of workflows that parse: 1 under constrained
-decoding), mean_steps (over parsed workflows), and each workflow's share of steps per worker as the routing
-distribution A [N, 1, K], so
-`utilization` (mean share per worker) and `entropy` (mean per-workflow entropy of the shares) mean what they mean
-for the other methods and support/harness/report.py's Fig. 4 draws them. Workflows that do not parse add nothing to A.
+Logged per step beside train.py's fields: parse_rate, mean_steps (over parsed workflows), and each parsed
+workflow's share of steps per worker as the routing distribution A [N, 1, K], so `utilization` and `entropy` mean
+what they mean for the other methods.
 """
 import os
 import sys
@@ -93,16 +70,14 @@ from adapter import routing_stats  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import is_encoder, load_model, pick_device  # noqa: E402
 from lora import lora_disabled  # noqa: E402
-from support.lib import distributed  # noqa: E402
+from support.harness.build import load_policy_and_data  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
-from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
-from support.harness.build import load_policy_and_data  # noqa: E402
-from support.harness.config import fail  # noqa: E402
-from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run  # noqa: E402
-from support.harness.validation import evaluating, frozen_policy, neighbour_eval_args  # noqa: E402
-from support.harness.validation import restore_trained, save_eval, score_run  # noqa: E402
+from support.harness.run import after_step, finish_run, progress_bar, resume_run  # noqa: E402
+from support.harness.validation import restore_trained  # noqa: E402
+from support.lib.optim import set_learning_rates  # noqa: E402
+from neighbours import plumbing  # noqa: E402
 from neighbours.workflow import CONDUCTOR_PREFIX, MAX_STRING, NO_LIBRARY, WorkflowMasks  # noqa: E402
 from neighbours.workflow import have_llguidance, longest_workflow, parse_workflow  # noqa: E402
 from neighbours.workflow import workflow_grammar, workflow_reward  # noqa: E402
@@ -213,23 +188,19 @@ class Conductor(nn.Module):
         """G workflow completions per prompt from the policy (after CONDUCTOR_PREFIX). Returns (completion ids
         [B*G, T], allowed_mask): None with --workflow-decoding free (rollout.sample as it is, max_new_tokens
         tokens), else the grammar's masks [B*G, T, V] (WorkflowMasks; its own token budget, longest_workflow)."""
-        if self.decoding == "free":
-            comp = rollout.sample(policy, ids, mask, None, G=G, max_new_tokens=max_new_tokens,
-                                  temperature=temperature, eos_ids=eos_ids, pad_id=tok.pad_token_id,
-                                  greedy=greedy)
-            return comp, None
-        V = policy.get_output_embeddings().weight.shape[0]
-        if self.grammar_tok[0] is not tok:
-            import llguidance.hf
-            self.grammar_tok = (tok, llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=list(eos_ids)))
-        K, S, L = len(self.workers), self.max_steps, self.max_subtask_chars
-        masks = WorkflowMasks(self.grammar_tok[1], workflow_grammar(K, S, L), ids.shape[0] * G, V,
-                              eos_ids=eos_ids, device=ids.device)
-        budget = len(longest_workflow(K, S, L)) + 1
-        comp = rollout.sample(policy, ids, mask, None, G=G, max_new_tokens=budget,
-                              temperature=temperature, eos_ids=eos_ids, pad_id=tok.pad_token_id,
-                              greedy=greedy, allowed=masks)
-        return comp, masks.allowed_mask(comp.shape[1], comp.device)
+        allowed, budget = None, max_new_tokens  # free: rollout.sample as it is
+        if self.decoding == "constrained":
+            V = policy.get_output_embeddings().weight.shape[0]
+            if self.grammar_tok[0] is not tok:
+                import llguidance.hf
+                self.grammar_tok = (tok, llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=list(eos_ids)))
+            K, S, L = len(self.workers), self.max_steps, self.max_subtask_chars
+            allowed = WorkflowMasks(self.grammar_tok[1], workflow_grammar(K, S, L), ids.shape[0] * G, V,
+                                    eos_ids=eos_ids, device=ids.device)
+            budget = len(longest_workflow(K, S, L)) + 1
+        comp = rollout.sample(policy, ids, mask, None, G=G, max_new_tokens=budget, temperature=temperature,
+                              eos_ids=eos_ids, pad_id=tok.pad_token_id, greedy=greedy, allowed=allowed)
+        return comp, None if allowed is None else allowed.allowed_mask(comp.shape[1], comp.device)
 
     @torch.no_grad()
     def answer(self, policy, tok, questions, args):
@@ -264,8 +235,26 @@ def conductor(team, out_dim, args, device, dtype):
                      decoding=decoding, max_subtask_chars=getattr(args, "max_subtask_chars", 40))
 
 
+def load_trained(args, lora_state=None, method_state=None, device="cpu"):
+    """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
+    policy, tok, dtype = plumbing.frozen_policy(args, device)
+    g = conductor(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype=dtype)
+    return restore_trained(policy, tok, g, args, lora_state=lora_state, method_state=method_state)
+
+
+def build_run(args, life):
+    """train.Run with this script's g, in train.build_run's seeded order: the frozen policy (seeded),
+    conductor(...), LoRA on the policy and the optimiser, for the run `life` (plumbing.opened)."""
+    with plumbing.one_line_errors():  # loaders raise ValueError / FileNotFoundError with a one-line message
+        parts = load_policy_and_data(args, life.device)
+        g = conductor(parts.team, parts.policy.config.hidden_size, args, life.device, dtype=parts.dtype)
+        run = train.run_around(parts, g, args, life.device)
+    run.life = life
+    return run
+
+
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step (train, below, runs the loop)
+# One GRPO step, and the loop over them
 
 
 def grpo_step(step, run, args, score_batch):
@@ -275,8 +264,7 @@ def grpo_step(step, run, args, score_batch):
     set_learning_rates(optimizer, step, args)                     # --lr-schedule, --warmup-steps
     batches = []
     for micro in range(args.grad_accum):
-        items = [run.train_items[i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                              n_items=len(run.train_items), seed=args.seed)]
+        items = plumbing.micro_batch_items(run, args, step, micro)
         questions = [it["question"] for it in items]
         # ---- rollout: G workflows per question, written by the policy --------------------------------------
         ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, cond.max_steps) for q in questions],
@@ -308,52 +296,61 @@ def grpo_step(step, run, args, score_batch):
                                                        completion_mask=comp_mask,
                                                        temperature=args.temperature,
                                                        allowed_mask=allowed_mask)
-        batches.append(dict(questions=questions, items=items, ids=ids, mask=mask, comp=comp, comp_mask=comp_mask,
-                            allowed_mask=allowed_mask,
-                            r=r, adv=adv, logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
-                            texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
+        batches.append(SimpleNamespace(questions=questions, items=items, ids=ids, mask=mask, comp=comp,
+                                       comp_mask=comp_mask, allowed_mask=allowed_mask, r=r, adv=adv,
+                                       logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
+                                       texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
     # ---- loss and step (mu = 1: logp_old = logp, detached) ----------------------------------------------------
     optimizer.zero_grad(set_to_none=True)
     losses, stats = [], []
     for b in batches:
-        logp = rollout.completion_logprobs(policy, b["ids"], b["mask"], None,
-                                           completion_ids=b["comp"], completion_mask=b["comp_mask"],
-                                           temperature=args.temperature, allowed_mask=b["allowed_mask"])
-        logp_ref = logp.detach() if b["logp_ref"] is None else b["logp_ref"]
-        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp_ref, advantages=b["adv"],
-                                 mask=b["comp_mask"], clip_eps=args.clip_eps, beta=args.beta,
+        logp = rollout.completion_logprobs(policy, b.ids, b.mask, None, completion_ids=b.comp,
+                                           completion_mask=b.comp_mask, temperature=args.temperature,
+                                           allowed_mask=b.allowed_mask)
+        logp_ref = logp.detach() if b.logp_ref is None else b.logp_ref
+        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp_ref, advantages=b.adv,
+                                 mask=b.comp_mask, clip_eps=args.clip_eps, beta=args.beta,
                                  aggregation=args.loss_aggregation)
         (loss / args.grad_accum).backward()
         losses.append(loss.item()), stats.append(m)
-    grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
-    finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-    if finite:  # and an update that makes a weight non-finite is undone
-        finite = step_if_finite(optimizer)
+    grads = plumbing.update(optimizer, args, losses)
     # ---- log ----------------------------------------------------------------------------------------------------
-    r_all = torch.cat([b["r"] for b in batches])
-    plans = [p for b in batches for p in b["plans"]]
-    n_parsed = sum(b["n_parsed"] for b in batches)
-    same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-           "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
-           **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
-           "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
-           "completion_length": torch.cat([b["comp_mask"].sum(-1) for b in batches]).float().mean().item(),
-           "truncated_fraction": torch.cat([~torch.isin(b["comp"], torch.tensor(eos_ids, device=device)).any(-1)
-                                            for b in batches]).float().mean().item(),
-           "zero_std_fraction": same.float().mean().item(),
-           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
-           "answer_rate": (n_parsed - sum(b["counts"].get("no_answer", 0) for b in batches)) / len(plans),
+    plans = [p for b in batches for p in b.plans]
+    n_parsed = sum(b.n_parsed for b in batches)
+    own = {"answer_rate": (n_parsed - sum(b.counts.get("no_answer", 0) for b in batches)) / len(plans),
            "parse_rate": n_parsed / len(plans),
-           "mean_steps": sum(len(p[0]) for p in plans if p) / n_parsed if n_parsed else 0.0,
-           "skipped_update": not finite}
+           "mean_steps": sum(len(p[0]) for p in plans if p) / n_parsed if n_parsed else 0.0}
+    eos = torch.tensor(eos_ids, device=device)
+    truncated = torch.cat([~torch.isin(b.comp, eos).any(-1) for b in batches])         # (N,) no EOS written
+    rec = plumbing.step_record(step, batches, G, losses=losses, stats=stats, grads=grads, own=own,
+                               lengths=[b.comp_mask.sum(-1) for b in batches],
+                               truncated_fraction=truncated.float().mean().item())
     A = cond.usage(plans)
     if A is not None:
         rec["entropy"], rec["utilization"] = routing_stats(A)
         rec["utilization_names"] = cond.names
     # seconds, and tokens_per_s over the workflow tokens the policy wrote (the workers' answers not counted)
-    rec.update(wall_clock(t0, sum(int(b["comp_mask"].sum()) for b in batches)))
-    return rec, [SimpleNamespace(**b) for b in batches]  # after_step reads .questions, .items, ...
+    rec.update(wall_clock(t0, sum(int(b.comp_mask.sum()) for b in batches)))
+    return rec, batches  # after_step reads .questions, .items, .texts, ...
+
+
+def train_run(args, score_batch):
+    """One run, as train.train runs one: opened, built, resumed, its steps, finished. Returns --out."""
+    with plumbing.opened(args) as life:  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
+        run = build_run(args, life)
+        start = resume_run(run, args, run.world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, life.writer), 0
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)
+            # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
+            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line: train, or `evaluate` a saved run (load_trained, above)
 
 
 def parse_args(argv=None):
@@ -380,66 +377,18 @@ def parse_args(argv=None):
 def main(argv=None, score_batch=None):
     """Train the conductor (train.py's flags), or `evaluate --run DIR --n N` a run of it (eval.json)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["evaluate"]:  # `evaluate --run DIR --n N`: eval.json in the run folder
-        return evaluate(argv[1:])
-    return train_run(parse_args(argv), score_batch or rewards.score_batch)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The run: train.py's loop and helpers (support/harness/run.py), with this script's g and step
-
-
-def build_run(args, device):
-    """train.Run with this script's g: the frozen policy (seeded) with LoRA, conductor(...), the data and the
-    optimiser, in train.build_run's seeded order."""
-    parts = load_policy_and_data(args, device)
-    g = conductor(parts.team, parts.policy.config.hidden_size, args, device, dtype=parts.dtype)
-    return train.run_around(parts, g, args, device)
-
-
-def train_run(args, score_batch):
-    """One run, as train.train runs one: checked and opened, built, resumed, its steps, finished. Returns --out."""
-    world = distributed.ONE  # one process
-    life = open_run(args, world)  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
-    try:  # however the run ends, the lock on --out goes with it
-        try:
-            run = build_run(args, life.device)
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        run.life = life
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, life.writer), 0
-        for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)
-            # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
-            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
-    finally:
-        release_folders(life)
-
-
-def evaluate(argv):
-    """`evaluate --run DIR --n N [--batch-size B] [--device D] [--out DIR]`: a run of this script scored on its
-    checkpoint, eval.json written (nothing half-written on Ctrl-C, SIGTERM or bad input)."""
-    a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/conductor.py")
-    with evaluating(made):
+    if argv[:1] != ["evaluate"]:
+        return train_run(parse_args(argv), score_batch or rewards.score_batch)
+    a, cfg, state, path, made = plumbing.evaluate_args(argv[1:], "neighbours/conductor.py")
+    with plumbing.evaluating(made):  # Ctrl-C, SIGTERM, bad input: one line, nothing half-written
         result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
                               device=pick_device(a.device))
-    save_eval(path, result, state)
-
-
-def load_trained(args, lora_state=None, method_state=None, device="cpu"):
-    """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
-    policy, tok, dtype = frozen_policy(args, device)
-    g = conductor(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype=dtype)
-    return restore_trained(policy, tok, g, args, lora_state=lora_state, method_state=method_state)
+    plumbing.save_eval(path, result, state)
 
 
 def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
     """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    return score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
+    return plumbing.score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
 
 
 if __name__ == "__main__":

@@ -13,49 +13,35 @@ distributions; the episode's reward is the exact match of the final answer. Here
     s_j   = (E(question + text so far), j)              E: the team's frozen sentence encoder (mean pooled)
     alpha = ALPHA_INIT * exp(MLP([E(.) ; emb(j)]))       [K] concentrations; the MLP's last layer starts at 0
     w_j   ~ Dirichlet(alpha)                             training; the mean alpha / sum(alpha) in evaluation
-    p(y)  = sum_k w_jk softmax(z_k / T)(y)              on the union vocabulary, for the L tokens of span j
+    p(y)  = sum_k w_jk softmax(z_k / T)(y)              on the union vocabulary (neighbours/union_vocab.py)
     logp  = sum_j log Dir(w_j | alpha(s_j))              what the policy gradient uses
 
-Training is GRPO-style: G weight trajectories per question, the group advantage of grpo.group_advantages, and
-grpo.grpo_loss with one "token" per span (log Dir(w_j | alpha) in place of a token's log-prob, mu = 1, no KL),
-so the loss is -mean_i A_i * mean_j log Dir(w_ij | alpha_ij). Only the agent trains: the members, the encoder and
-the policy's LoRA (a member, never updated) stay frozen.
-
-The union vocabulary (UnionVocab, mixture: members with different tokenizers mixed over one vocabulary
-matched by token strings) is neighbours/union_vocab.py.
-
-The released RLAE trainer departs from the paper's MDP: it takes the PPO ratio on the weight vectors themselves
-(no action is sampled, so there is no log-probability of an action), and uses the raw reward as the advantage.
-We implement the paper's MDP: a stochastic policy over weights (Dirichlet) with its real log-probabilities.
+Training is GRPO-style: G weight trajectories per question, grpo.group_advantages, and grpo.grpo_loss with one
+"token" per span (log Dir(w_j | alpha) in place of a token's log-prob, mu = 1, no KL), so the loss is
+-mean_i A_i * mean_j log Dir(w_ij | alpha_ij). Only the agent trains: the members, the encoder and the policy's
+LoRA (a member, never updated) stay frozen. grpo_step is that step, train_run train.py's loop over it (one
+process); the rest is neighbours/plumbing.py. The released RLAE trainer takes the PPO ratio on the weight vectors
+themselves (no action is sampled, so no log-probability) with the raw reward as the advantage; we implement the
+paper's MDP: a stochastic policy over weights (Dirichlet) with its real log-probabilities.
 
 Deviations from the paper (numbered):
   1. The agent's encoder is the team's frozen sentence encoder (all-MiniLM-L6-v2 on the pocket team), not a
      trained DeBERTa, plus a learned embedding of the span index; only the MLP trains.
   2. GRPO's group baseline over G trajectories instead of PPO's learned critic; single agent (no MAPPO).
-  3. Members: the team's generative experts and the policy model, each once (the pocket team's SmolLM2 is both
-     an expert and the policy: one member). Each member reads the question with its own chat template and the
-     task's prompt flags (system prompt, worked example, response prefix).
+  3. Members: the team's generative experts and the policy model, each once, each reading the question with its
+     own chat template and the task's prompt flags (system prompt, worked example, response prefix).
   4. A chosen token is re-tokenised piece by piece (the union token alone, not the whole text again), so a
      member may see "1", "2" where its own tokenizer would have written "12".
-  5. Reward: the task's scorer (rewards.score_batch), which is exact match for chain_sum; with --reward exact,
-     full marks or 0 (rewards.full_marks: no partial credit); or, with --reward random, a fair coin per
-     trajectory that never reads the text (rewards.coin_rewards, as train.py's control): what the agent's
-     weights do when the reward carries no information (experiments/neighbours_learning.py compares).
+  5. Reward: the task's scorer (exact match for chain_sum); with --reward exact, full marks or 0; with --reward
+     random, a fair coin per trajectory that never reads the text (rewards.coin_rewards, as train.py's control).
 
-Cost: every generated token runs all K members once (K forwards of one token each, on their KV caches), and every
-L tokens the encoder reads the text so far; no member runs a backward pass. On the pocket team (K = 2: Gemma-3-270M
-with a 262k-token head, SmolLM2-135M) a token costs about as much as the two models' decoding steps together.
+Cost: every generated token runs all K members once on their KV caches, and every L tokens the encoder reads the
+text so far; no member runs a backward pass.
 
-Logged per step beside train.py's fields: utilization (each member's drawn weight w, averaged over every span
-decision of the step), agent_weights (the agent's mean weights alpha / sum(alpha), averaged over the same spans:
-the policy itself, without the Dirichlet's sampling noise; exactly 1/K before the first update),
-agent_weights_by_source (the same per item type: the reasoning-gym source dataset), entropy (mean entropy of the
-drawn weights) and concentration (mean sum of alpha at the first span).
-
-This file is a script with its own step, one file per algorithm: grpo_step below is GRPO on the agent's span
-decisions, and train_run is train.py's loop, copied, over it with this script's g (train.py's helpers:
-checks, checkpoints, --resume, --eval-items). No torchrun: one process. Its `evaluate` scores a run with
-RLAE.answer.
+Logged per step beside train.py's fields: utilization (each member's drawn weight w, averaged over the step's span
+decisions), agent_weights (the mean weights alpha / sum(alpha) over the same spans: exactly 1/K before the first
+update), agent_weights_by_source (the same per reasoning-gym source dataset), entropy (of the drawn weights) and
+concentration (mean sum of alpha at the first span).
 """
 import math
 import os
@@ -74,18 +60,16 @@ import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, is_encoder, load_model, pick_device  # noqa: E402
-from rollout import draw, encode_prompts, prefill_shared  # noqa: E402
-from support.lib import distributed  # noqa: E402
+from rollout import draw, encode_prompts, eos_token_ids, prefill_shared  # noqa: E402
 from support.lib.kv_cache import cache_kwargs  # noqa: E402
+from support.harness.build import load_policy_and_data  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
-from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
-from support.harness.build import load_policy_and_data  # noqa: E402
-from support.harness.config import fail  # noqa: E402
-from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run  # noqa: E402
-from support.harness.validation import evaluating, frozen_policy, neighbour_eval_args  # noqa: E402
-from support.harness.validation import restore_trained, save_eval, score_run  # noqa: E402
+from support.harness.run import after_step, finish_run, progress_bar, resume_run  # noqa: E402
+from support.harness.validation import restore_trained  # noqa: E402
+from support.lib.optim import set_learning_rates  # noqa: E402
+from neighbours import plumbing  # noqa: E402
 from neighbours.union_vocab import UnionVocab, mixture  # noqa: E402
 
 ALPHA_INIT = 2.0   # Dirichlet concentration per member at initialisation: w_j ~ Dir(2, .., 2), mean uniform
@@ -161,7 +145,7 @@ class RLAE(nn.Module):
         super().__init__()
         self.members, self.names, self.encoder = [Member(m, t) for m, t in members], names, encoder  # frozen
         self.vocab = UnionVocab([t for _, t in members],
-                                [set(eos_ids(m, t)) for m, t in members],
+                                [set(eos_token_ids(m, t)) for m, t in members],
                                 [m.get_output_embeddings().weight.shape[0] for m, _ in members])
         self.span, self.max_new_tokens, self.prompt_args = span, max_new_tokens, prompt_args
         self.agent = Agent(encoder.dims[0], len(members), math.ceil(max_new_tokens / span))
@@ -224,12 +208,6 @@ class RLAE(nn.Module):
         return self.decode(questions, 1, greedy=True)[0]
 
 
-def eos_ids(model, tok):
-    ids = model.generation_config.eos_token_id
-    ids = [] if ids is None else [ids] if isinstance(ids, int) else list(ids)
-    return sorted({tok.eos_token_id, *ids} - {None})
-
-
 def rlae(team, out_dim, args, device, dtype):
     """baselines.py's signature. Members: the team's generative experts, then the policy model, each once."""
     members, names = [], []
@@ -244,8 +222,26 @@ def rlae(team, out_dim, args, device, dtype):
                 prompt_args=(args.system_prompt, args.worked_example, args.response_prefix)).to(device)
 
 
+def load_trained(args, lora_state=None, method_state=None, device="cpu"):
+    """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
+    policy, tok, dtype = plumbing.frozen_policy(args, device)
+    g = rlae(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype=dtype)
+    return restore_trained(policy, tok, g, args, lora_state=lora_state, method_state=method_state)
+
+
+def build_run(args, life):
+    """train.Run with this script's g, in train.build_run's seeded order: the frozen policy (seeded), rlae(...),
+    LoRA on the policy and the optimiser, for the run `life` (plumbing.opened)."""
+    with plumbing.one_line_errors():  # loaders raise ValueError / FileNotFoundError with a one-line message
+        parts = load_policy_and_data(args, life.device)
+        g = rlae(parts.team, parts.policy.config.hidden_size, args, life.device, dtype=parts.dtype)
+        run = train.run_around(parts, g, args, life.device)
+    run.life = life
+    return run
+
+
 # ----------------------------------------------------------------------------------------------------------
-# One GRPO step (train, below, runs the loop)
+# One GRPO step, and the loop over them
 
 
 def grpo_step(step, run, args, score_batch):
@@ -254,8 +250,7 @@ def grpo_step(step, run, args, score_batch):
     set_learning_rates(optimizer, step, args)                                    # --lr-schedule
     batches = []
     for micro in range(args.grad_accum):
-        items = [run.train_items[i] for i in rewards.batch_indices(step, micro, args.batch_size, args.grad_accum,
-                                                              n_items=len(run.train_items), seed=args.seed)]
+        items = plumbing.micro_batch_items(run, args, step, micro)
         questions = [it["question"] for it in items]
         texts, traj = ens.decode(questions, G, args.temperature)                       # ---- rollout
         if args.reward == "random":                                                     # ---- reward
@@ -267,52 +262,62 @@ def grpo_step(step, run, args, score_batch):
                 r = rewards.full_marks(r)
         r = torch.tensor(r, dtype=torch.float32, device=device)
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)              # ---- advantage
-        batches.append(dict(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv, counts=counts))
+        batches.append(SimpleNamespace(questions=questions, items=items, texts=texts, traj=traj, r=r, adv=adv,
+                                       counts=counts))  # after_step reads .questions, .items, .texts, ...
     optimizer.zero_grad(set_to_none=True)                                               # ---- loss and step
     losses, stats, W, M, sources = [], [], [], [], []
     for b in batches:
-        logp, alpha = ens.span_logprobs(b["traj"])                                     # (N, J)
-        mask = b["traj"]["span_mask"]
-        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp.detach(), advantages=b["adv"],
+        logp, alpha = ens.span_logprobs(b.traj)                                        # (N, J)
+        mask = b.traj["span_mask"]
+        loss, m = grpo.grpo_loss(logp=logp, logp_old=logp.detach(), logp_ref=logp.detach(), advantages=b.adv,
                                  mask=mask, clip_eps=args.clip_eps, beta=0.0, aggregation=args.loss_aggregation)
         (loss / args.grad_accum).backward()
         losses.append(loss.item()), stats.append(m)
-        W.append(b["traj"]["w"][mask])                                                  # (spans, K) drawn
+        W.append(b.traj["w"][mask])                                                     # (spans, K) drawn
         M.append((alpha / alpha.sum(-1, keepdim=True)).detach()[mask])                  # (spans, K) their means
-        rows = [item_source(it, args.task) for it in b["items"] for _ in range(G)]      # (N,) one per row
+        rows = [item_source(it, args.task) for it in b.items for _ in range(G)]         # (N,) one per row
         sources += [rows[n] for n in mask.nonzero()[:, 0].tolist()]                     # one per span of W
-    grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
-    finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-    if finite:  # and an update that makes a weight non-finite is undone
-        finite = step_if_finite(optimizer)
-    r_all = torch.cat([b["r"] for b in batches])                                        # ---- log
-    same = torch.cat([(b["r"].view(-1, G) == b["r"].view(-1, G)[:, :1]).all(-1) for b in batches])
-    W, M = torch.cat(W), torch.cat(M)
-    rec = {"step": step + 1, "reward": r_all.mean().item(), "reward_std": r_all.std().item(),
-           "solve_rate": (r_all == 1).float().mean().item(), "loss": sum(losses) / len(losses),
-           **{k: sum(m[k] for m in stats) / len(stats) for k in ("pg_loss", "kl", "clip_fraction", "ratio_mean")},
-           "grad_norm": grad_norm, **{f"grad_norm_{k}": v for k, v in group_norms.items()},
-           "completion_length": torch.cat([b["traj"]["length"] for b in batches]).float().mean().item(),
-           "truncated_fraction": 1 - torch.cat([b["traj"]["eos"] for b in batches]).float().mean().item(),
-           "zero_std_fraction": same.float().mean().item(),
-           "scorer_failures": sum(b["counts"].get(k, 0) for b in batches for k in ("refused", "error", "timeout")),
-           "answer_rate": 1 - sum(b["counts"].get("no_answer", 0) for b in batches) / len(r_all),
+    grads = plumbing.update(optimizer, args, losses)
+    W, M = torch.cat(W), torch.cat(M)                                                   # ---- log
+    own = {"answer_rate": 1 - sum(b.counts.get("no_answer", 0) for b in batches) / sum(len(b.r) for b in batches),
            # the weights as the routing distribution of Eq. 15: one row per span decision
            "entropy": entropy(W).mean().item(), "utilization": W.mean(0).tolist(), "utilization_names": ens.names,
            "agent_weights": M.mean(0).tolist(),
            "agent_weights_by_source": {s: M[torch.tensor([x == s for x in sources])].mean(0).tolist()
                                        for s in sorted(set(sources))},
-           "concentration": torch.cat([ens.agent(b["traj"]["e"][:, 0], b["traj"]["j"][:, 0]).sum(-1)
-                                       for b in batches]).mean().item(),
-           "skipped_update": not finite}
+           "concentration": torch.cat([ens.agent(b.traj["e"][:, 0], b.traj["j"][:, 0]).sum(-1)
+                                       for b in batches]).mean().item()}
+    ended = torch.cat([b.traj["eos"] for b in batches])                                 # (N,) ended by EOS
+    rec = plumbing.step_record(step, batches, G, losses=losses, stats=stats, grads=grads, own=own,
+                               lengths=[b.traj["length"] for b in batches],
+                               truncated_fraction=1 - ended.float().mean().item())
     # seconds, and tokens_per_s over the units of the union vocabulary the ensemble wrote
-    rec.update(wall_clock(t0, int(sum(b["traj"]["length"].sum() for b in batches))))
-    return rec, [SimpleNamespace(**b) for b in batches]  # after_step reads .questions, .items, ...
+    rec.update(wall_clock(t0, int(sum(b.traj["length"].sum() for b in batches))))
+    return rec, batches
 
 
 def item_source(item, task):
     """The item's type: its reasoning-gym source dataset (a composite task mixes several), else the task."""
     return item.get("metadata", {}).get("source_dataset", task)
+
+
+def train_run(args, score_batch):
+    """One run, as train.train runs one: opened, built, resumed, its steps, finished. Returns --out."""
+    with plumbing.opened(args) as life:  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
+        run = build_run(args, life)
+        start = resume_run(run, args, run.world)  # --resume's checkpoint, config.json, validation before
+        bar, bad_steps = progress_bar(start, args, life.writer), 0
+        for step in range(start, args.steps):
+            rec, batches = grpo_step(step, run, args, score_batch)
+            # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
+            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
+            bar.update(1)
+        bar.close()
+        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
+
+
+# ----------------------------------------------------------------------------------------------------------
+# The command line: train, or `evaluate` a saved run (load_trained, above)
 
 
 def parse_args(argv=None):
@@ -327,66 +332,18 @@ def parse_args(argv=None):
 def main(argv=None, score_batch=None):
     """Train the agent (train.py's flags), or `evaluate --run DIR --n N` a run of it (eval.json)."""
     argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["evaluate"]:  # `evaluate --run DIR --n N`: eval.json in the run folder
-        return evaluate(argv[1:])
-    return train_run(parse_args(argv), score_batch or rewards.score_batch)
-
-
-# ----------------------------------------------------------------------------------------------------------
-# The run: train.py's loop and helpers (support/harness/run.py), with this script's g and step
-
-
-def build_run(args, device):
-    """train.Run with this script's g: the frozen policy (seeded) with LoRA, rlae(...), the data and the
-    optimiser, in train.build_run's seeded order."""
-    parts = load_policy_and_data(args, device)
-    g = rlae(parts.team, parts.policy.config.hidden_size, args, device, dtype=parts.dtype)
-    return train.run_around(parts, g, args, device)
-
-
-def train_run(args, score_batch):
-    """One run, as train.train runs one: checked and opened, built, resumed, its steps, finished. Returns --out."""
-    world = distributed.ONE  # one process
-    life = open_run(args, world)  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
-    try:  # however the run ends, the lock on --out goes with it
-        try:
-            run = build_run(args, life.device)
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        run.life = life
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, life.writer), 0
-        for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)
-            # samples.jsonl, metrics.jsonl, the log line, checkpoint.pt; --max-bad-steps
-            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
-    finally:
-        release_folders(life)
-
-
-def evaluate(argv):
-    """`evaluate --run DIR --n N [--batch-size B] [--device D] [--out DIR]`: a run of this script scored on its
-    checkpoint, eval.json written (nothing half-written on Ctrl-C, SIGTERM or bad input)."""
-    a, cfg, state, path, made = neighbour_eval_args(argv, "neighbours/rlae.py")
-    with evaluating(made):
+    if argv[:1] != ["evaluate"]:
+        return train_run(parse_args(argv), score_batch or rewards.score_batch)
+    a, cfg, state, path, made = plumbing.evaluate_args(argv[1:], "neighbours/rlae.py")
+    with plumbing.evaluating(made):  # Ctrl-C, SIGTERM, bad input: one line, nothing half-written
         result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
                               device=pick_device(a.device))
-    save_eval(path, result, state)
-
-
-def load_trained(args, lora_state=None, method_state=None, device="cpu"):
-    """A run of this script (its config `args`), loaded: (policy, tokenizer, method, eos_ids)."""
-    policy, tok, dtype = frozen_policy(args, device)
-    g = rlae(args.team_models, policy.config.hidden_size, args, torch.device(device), dtype=dtype)
-    return restore_trained(policy, tok, g, args, lora_state=lora_state, method_state=method_state)
+    plumbing.save_eval(path, result, state)
 
 
 def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
     """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    return score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
+    return plumbing.score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
 
 
 if __name__ == "__main__":

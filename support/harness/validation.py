@@ -8,7 +8,6 @@ Choices the paper leaves open: greedy decoding, the training prompt and budget, 
 
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
-import contextlib
 import json
 import os
 
@@ -18,7 +17,7 @@ from tqdm import tqdm
 
 import rewards
 from adapter import empty_context
-from baselines import NEIGHBOURS, kind
+from baselines import kind
 from rollout import encode_prompts
 from adapter import anchor_context
 from lora import apply_lora, load_lora_state_dict
@@ -198,81 +197,3 @@ def read_run(folder):
         fail(f"--run {folder} trained on the one file --data-path {data}, which has no test split: its "
              "validation items would be training items")
     return cfg, state
-
-
-def neighbour_eval_args(argv, script):
-    """The command line of a neighbour script's `evaluate` (neighbours/*.py): --run, --n, --batch-size,
-    --device, --out, as evaluate.py spells them. Returns (flags, the run's config as a namespace, its
-    checkpoint, the eval.json path, the folders made for it); bad input exits with code 2 and one line."""
-    from types import SimpleNamespace
-
-    from support.harness.model_check import check_models
-    from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder
-    p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
-                       "validation split, greedy -> eval.json")
-    p.add_argument("--run", required=True, help=f"a run folder written by {script}")
-    p.add_argument("--n", type=SPLIT_SIZE, default=4000, help="validation items (paper: 4000)")
-    p.add_argument("--batch-size", type=COUNT, default=50, help="prompts per generation batch")
-    p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
-    p.add_argument("--out", default=None, help="where eval.json goes (default: the run folder)")
-    a = p.parse_args(argv)
-    cfg, state = read_run(a.run)
-    own = os.path.splitext(os.path.basename(script))[0]  # neighbours/conductor.py: a conductor run
-    if cfg.get("method") != own:  # another script's run would be built as this one's, and fail in a traceback
-        command = (f"python neighbours/{cfg['method']}.py evaluate" if cfg.get("method") in NEIGHBOURS
-                   else "python evaluate.py")
-        fail(f"--run {a.run} is not a {own} run (--method {cfg.get('method')}): {command} --run {a.run}")
-    team = cfg["team_models"]
-    path = os.path.join(a.out or a.run, "eval.json")
-    made = create_folder(os.path.dirname(path), "--out" if a.out else "--run")
-    try:
-        check_models([(m, f"--run {a.run}") for m in [team["policy"], *team["experts"]]])
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
-    return a, SimpleNamespace(**cfg), state, path, made
-
-
-def frozen_policy(args, device="cpu"):
-    """The frozen policy of a run's config `args` (its team's policy, its --dtype) on `device`: (policy,
-    tokenizer, dtype). A neighbour's script builds its g beside it and calls restore_trained."""
-    from experts import frozen_dtype, load_model
-    device = torch.device(device)
-    dtype = frozen_dtype(getattr(args, "dtype", "auto"), device)
-    policy, tok = load_model(args.team_models["policy"], device, dtype)
-    return policy, tok, dtype
-
-
-@torch.no_grad()
-def score_run(policy, tok, method, eos_ids, args, n, batch_size=50):
-    """The greedy validation score of a loaded run (restore_trained's) on its seed's first n items:
-    evaluate.py's result."""
-    items = validation_items(args, n)
-    per_item, status = score_items(policy, tok, method, eos_ids, items=items, args=args,
-                                   batch_size=batch_size)
-    return scored(per_item, status, items, args, method_name=args.method)
-
-
-@contextlib.contextmanager
-def evaluating(made):
-    """Around a neighbour script's `evaluate`: Ctrl-C / SIGTERM end it in one line with exit code 130 / 143
-    within seconds (support/harness/stop.py), and a loader's ValueError / FileNotFoundError (an unknown
-    task, missing data, no CUDA) in one line with exit code 2; either way nothing half-written, and the
-    folders neighbour_eval_args made removed again."""
-    from support.harness.config import remove_created
-    from support.harness.stop import stopping_on_signals
-    with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
-                             cleanup=lambda: remove_created(made)):
-        try:
-            yield
-        except (ValueError, FileNotFoundError) as e:
-            remove_created(made)
-            fail(str(e))
-
-
-def save_eval(path, result, state):
-    """eval.json of a run (its checkpoint's step beside the score), and the line that says so."""
-    from support.harness.checkpoint import write_json
-    result["step"] = int(state["step"])
-    write_json(path, result)
-    print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "
-          f"solved {100 * result['solve_rate']:.1f} | n {result['n']} -> {path}")
