@@ -114,10 +114,8 @@ def evaluate_args(argv, script):
     team = cfg["team_models"]
     path = os.path.join(a.out or a.run, "eval.json")
     made = create_folder(os.path.dirname(path), "--out" if a.out else "--run")
-    try:
+    with one_line_errors():  # a model of the run missing or unreadable
         check_models([(m, f"--run {a.run}") for m in [team["policy"], *team["experts"]]])
-    except (ValueError, FileNotFoundError) as e:
-        fail(str(e))
     return a, SimpleNamespace(**cfg), state, path, made
 
 
