@@ -114,6 +114,7 @@ def test_plan_prints_and_writes_nothing(tmp_path):
                           "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "cpu: peak" in res.stdout and "LoRA + grad + AdamW" in res.stdout
+    assert " GB" not in res.stdout and res.stdout.count(" GiB") > 3  # 2 ** 30 bytes, labelled as such
     assert not os.path.exists(out) and not os.path.exists(cache)
 
 

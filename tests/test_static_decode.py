@@ -231,6 +231,8 @@ def test_the_step_is_captured_once_per_run_and_reads_the_weights_updated_in_plac
     assert standin.captures == 1 and standin.replays > 10 and all(standin.seen)
     assert all(torch.equal(a, b) for a, b in zip(first, kept))  # the call's output is its own, not the buffers'
     assert rollout.decode_path(policy) == ("graph", None)
+    loop = static_decode.HELD[policy].loop
+    assert loop.L % static_decode.ALIGN == 0 and static_decode.ALIGN == 16  # 32-byte rows of bf16 keys
     norm = policy.model.norm  # a weight the graph reads as it is (the merged ones it reads in lora_merged's buffers)
     norm.weight.data = norm.weight.data.clone()  # replaced, not updated in place
     tokens, _, tokens_graph, _ = sample_both(policy, tok, monkeypatch)
