@@ -298,9 +298,11 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
     # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32. The captured decode
-    # step reads the merged weights where it was captured: merged into the same buffers each step (keep)
+    # step reads the merged weights where it was captured: merged into the same buffers each step (keep), or
+    # unmerged (GRAPH_MERGED)
     graph = decode_loop(prompt_ids.device) == "graph"
-    merge = contextlib.nullcontext() if dtype == torch.int8 else lora_merged(policy, keep=graph)
+    unmerged = dtype == torch.int8 or (graph and not GRAPH_MERGED)
+    merge = contextlib.nullcontext() if unmerged else lora_merged(policy, keep=graph)
     with merge, low:
         start = prefill(policy, prompt_ids, prompt_mask, C, G=G, position=position, share=share)
         return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
@@ -309,6 +311,10 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
 DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (support/lib/static_decode.py); auto: graph on CUDA
+# the captured step reads LoRA merged into buffers kept for the run (one matmul a layer; Qwen2.5-3B's 5.2 GiB copy
+# stays beside the loss pass: --plan 45.0 GiB for the default team) or, False, unmerged (its low-rank products inside
+# the graph, ~6 kernels more a wrapped layer, no copy: --plan 39.8 GiB); experiments/gpu_check.py measures both
+GRAPH_MERGED = True
 
 
 def decode_loop(device):

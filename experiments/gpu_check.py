@@ -34,7 +34,8 @@ any larger card answers for an 80 GB one, the flag's comment says why 76; every 
 retries and out-of-memory events), CUDA's allocator with expandable segments (as train.py sets it; --allocator
 default for the old one), prompts of real length (--prompt-lengths real: support/harness/stand_in_tokenizer.py,
 within 1 % of Qwen2.5's token counts; the byte-level stand-in made them ~4.1x longer and stays as the stress case),
-torch's choice of SDPA kernel (--sdpa-backend forces one: flash, efficient, cudnn or math).
+torch's choice of SDPA kernel (--sdpa-backend forces one: flash, efficient, cudnn or math), LoRA merged into buffers
+the captured decode step reads (--graph-lora unmerged: read inside the graph, no merged copy kept).
 
 "before" is today's path as it was before issue 44, kept behind switches so that it re-runs on the same card in
 the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph
@@ -199,9 +200,10 @@ class Report:
 
 
 def next_commands(report):
-    """The second call, prepared from what this one found: the phases it skipped for the budget, and where the decode
+    """The second call, prepared from what this one found: the phases it skipped for the budget; where the decode
     phase saw cuDNN's attention kernel (torch's first choice on sm90 where it applies), the decode phase again with
-    the memory-efficient kernel forced, to say which is faster on this card. Each for the run tool with
+    the memory-efficient kernel forced, to say which is faster on this card; where the default step peaked above the
+    goal with the graph's merged copy kept, the step with LoRA unmerged inside the graph. Each for the run tool with
     timeout_s 300, on the same warm machine."""
     skipped = [r["phase"] for r in report.phases if r.get("ok") is None and "skipped" in r]
     head = "PYTHONUNBUFFERED=1 python experiments/gpu_check.py --wheels .whl"
@@ -213,6 +215,10 @@ def next_commands(report):
     if "cudnn" in seen:
         cmds.append(f"{head} --phases decode --sdpa-backend efficient --budget-s 240 "
                     "--out $OUT/gpu_check_efficient.json")
+    step = report.record("default_step") or {}
+    if rollout.GRAPH_MERGED and (step.get("peak_allocated_gib") or 0) > GOALS["peak_gib_experts"]:
+        cmds.append(f"{head} --phases default_step --graph-lora unmerged --budget-s 240 "
+                    "--out $OUT/gpu_check_unmerged.json")  # the merged copy the graph keeps is 5.2 GiB of the peak
     return cmds
 
 
@@ -362,7 +368,8 @@ def env(device, args, installed):
     rec = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "device": str(device), "cuda_available": torch.cuda.is_available(), "prompt_lengths": args.prompt_lengths,
            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
-           "budget_s": args.budget_s, "wheels": installed, "sdpa_forced": args.sdpa_backend, "commit": git("rev-parse", "HEAD"),
+           "budget_s": args.budget_s, "wheels": installed, "sdpa_forced": args.sdpa_backend,
+           "graph_lora": args.graph_lora, "commit": git("rev-parse", "HEAD"),
            "uncommitted": git("status", "--porcelain", "--untracked-files=no").splitlines()}
     for name in ("trl", "peft", "accelerate", "datasets", "reasoning_gym"):
         try:
@@ -912,6 +919,9 @@ def main(argv=None):
     # earlier cap) was 1-2 GiB generous: a run that fitted under it could still fail on a real 80 GB card
     ap.add_argument("--memory-cap-gib", type=float, default=76.0, help="cap this process (and TRL's) at this many "
                     "GiB of the card, what an 80 GB card leaves a run (0: no cap)")
+    ap.add_argument("--graph-lora", default="merged", choices=["merged", "unmerged"], help="what the captured decode "
+                    "step reads: LoRA merged into buffers kept for the run (rollout.GRAPH_MERGED, the default) or "
+                    "unmerged inside the graph (no merged copy: ~5.2 GiB less on the 3B policy, more kernels a step)")
     ap.add_argument("--sdpa-backend", default="auto", choices=SDPA_FORCE, help="force torch's SDPA kernel for every "
                     "phase in this process (torch.nn.attention.sdpa_kernel; auto: torch chooses; TRL's and the tests' "
                     "processes choose their own)")
@@ -989,6 +999,7 @@ def main(argv=None):
         "padded_rows": (padded_rows, device, spec), "writers": (writers, device),
         "determinism": (determinism, device, ["--preset", "smoke", "--eval-items", "0", "--device",
                                               device.type], run_dir)}
+    rollout.GRAPH_MERGED = args.graph_lora == "merged"
     forced = contextlib.nullcontext()
     if args.sdpa_backend != "auto":
         from torch.nn.attention import SDPBackend, sdpa_kernel

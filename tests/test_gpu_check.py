@@ -174,7 +174,9 @@ def test_the_second_command_runs_what_the_first_skipped_and_compares_a_backend_i
     report.run("writers", lambda: {})
     cmds = json.load(open(tmp_path / "check.json"))["next_commands"]
     assert "--phases trl,writers" in cmds[0] and "--out $OUT/gpu_check_2.json" in cmds[0]
-    assert "--phases decode --sdpa-backend efficient" in cmds[1]
+    assert "--phases decode --sdpa-backend efficient" in cmds[1] and len(cmds) == 2
+    report.run("default_step", lambda: {"peak_allocated_gib": 44.9})  # over the goal, the merged copy kept
+    assert "--phases default_step --graph-lora unmerged" in gpu_check.next_commands(report)[2]
 
 
 def test_decode_records_capture_apart_from_replay_tokens_compared_and_a_forced_backend(tmp_path):

@@ -205,6 +205,17 @@ def estimate(args, world_size=1):
     rollout_parts = {"merged LoRA weights": merged * nbytes,
                      "KV cache": cache,
                      "logits of a step": 3 * R * V * 4}                 # float32 logits, softmax, cdf
+    # the decode step captured once per run (CUDA's rollout.DECODE, support/lib/static_decode.py) reads its KV cache
+    # and the merged weights (lora_merged(keep=True)) at fixed addresses: they stay allocated between steps, beside
+    # the loss pass; only the prefill's one layer stays a transient
+    # (rollout.GRAPH_MERGED False: LoRA unmerged inside the graph, no merged copy at all)
+    held = {}
+    if device.type == "cuda" and rollout.decode_loop(device) == "graph":
+        held = {"decode graph: KV cache": R * (Pc + T) * kv_token}
+        rollout_parts["KV cache"] -= held["decode graph: KV cache"]
+        merged_copy = rollout_parts.pop("merged LoRA weights")
+        if rollout.GRAPH_MERGED:
+            held["decode graph: merged LoRA weights"] = merged_copy
     act = ACTIVATIONS_PER_TOKEN_LAYER(D) * L * nbytes
     grouped = attention.resolve(args.attention, policy, device) == attention.NAME
     kv_saved = L * 2 * (KV if grouped else H) * hd * nbytes             # keys and values as attention keeps them
@@ -240,6 +251,7 @@ def estimate(args, world_size=1):
     pol["policy weights"] = frozen * nbytes
     pol["LoRA + grad + AdamW"] = 16 * lora
     pol["g_phi + grad + AdamW"] = 16 * g_phi
+    pol.update(held)
     ex = plan.setdefault(str(expert_device), {})
     ex["expert weights"] = ex.get("expert weights", 0) + count(p for m in expert_models for p in m.parameters()) * nbytes
     ex["expert forward"] = ex.get("expert forward", 0) + (max(per_expert) if per_expert else 0)

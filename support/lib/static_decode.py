@@ -21,7 +21,8 @@ it (vLLM and nanochat keep a static KV cache; vLLM and gpt-fast capture the deco
     columns) builds a new Loop and captures again, and so does a call after a weight the graph reads was replaced
     by a new tensor (a graph reads the addresses it was captured with: the Loop compares them, `addresses`), so
     the weights must be updated in place: the optimiser does, and rollout.sample merges LoRA with
-    lora_merged(keep=True), into the same buffers each step;
+    lora_merged(keep=True), into the same buffers each step (or leaves it unmerged, its parameters read inside the
+    graph: rollout.GRAPH_MERGED);
   - fail-soft: a capture or a replay that raises does not end the call: it goes on with the same step run eagerly
     (the same tokens), from where the device's step counter stands, prints why once on stderr, and the policy's
     later calls run the static loop eagerly; rollout.decode_path tells the run's metrics which loop ran and why;
@@ -36,12 +37,14 @@ one capture for two steps with a LoRA update between, the addresses read). Const
 rollout.decode's loop. What a CPU cannot show (the graph itself) the `cuda` tests and experiments/gpu_check.py do.
 
 Memory: the Loop (its KV cache of N x L columns) and the merged weights stay allocated between steps, so the loss
-pass runs beside them: the price of capturing once (one graph per call captured again: ~0.2-0.5 s a step).
+pass runs beside them: the price of capturing once (a graph captured again in every call costs ~0.2-0.5 s a step).
+support/harness/plan.py counts them as resident: the default team's --plan on CUDA says 45.0 GiB with LoRA merged
+(4.4 GiB of KV cache and 5.2 GiB of merged weights kept), 39.8 GiB unmerged, 38.9 GiB for the eager loop.
 
   supports(policy, cache)    whether this loop can run a model's decode (plain KV layers, full attention, RoPE)
   decode(...)                rollout.decode's arguments (no `allowed`), plus graph=True to capture the step
   Loop, StaticLayer          the loop's tensors at one shape; one layer of its KV cache
-  capture(step, held)        WARMUP eager steps then the step recorded as a CUDA graph: its replay
+  capture(loop, held)        WARMUP eager steps then the step recorded as a CUDA graph: its replay
   HELD                       policy -> Held: its Loop, captured step, stream and pool, and why a graph failed
 
 Try it on CPU:  python -m pytest tests/test_static_decode.py -q
@@ -189,8 +192,8 @@ class Held:
 HELD = weakref.WeakKeyDictionary()  # policy -> Held, for as long as the policy lives
 
 
-def capture(step, held):
-    """WARMUP real steps, then `step` recorded as a CUDA graph, both on held's side stream (cuBLAS sets up its
+def capture(loop, held):
+    """WARMUP real steps of `loop`, then its step recorded as a CUDA graph, both on held's side stream (cuBLAS sets up its
     handle and workspace per stream: warming up on another stream left that set-up inside the capture) and into
     held's memory pool (one for the run, reused when a new shape is captured). -> (the graph's replay, WARMUP)."""
     if held.stream is None:
@@ -198,11 +201,11 @@ def capture(step, held):
     held.stream.wait_stream(torch.cuda.current_stream())
     with torch.cuda.stream(held.stream):
         for _ in range(WARMUP):
-            step()
+            loop.step()
     torch.cuda.current_stream().wait_stream(held.stream)
     graph = torch.cuda.CUDAGraph()
     with torch.cuda.graph(graph, pool=held.pool, stream=held.stream):    # recorded, not run
-        step()
+        loop.step()
     return graph.replay, WARMUP
 
 
@@ -236,7 +239,7 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
             if loop.replay is None:
                 sync(dev)
                 t0 = time.perf_counter()
-                loop.replay, warm = capture(loop.step, held)
+                loop.replay, warm = capture(loop, held)
                 sync(dev)
                 held.captures, held.capture_seconds, n = held.captures + 1, time.perf_counter() - t0, n + warm
             replaying = True
