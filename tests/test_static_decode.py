@@ -158,8 +158,8 @@ class StandInGraph:
         self.captures, self.replays, self.seen = 0, 0, []
 
     def addresses(self, loop):
-        return (tuple(t.data_ptr() for t in [*self.policy.parameters(), *self.policy.buffers()]),
-                tuple(layer.keys.data_ptr() for layer in loop.cache.layers))
+        weights = [*self.policy.parameters(), *self.policy.buffers()] if self.policy is not None else []
+        return tuple(t.data_ptr() for t in weights), tuple(layer.keys.data_ptr() for layer in loop.cache.layers)
 
     def __call__(self, loop, held):
         for _ in range(static_decode.WARMUP):
@@ -178,10 +178,10 @@ class StandInGraph:
         return replay, static_decode.WARMUP
 
 
-def sample_both(policy, tok, monkeypatch, T=12):
+def sample_both(policy, tok, monkeypatch, T=12, prompts=("What is 2 + 3?", "A longer question: what is 17 + 25?")):
     """rollout.sample as train.py calls it (LoRA merged, uniforms, log-probs) on the eager loop and on the graph path
     (the stand-in's): (eager tokens, eager log-probs, graph tokens, graph log-probs)."""
-    ids, mask = rollout.encode_prompts(tok, ["What is 2 + 3?", "A longer question: what is 17 + 25?"], "cpu")
+    ids, mask = rollout.encode_prompts(tok, list(prompts), "cpu")
     u = torch.rand(6, T, generator=torch.Generator().manual_seed(3))
     out = []
     for loop in ("eager", "graph"):
@@ -237,10 +237,28 @@ def test_the_step_is_captured_once_per_run_and_reads_the_weights_updated_in_plac
     assert rollout.decode_path(policy) == ("graph", None)
     loop = static_decode.HELD[policy].loop
     assert loop.L % static_decode.ALIGN == 0 and static_decode.ALIGN == 16  # 32-byte rows of bf16 keys
+    tokens, _, tokens_graph, _ = sample_both(policy, tok, monkeypatch, prompts=("Hi", "What is 2 + 3?"))
+    assert standin.captures == 1 and torch.equal(tokens, tokens_graph)  # shorter prompts: the same Loop, replayed
     norm = policy.model.norm  # a weight the graph reads as it is (the merged ones it reads in lora_merged's buffers)
     norm.weight.data = norm.weight.data.clone()  # replaced, not updated in place
     tokens, _, tokens_graph, _ = sample_both(policy, tok, monkeypatch)
     assert standin.captures == 2 and torch.equal(tokens, tokens_graph) and all(standin.seen)
+
+
+def test_a_policy_is_not_kept_alive_by_its_captured_step(monkeypatch):
+    """HELD[policy] keeps the policy's Loop for as long as the policy lives, not longer: a Loop that held its policy
+    would keep every policy a process ever captured for (on the card: a finished run's weights, KV cache and merged
+    copy under the next one's)."""
+    import gc
+    import weakref
+    policy, tok = lora_policy("tiny:llama")
+    monkeypatch.setattr(static_decode, "capture", StandInGraph(None), raising=False)
+    sample_both(policy, tok, monkeypatch)
+    assert static_decode.HELD[policy].captures == 1
+    gone = weakref.ref(policy)
+    del policy
+    gc.collect()
+    assert gone() is None
 
 
 def test_the_runs_metrics_say_which_decode_loop_and_attention_ran(monkeypatch, tmp_path, capsys):

@@ -118,7 +118,9 @@ class Loop:
     def __init__(self, policy, cache, shape, L, T, greedy, return_logprobs, temperature, eos_ids, pad_id):
         dev, N, V = cache.layers[0].keys.device, shape[0], shape[1]
         self.shape, self.L, self.weights = shape, L, addresses(policy)
-        self.policy, self.greedy, self.return_logprobs, self.temperature = policy, greedy, return_logprobs, temperature
+        # a weak reference: HELD[policy] holds this Loop, which must not keep its policy (and the card's memory) alive
+        self.policy = weakref.proxy(policy)
+        self.greedy, self.return_logprobs, self.temperature = greedy, return_logprobs, temperature
         self.pad_id, self.replay = pad_id, None                             # replay: the captured step's
         self.col = torch.zeros(1, dtype=torch.long, device=dev)             # where the next token's K/V go
         self.t = torch.zeros(1, dtype=torch.long, device=dev)               # the step: uniform and output column
@@ -223,14 +225,18 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     held = HELD.setdefault(policy, Held())
     graph = graph and held.failed is None and T > WARMUP + 2
     shape = (N, logits.shape[-1], T, greedy, return_logprobs, temperature, tuple(eos_ids), pad_id,
-             tuple((layer.keys.shape[1:], layer.keys.dtype) for layer in cache.layers))
+             tuple((layer.keys.shape[1], layer.keys.shape[3], layer.values.shape[3], layer.keys.dtype)
+                   for layer in cache.layers))                             # all but the prompt's width P
     loop = held.loop if graph else None
+    # a new Loop (and capture) for a new shape, a longer prompt than the Loop has room for (a new longest one: a few
+    # times a run), or a weight the graph reads that is no longer where it was
     if loop is None or loop.shape != shape or loop.L < P + T or loop.weights != addresses(policy):
         if graph:
             held.loop = None                                                # the old tensors go first
         loop = Loop(policy, cache, shape, L=-(-(P + T) // ALIGN) * ALIGN, T=T, greedy=greedy,
                     return_logprobs=return_logprobs, temperature=temperature, eos_ids=eos_ids, pad_id=pad_id)
-        held.loop = loop if graph else held.loop
+        if graph:
+            held.loop = loop
     loop.fill(cache, logits.float(), mask, pos, torch.rand(N, T, device=dev) if uniforms is None else uniforms)
     loop.pick()                                                             # y_0, from the prefill's logits
     n, replaying = 1, False
