@@ -310,10 +310,10 @@ class Worker:
         self.proc.stdin.flush()
         return self.recv(timeout)
 
-    def close(self):
+    def close(self, timeout=300):
         with contextlib.suppress(OSError):
             self.proc.stdin.write('{"cmd": "quit"}\n'), self.proc.stdin.flush()
-        self.proc.wait(timeout=300)
+        self.proc.wait(timeout=timeout)
 
 
 def alternate(plan, n_warm, n_meas, log):

@@ -101,7 +101,7 @@ sys.path.insert(0, ROOT)
 
 import rollout  # noqa: E402
 from experts import load_model  # noqa: E402
-from lora import apply_lora, lora_merged  # noqa: E402
+from lora import apply_lora, lora_layers, lora_merged  # noqa: E402
 
 POLICY_3B = "shape:Qwen/Qwen2.5-3B-Instruct"
 # seconds on an H200 (estimates; the budget's guide): a phase that would end past --budget-s is skipped. decode: 4
@@ -689,7 +689,10 @@ def decode(device, spec, rows_list, new_tokens, progress=lambda res: None):
             tokens[name, rows] = comp.cpu()
             del comp
         res[name]["sdpa_backend"] = profiled_backends(model, device, run)
-        static_decode.HELD.pop(model, None)
+        static_decode.HELD.pop(model, None)  # the variant's captured step and the merged copy it read go with it
+        for _, layer in lora_layers(model):
+            layer.merged_weight = None
+        _free(device)
         progress(res)
     res["tokens_equal"] = {f"{a}_vs_{b}": {f"rows_{r}": (tokens[a, r] == tokens[b, r]).float().mean().item()
                                            for r in rows_list}
@@ -795,7 +798,8 @@ def default_step(device, argv):
         steps.append({"seconds": round(time.perf_counter() - t0, 2),
                       "phases": {k: {**v, "seconds": round(v["seconds"], 2)} for k, v in times.items()},
                       "metrics": {k: rec.get(k) for k in ("reward", "kl", "loss", "completion_length",
-                                                          "skipped_update", "grad_norm", "rollout_logp_gap")}})
+                                                          "skipped_update", "grad_norm", "rollout_logp_gap",
+                                                          "decode", "decode_fallback", "attention")}})
         times.clear()
         return rec, batches
 
@@ -837,7 +841,7 @@ def trl(device, report, opts, warmup, steps):
         for k in range(warmup + steps):
             replies.append(w.run(step=k, timeout=report.seconds_left()))
             report.progress("trl", {"step_seconds_so_far": [r["seconds"] for r in replies]})
-        w.close()
+        w.close(timeout=60)
     except Exception as e:  # noqa: BLE001  the worker's own error is in its log: bring its end along
         w.proc.kill()
         tail = open(os.path.join(log_dir, "trl.log")).read()[-3000:]

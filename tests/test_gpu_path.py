@@ -223,6 +223,7 @@ def test_device_check_runs_on_cpu_at_tiny_scale(tmp_path):
     assert got["padded_rows"]["math"]["behind_first"]["nonfinite_real_tokens"] == 0
     assert got["writers"]["float32_equal"] is True  # on CPU "the device" is the CPU: the same texts
     assert len(got["default_step"]["steps"]) == 3  # --steps 3: a warm-up and two measured
+    assert got["default_step"]["steps"][0]["metrics"]["decode"] == "eager"  # a CPU's loop, recorded each step
     assert got["preflight"]["matmul_ok"] is True and os.path.exists(tmp_path / "decode.started")
     assert got["default_step_before"]["switches"]["DECODE"] == "'eager'"
     assert got["decode"]["before"]["loop"] == "eager" and got["decode"]["after"]["loop"] == "static"
