@@ -15,7 +15,8 @@ tests/test_adapter.py checks it token for token.
   prefill, prefill_shared   [x || C] once per prompt (their common beginning once) -> the KV cache
                             of G completions
   sample, decode, draw      the rollout: G completions per prompt, KV-cached, LoRA merged in (on CUDA the
-                            decode loop with fixed shapes as a CUDA graph: support/lib/static_decode.py)
+                            decode loop with fixed shapes, its step captured as a CUDA graph once per run:
+                            support/lib/static_decode.py; decode_loop, decode_path: which loop runs, which ran)
   greedy_texts              a frozen writer's greedy answers (conductor workers, output_collab's hints)
   completion_logprobs       the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
                             (grpo.token_logprobs, grpo.head_logprobs; support/lib/recompute.py: the MLPs'
