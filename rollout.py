@@ -15,7 +15,8 @@ tests/test_adapter.py checks it token for token.
   prefill, prefill_shared   [x || C] once per prompt (their common beginning once) -> the KV cache
                             of G completions
   sample, decode, draw      the rollout: G completions per prompt, KV-cached, LoRA merged in (on CUDA the
-                            decode loop with fixed shapes as a CUDA graph: support/lib/static_decode.py)
+                            decode loop with fixed shapes, its step captured as a CUDA graph once per run:
+                            support/lib/static_decode.py; decode_loop, decode_path: which loop runs, which ran)
   greedy_texts              a frozen writer's greedy answers (conductor workers, output_collab's hints)
   completion_logprobs       the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
                             (grpo.token_logprobs, grpo.head_logprobs; support/lib/recompute.py: the MLPs'
@@ -297,8 +298,12 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     low = contextlib.nullcontext()
     if dtype not in (None, torch.float32):
         low = low_precision_linears(policy, dtype)
-    # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32
-    merge = contextlib.nullcontext() if dtype == torch.int8 else lora_merged(policy)
+    # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32. The captured decode
+    # step reads the merged weights where it was captured: merged into the same buffers each step (keep), or
+    # unmerged (GRAPH_MERGED)
+    graph = decode_loop(prompt_ids.device) == "graph"
+    unmerged = dtype == torch.int8 or (graph and not GRAPH_MERGED)
+    merge = contextlib.nullcontext() if unmerged else lora_merged(policy, keep=graph)
     with merge, low:
         start = prefill(policy, prompt_ids, prompt_mask, C, G=G, position=position, share=share)
         return decode(policy, *start, max_new_tokens, temperature, eos_ids, pad_id, greedy,
@@ -307,6 +312,26 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
 DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (support/lib/static_decode.py); auto: graph on CUDA
+# the captured step reads LoRA merged into buffers kept for the run (one matmul a layer; Qwen2.5-3B's 5.2 GiB copy
+# stays beside the loss pass: --plan 45.0 GiB for the default team) or, False, unmerged (its low-rank products inside
+# the graph, ~6 kernels more a wrapped layer, no copy: --plan 39.8 GiB); experiments/gpu_check.py measures both
+GRAPH_MERGED = True
+
+
+def decode_loop(device):
+    """The loop DECODE names on `device`: "eager", "static" or "graph" (auto: graph on CUDA, else eager)."""
+    path = DECODE if DECODE != "auto" else "graph" if torch.device(device).type == "cuda" else "eager"
+    if path == "graph" and torch.device(device).type != "cuda":
+        raise ValueError(f"rollout.DECODE = 'graph' needs a CUDA device, not {device}: on a CPU set 'static' "
+                         "(the same loop, not captured) or 'eager'")
+    return path
+
+
+def decode_path(policy):
+    """(the loop `policy`'s last decode ran: "eager", "static" or "graph"; why a captured graph failed, or None):
+    the run's metrics record both (a graph that fails goes on as "static", support/lib/static_decode.py)."""
+    held = static_decode.HELD.get(policy)
+    return (held.path, held.failed) if held else ("eager", None)
 
 
 def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
@@ -319,13 +344,15 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     launch queue), so on a GPU it is asked every SYNC_EVERY tokens, and the tokens written after
     the last row ended (all padding) are cut at the end: the same output as asking every token.
     On CUDA the same loop runs with fixed shapes, its step captured as a CUDA graph (DECODE)."""
-    path = DECODE if DECODE != "auto" else "graph" if logits.device.type == "cuda" else "eager"
+    path = decode_loop(logits.device)
     if path != "eager" and allowed is None and static_decode.supports(policy, cache):
         return static_decode.decode(policy, cache, logits, mask, pos=pos,
                                     max_new_tokens=max_new_tokens, temperature=temperature,
                                     eos_ids=eos_ids, pad_id=pad_id, greedy=greedy,
                                     return_logprobs=return_logprobs, uniforms=uniforms,
                                     graph=path == "graph", sync_every=SYNC_EVERY)
+    if policy in static_decode.HELD:  # the metrics' record of the loop that ran
+        static_decode.HELD[policy].path = "eager"
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
     preallocate(cache, max_new_tokens)  # each token written in place (support/lib/kv_cache.py)
     logits = logits.float()                                               # (B*G, vocab)

@@ -37,7 +37,7 @@ with the same phase timers, so the experts' own seconds are measured apart from 
 Threads: --threads per worker (default 1). On this shared 2-core machine one forward took 1.9-10 s with two OpenMP
 threads (stalls when another job holds a core) and 3.4-3.9 s with one; use --threads 2 on a quiet machine.
 """
-import argparse, collections, contextlib, json, os, platform, resource, subprocess, sys, tempfile, time  # noqa: E401
+import argparse, collections, contextlib, json, os, platform, resource, select, subprocess, sys, tempfile, time  # noqa: E401
 
 import numpy as np
 
@@ -292,7 +292,12 @@ class Worker:
                                       json.dumps(opts)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=self.log, text=True, env=env, cwd=ROOT)
 
-    def recv(self):
+    def recv(self, timeout=None):
+        """The worker's next reply (one JSON line). timeout: seconds to wait for it (None: for ever), then
+        TimeoutError: a hung worker must not eat the caller's budget (experiments/gpu_check.py's TRL phase). The
+        protocol is one line per request, so nothing waits in the pipe's buffer that select() would not see."""
+        if timeout is not None and not select.select([self.proc.stdout], [], [], max(timeout, 0))[0]:
+            raise TimeoutError(f"worker {self.name}: no reply within {timeout:.0f} s; see {self.log.name}")
         line = self.proc.stdout.readline()
         if not line:
             raise RuntimeError(f"worker {self.name} died; see {self.log.name}")
@@ -300,15 +305,15 @@ class Worker:
         self.rss = max(self.rss, r["rss_mb"])
         return r
 
-    def run(self, **cmd):
+    def run(self, timeout=None, **cmd):
         self.proc.stdin.write(json.dumps({"cmd": "step", **cmd}) + "\n")
         self.proc.stdin.flush()
-        return self.recv()
+        return self.recv(timeout)
 
-    def close(self):
+    def close(self, timeout=300):
         with contextlib.suppress(OSError):
             self.proc.stdin.write('{"cmd": "quit"}\n'), self.proc.stdin.flush()
-        self.proc.wait(timeout=300)
+        self.proc.wait(timeout=timeout)
 
 
 def alternate(plan, n_warm, n_meas, log):

@@ -9,54 +9,72 @@ THE COMMAND for a GPU session (the run tool: carry [".whl"], timeout_s 480; the 
     nvidia-smi > $OUT/nvidia-smi.txt; PYTHONUNBUFFERED=1 python experiments/gpu_check.py --wheels .whl
         --budget-s 400 --out $OUT/gpu_check.json 2>&1 | tee $OUT/gpu_check.log
 
-It writes $OUT/gpu_check.json after every phase (a timeout keeps what finished; a phase that fails records its
-error and the next one runs; a phase that would not end within --budget-s of the start, the wheels' installation
-included, is skipped and says so: 400 s leaves the last phase 80 s of the 480 to overrun its estimate), with
-"goals": the issue's performance goals read from the phases so far. On a CPU, every phase at tiny scale (what the test
-suite runs; TRL's phase too where TRL is installed), and the GPU run's own branches at one layer of the paper's
-shapes (the 3B policy, one expert, the arithmetic task, the stand-in tokenizer, TRL on that policy; ~25 min on one
-core, a dry run for what --tiny does not reach):
+It leaves a trace whatever happens: a "<phase>.started" file under $OUT before each phase, $OUT/gpu_check.json after
+every phase and after each variant of a long one (decode's, TRL's steps): a phase that the time limit kills keeps its
+marker and the figures it had; a phase that fails records its error and those figures, and the next one runs; a
+phase that would not end within --budget-s of the start, the wheels' installation included, is skipped and says so
+(400 s leaves the last phase 80 s of the 480 to overrun its estimate); TRL's worker answers within the deadline or
+its phase ends. The JSON holds "goals" (the issue's performance goals read from the phases so far) and
+"next_commands", printed at the end too: THE SECOND COMMAND, prepared from what the first found (the phases the
+budget skipped; the decode with the memory-efficient kernel forced where cuDNN's ran), for the same warm machine
+with timeout_s 300, e.g.
+
+    PYTHONUNBUFFERED=1 python experiments/gpu_check.py --wheels .whl --phases trl,default_step_before
+        --budget-s 240 --out $OUT/gpu_check_2.json 2>&1 | tee $OUT/gpu_check_2.log
+
+On a CPU, every phase at tiny scale (what the test suite runs; TRL's phase too where TRL is installed), and the GPU
+run's own branches at one layer of the paper's shapes (the 3B policy, one expert, the arithmetic task, the stand-in
+tokenizer, TRL on that policy; ~25 min on one core, a dry run for what --tiny does not reach):
 
     python experiments/gpu_check.py --tiny --out /tmp/gpu_check.json
     python experiments/gpu_check.py --shallow --steps 1 --out /tmp/gpu_check_shallow.json
 
-Settings of the whole process: the card capped at --memory-cap-gib 78 (torch.cuda.set_per_process_memory_fraction:
-any larger card answers for an 80 GB one; every phase records the allocator's retries and out-of-memory events),
-CUDA's allocator with expandable segments (as train.py sets it; --allocator default for the old one), prompts of
-real length (--prompt-lengths real: support/harness/stand_in_tokenizer.py, within 1 % of Qwen2.5's token counts; the
-byte-level stand-in made them ~4.1x longer and stays as the stress case).
+Settings of the whole process: the card capped at --memory-cap-gib 76 (torch.cuda.set_per_process_memory_fraction:
+any larger card answers for an 80 GB one, the flag's comment says why 76; every phase records the allocator's
+retries and out-of-memory events), CUDA's allocator with expandable segments (as train.py sets it; --allocator
+default for the old one), prompts of real length (--prompt-lengths real: support/harness/stand_in_tokenizer.py,
+within 1 % of Qwen2.5's token counts; the byte-level stand-in made them ~4.1x longer and stays as the stress case),
+torch's choice of SDPA kernel (--sdpa-backend forces one: flash, efficient, cudnn or math), LoRA merged into buffers
+the captured decode step reads (--graph-lora unmerged: read inside the graph, no merged copy kept).
 
 "before" is today's path as it was before issue 44, kept behind switches so that it re-runs on the same card in
-the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph,
-support/lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after": auto = grouped,
-support/lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once; "after": one completion
-at a time, grpo.head_logprobs). A switch this checkout lacks is recorded as absent, not failed (SWITCHES).
+the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph
+once per run, support/lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after":
+auto = grouped, support/lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once;
+"after": one completion at a time, grpo.head_logprobs). A switch this checkout lacks is recorded as absent, not
+failed (SWITCHES).
 
 Phases, in priority order (the default list; the seconds are estimates for an H200, the budget's guide):
+  preflight     every module a phase imports, a matmul on the card, a one-op CUDA graph replayed     (10 s)
   env           versions, the card, the cap, the allocator, the wheels installed, SDPA backends         (1 s)
   tiny_parity   the tiny team on CPU vs on the device (log-probs, greedy tokens, LoRA gradient, a bf16 smoke
                 step whose KL must be exactly 0), and the decode loops on the device: the eager loop vs the
                 captured graph from the same uniforms (tokens equal, log-prob difference)            (25 s)
-  decode        the 3B policy's decode at 32 and 256 rows (real prompts, 64 new tokens, no EOS): ms per decode
-                step (prefill timed apart), tokens/s, peak memory, for before (eager loop, SDPA, LoRA merged),
-                eager_grouped, after (graph, grouped, merged) and after_unmerged (no merged weight copy);
-                CUDA kernels per token for before                                                     (45 s)
+  decode        the 3B policy's decode at 32 and 256 rows (real prompts, 128 new tokens, no EOS): for each
+                variant a first call (the capture in it, capture_seconds apart) and a steady call (the step
+                replayed): ms per decode step (prefill timed apart), tokens/s, peak memory; before (eager loop,
+                SDPA, LoRA merged), eager_grouped, after (graph, grouped, merged into the same buffers) and
+                after_unmerged (no merged weight copy); the graph's tokens vs the eager loop's from the same
+                uniforms; the SDPA backend that ran (profiler); CUDA kernels per token for before     (90 s)
   default_step  train.py --task arithmetic --team default --random-weights, the paper's settings (32 prompts
-                x G 8, 128 new tokens), --steps steps (the first a warm-up): seconds and peak memory per phase of
-                the step (synchronised), --plan's figures beside them, retries and OOMs              (60 s)
-  default_step_before   the same on before's path                                                     (75 s)
-  default_step_single   --method single (no experts, no C): the like-for-like step for TRL            (40 s)
+                x G 8, 128 new tokens), --steps steps (3; the first a warm-up): seconds and peak memory per phase
+                of the step (synchronised), --plan's figures beside them, retries and OOMs, the decode loop
+                and attention each step ran (metrics.jsonl's decode, decode_fallback, attention)      (75 s)
+  default_step_cached   1 step on precomputed expert states (--precompute-states, then --expert-cache) (60 s)
+  cuda_tests    pytest -m cuda on CUDA_TESTS: the graph vs the static loop, the GPU path, grouped attention
+                vs SDPA in bf16 (tests/test_attention.py)                                            (90 s)
+  default_step_single   --method single (no experts, no C): the like-for-like step for TRL            (50 s)
   trl           TRL 1.16's GRPOTrainer (HF generate, PEFT LoRA r 8 on the same modules, bf16, gradient
                 checkpointing as its default, beta 0.04) on the same random-weight policy and prompts, 32 x G 8,
                 128 new tokens forced (min_new_tokens), one optimiser step of 8 micro-batches a step, in a process
                 of its own (experiments/bench.py's worker) capped alike: 1 warm-up + --trl-steps timed steps;
                 ours / TRL per step for `single` and for `ours` (the default team)                   (120 s)
-  default_step_stress   the after path with the byte-level stand-in (prompts ~4.1x long)              (60 s)
-  default_step_cached   1 step on precomputed expert states (--precompute-states, then --expert-cache) (60 s)
-  cuda_tests    pytest -m cuda on tests/test_static_decode.py and tests/test_gpu_path.py              (60 s)
-  default_step_stress_before   the stress case on before's path                                       (90 s)
+  default_step_before   the default step on before's path                                             (90 s)
+  default_step_stress   the after path with the byte-level stand-in (prompts ~4.1x long)              (75 s)
   padded_rows   the 3B shape's left-padded rows under each SDPA backend (measured before, unchanged) (5 s)
   writers       rollout.greedy_texts on CPU and on the device (measured before)                        (3 s)
+  default_step_stress_before   the stress case on before's path                                      (110 s)
+With the 400 s budget the first call is expected to reach cuda_tests; the rest goes into the second command.
 Not in the default list (measured before, their code unchanged): default_step_per_micro (--rollout-batch 1),
 determinism (fresh processes with and without --deterministic).
 
@@ -83,17 +101,21 @@ sys.path.insert(0, ROOT)
 
 import rollout  # noqa: E402
 from experts import load_model  # noqa: E402
-from lora import apply_lora, lora_merged  # noqa: E402
+from lora import apply_lora, lora_layers, lora_merged  # noqa: E402
 
 POLICY_3B = "shape:Qwen/Qwen2.5-3B-Instruct"
-# seconds on an H200 (estimates; the budget's guide): a phase that would end past --budget-s is skipped
-ESTIMATE_S = dict(env=1, tiny_parity=25, decode=45, default_step=60, default_step_before=75, default_step_single=40,
-                  trl=120, default_step_stress=60, default_step_cached=60, cuda_tests=60,
-                  default_step_stress_before=90, padded_rows=5, writers=3, default_step_per_micro=90, determinism=120)
-DEFAULT_PHASES = ["env", "tiny_parity", "decode", "default_step", "default_step_before", "default_step_single", "trl",
-                  "default_step_stress", "default_step_cached", "cuda_tests", "default_step_stress_before",
-                  "padded_rows", "writers"]
-# the issue's goals (default team, the paper's settings, real prompt lengths, capped at 78 GiB)
+# seconds on an H200 (estimates; the budget's guide): a phase that would end past --budget-s is skipped. decode: 4
+# variants x 2 row counts x 2 calls of 128 tokens (the eager loop's ~80 ms a token at 256 rows: ~10 s a call);
+# default_step: the 3B team loaded (~20 s) and 3 steps (7-11 s expected at real prompt lengths)
+ESTIMATE_S = dict(preflight=10, env=1, tiny_parity=25, decode=90, default_step=75, default_step_cached=60,
+                  cuda_tests=90, default_step_single=50, trl=120, default_step_before=90, default_step_stress=75,
+                  padded_rows=5, writers=3, default_step_stress_before=110, default_step_per_micro=90, determinism=120)
+# the order is the priority: what the issue's goals read first (decode, the step, precomputed states), the CUDA
+# tests, then the comparisons; what the budget skips goes into the second call (next_commands)
+DEFAULT_PHASES = ["preflight", "env", "tiny_parity", "decode", "default_step", "default_step_cached", "cuda_tests",
+                  "default_step_single", "trl", "default_step_before", "default_step_stress", "padded_rows", "writers",
+                  "default_step_stress_before"]
+# the issue's goals (default team, the paper's settings, real prompt lengths, capped for an 80 GB card)
 GOALS = dict(step_s=6.0, decode_ms_256_rows=8.0, peak_gib_experts=40.0, peak_gib_precomputed=20.0, ours_vs_trl=0.25)
 TRL_WHEELS = ["trl==1.16.0", "datasets==4.8.4", "dill==0.4.1", "multiprocess==0.70.19", "xxhash==4.1.0"]
 
@@ -113,16 +135,22 @@ def memory_events(device):
 
 
 class Report:
-    """The JSON file: {"phases": [record, ...], "goals": {...}}, written whole (and atomically) after every
-    phase. A phase that would end past the deadline (start + budget_s) is skipped and recorded as such."""
+    """The JSON file: {"phases": [record, ...], "goals": {...}, "next_commands": [...]}, written whole (and
+    atomically) after every phase and whenever a phase reports its figures so far (progress). Before a phase runs, a
+    "<phase>.started" file is written beside the JSON: a phase that the call's time limit kills leaves that trace. A
+    phase that would end past the deadline (start + budget_s) is skipped and recorded as such."""
 
     def __init__(self, path, device, budget_s=0.0, estimates=None, start=None):
-        self.path, self.device, self.phases = path, device, []
+        self.path, self.device, self.phases, self.running = path, device, [], None
         self.start, self.budget_s, self.estimates = start or time.time(), budget_s, estimates or ESTIMATE_S
         os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
 
     def record(self, name):
         return next((r for r in self.phases if r["phase"] == name and r.get("ok")), None)
+
+    def seconds_left(self):
+        """Seconds to the deadline (None without one)."""
+        return self.start + self.budget_s - time.time() if self.budget_s else None
 
     def run(self, name, fn, *args):
         elapsed = time.time() - self.start
@@ -131,16 +159,20 @@ class Report:
                    f" s estimated, --budget-s {self.budget_s:.0f}"}
             print(f"[gpu_check] {name}: skipped ({rec['skipped']})", flush=True)
             return self.write(rec)
+        with open(os.path.join(os.path.dirname(os.path.abspath(self.path)), f"{name}.started"), "w") as f:
+            f.write(f"{time.strftime('%Y-%m-%d %H:%M:%S')} {elapsed:.1f} s after the start\n")
         t0 = time.time()
         retries, ooms = memory_events(self.device)
         print(f"[gpu_check] {name} ...", flush=True)
         try:
             rec = {"phase": name, "ok": True, **fn(*args)}
         except (Exception, SystemExit) as e:  # noqa: BLE001  a failed phase is a result (train.py's flag errors
-            # exit): record it, go on
-            rec = {"phase": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
+            # exit): record it, with what it had reported so far, and go on
+            rec = {**(self.running or {}), "phase": name, "ok": False, "error": f"{type(e).__name__}: {e}"[:3000],
                    "out_of_memory": isinstance(e, torch.OutOfMemoryError), "traceback": traceback.format_exc()[-4000:]}
+            rec.pop("running", None)
             _free(self.device)
+        self.running = None
         rec["seconds"] = round(time.time() - t0, 2)
         after = memory_events(self.device)
         rec["alloc_retries"], rec["ooms"] = after[0] - retries, after[1] - ooms
@@ -148,13 +180,46 @@ class Report:
               flush=True)
         return self.write(rec)
 
+    def progress(self, name, figures):
+        """A running phase's figures so far (each variant's as it finishes), written now: a phase killed later keeps
+        them, and a phase that fails carries them into its record."""
+        self.running = {"phase": name, "ok": None, "running": True, **figures}
+        self.dump()
+
     def write(self, rec):
         self.phases.append(rec)
+        self.dump()
+        return rec
+
+    def dump(self):
         with open(self.path + ".tmp", "w") as f:
-            json.dump({"phases": self.phases, "goals": goals(self), "wall_s": round(time.time() - self.start, 1)},
+            json.dump({"phases": self.phases + ([self.running] if self.running else []), "goals": goals(self),
+                       "next_commands": next_commands(self), "wall_s": round(time.time() - self.start, 1)},
                       f, indent=1, default=str)
         os.replace(self.path + ".tmp", self.path)
-        return rec
+
+
+def next_commands(report):
+    """The second call, prepared from what this one found: the phases it skipped for the budget; where the decode
+    phase saw cuDNN's attention kernel (torch's first choice on sm90 where it applies), the decode phase again with
+    the memory-efficient kernel forced, to say which is faster on this card; where the default step peaked above the
+    goal with the graph's merged copy kept, the step with LoRA unmerged inside the graph. Each for the run tool with
+    timeout_s 300, on the same warm machine."""
+    skipped = [r["phase"] for r in report.phases if r.get("ok") is None and "skipped" in r]
+    head = "PYTHONUNBUFFERED=1 python experiments/gpu_check.py --wheels .whl"
+    cmds = []
+    if skipped:
+        cmds.append(f"{head} --phases {','.join(skipped)} --budget-s 240 --out $OUT/gpu_check_2.json")
+    decode = report.record("decode") or {}
+    seen = {b for v in decode.values() if isinstance(v, dict) for b in v.get("sdpa_backend", {}).get("backends", [])}
+    if "cudnn" in seen:
+        cmds.append(f"{head} --phases decode --sdpa-backend efficient --budget-s 240 "
+                    "--out $OUT/gpu_check_efficient.json")
+    step = report.record("default_step") or {}
+    if rollout.GRAPH_MERGED and (step.get("peak_allocated_gib") or 0) > GOALS["peak_gib_experts"]:
+        cmds.append(f"{head} --phases default_step --graph-lora unmerged --budget-s 240 "
+                    "--out $OUT/gpu_check_unmerged.json")  # the merged copy the graph keeps is 5.2 GiB of the peak
+    return cmds
 
 
 def measured_steps(rec):
@@ -260,12 +325,51 @@ def set_attention(model, name):
 # env
 
 
+def preflight(device):
+    """Imports and the driver, before anything long: every module a phase imports (a missing one is recorded, and
+    fails the check only where every phase needs it), a matmul on the device, and a one-op CUDA graph captured on a
+    side stream and replayed twice (the mechanism the decode's graph needs, in a second)."""
+    rec, needed = {}, ("train", "rewards", "evaluate", "transformers", "support.lib.static_decode")
+    for name in (*needed, "reasoning_gym", "trl", "peft", "accelerate", "datasets"):
+        try:
+            module = __import__(name)
+            rec[name] = getattr(module, "__version__", "imported")
+        except Exception as e:  # noqa: BLE001  a missing extra is a fact to record
+            rec[name] = f"absent ({type(e).__name__}: {e})"[:300]
+    missing = [n for n in needed if rec[n].startswith("absent")]
+    if missing:
+        raise ImportError(f"the check cannot run without {', '.join(missing)}: {[rec[n] for n in missing]}")
+    x = torch.full((64, 64), 0.5, device=device)
+    rec["matmul_ok"] = (x @ x)[0, 0].item() == 16.0
+    if device.type == "cuda":
+        rec["driver"] = nvidia_smi()
+        counter, side, graph = torch.zeros(1, device=device), torch.cuda.Stream(), torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph, stream=side):  # recorded, not run
+            counter.add_(1)
+        graph.replay()
+        graph.replay()
+        sync(device)
+        rec["graph_ok"] = counter.item() == 2.0
+    return rec
+
+
+def nvidia_smi():
+    """The driver and card as nvidia-smi names them ('' where it is absent)."""
+    try:
+        r = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                           capture_output=True, text=True, timeout=20)
+        return r.stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        return ""
+
+
 def env(device, args, installed):
     import transformers
     rec = {"python": platform.python_version(), "torch": torch.__version__, "transformers": transformers.__version__,
            "device": str(device), "cuda_available": torch.cuda.is_available(), "prompt_lengths": args.prompt_lengths,
            "allocator": os.environ.get("PYTORCH_CUDA_ALLOC_CONF") or os.environ.get("PYTORCH_ALLOC_CONF"),
-           "budget_s": args.budget_s, "wheels": installed, "commit": git("rev-parse", "HEAD"),
+           "budget_s": args.budget_s, "wheels": installed, "sdpa_forced": args.sdpa_backend,
+           "graph_lora": args.graph_lora, "commit": git("rev-parse", "HEAD"),
            "uncommitted": git("status", "--porcelain", "--untracked-files=no").splitlines()}
     for name in ("trl", "peft", "accelerate", "datasets", "reasoning_gym"):
         try:
@@ -497,8 +601,10 @@ def arithmetic_prompts(tok, n):
 @torch.no_grad()
 def sample_timed(model, device, *, ids, mask, u, G, T, loop, merged, pad_id):
     """rollout.sample's work (LoRA merged or not, prefill, decode with rollout.DECODE = loop, no EOS) -> (completions,
-    prefill seconds, decode seconds), each synchronised."""
-    with switched(rollout, "DECODE", loop), lora_merged(model) if merged else contextlib.nullcontext():
+    prefill seconds, decode seconds), each synchronised. On the graph path LoRA is merged as rollout.sample merges it
+    there (into the same buffers each call), so a second call replays the step the first captured."""
+    keep = loop == "graph"
+    with switched(rollout, "DECODE", loop), lora_merged(model, keep=keep) if merged else contextlib.nullcontext():
         sync(device)
         t0 = time.perf_counter()
         start = rollout.prefill(model, ids, mask, None, G, "after")
@@ -512,16 +618,46 @@ def sample_timed(model, device, *, ids, mask, u, G, T, loop, merged, pad_id):
 DECODE_VARIANTS = {  # name: (rollout.DECODE, attention, LoRA merged as rollout.sample merges it)
     "before": ("eager", "sdpa", True), "eager_grouped": ("eager", "grouped", True),
     "after": ("graph", "grouped", True), "after_unmerged": ("graph", "grouped", False)}
+# the aten operator each SDPA backend dispatches to (what ran, whatever its CUDA kernels are named)
+SDPA_OPS = {"aten::_scaled_dot_product_flash_attention": "flash",
+            "aten::_scaled_dot_product_efficient_attention": "efficient",
+            "aten::_scaled_dot_product_cudnn_attention": "cudnn",
+            "aten::_scaled_dot_product_flash_attention_for_cpu": "flash_cpu",
+            "aten::_scaled_dot_product_attention_math": "math"}
+SDPA_FORCE = ("auto", "flash", "efficient", "cudnn", "math")  # --sdpa-backend
 
 
-def decode(device, spec, rows_list, new_tokens):
+def sdpa_backends(names):
+    """The SDPA backends that ran, from the profiler's event names (SDPA_OPS), and the attention kernels' own names
+    (CUDA: flash's, cutlass's fmha, cuDNN's) as they were."""
+    kernels = [n for n in dict.fromkeys(names) if not n.startswith("aten::")
+               and any(k in n.lower() for k in ("flash", "fmha", "cudnn", "attention", "sdpa"))]
+    return {"backends": sorted({SDPA_OPS[n] for n in names if n in SDPA_OPS}), "kernels": kernels[:8]}
+
+
+def profiled_backends(model, device, run):
+    """sdpa_backends of a short call (prefill and 3 decode steps, not captured: a step this short is run eagerly),
+    under torch.profiler."""
+    from torch.profiler import ProfilerActivity, profile
+    activities = [ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if device.type == "cuda" else [])
+    with profile(activities=activities) as prof:
+        sample_timed(model, device, T=4, **run)
+    return sdpa_backends([e.name for e in prof.events()])
+
+
+def decode(device, spec, rows_list, new_tokens, progress=lambda res: None):
     """What rollout.sample does (LoRA merged or not, prefill, decode), timed apart: the prefill, then the decode
-    loop, each synchronised; no EOS (every row writes new_tokens)."""
+    loop, each synchronised; no EOS (every row writes new_tokens). Each variant and row count: a first call (where
+    the graph is captured: its warm-up steps and the capture, `capture_seconds`, are in it) and a steady call (the
+    captured step replayed, as every later step of a run), timed apart; the tokens of the graph beside the eager
+    loop's from the same uniforms; the SDPA backend that ran (profiled). progress(res): the figures so far."""
+    from support.lib import static_decode
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = load_model(spec, device, dtype)
     apply_lora(model)
     prompts = arithmetic_prompts(tok, max(rows_list) // 8)
     res = {"model": spec, "new_tokens": new_tokens, "dtype": str(dtype), "variants": DECODE_VARIANTS}
+    tokens = {}
     for name, (loop, attention, merged) in DECODE_VARIANTS.items():
         if device.type != "cuda" and loop == "graph":
             loop = "static"  # a CPU runs the static loop eagerly
@@ -529,21 +665,39 @@ def decode(device, spec, rows_list, new_tokens):
         for rows in rows_list:
             B, G = rows // 8, 8
             ids, mask = rollout.encode_prompts(tok, prompts[:B], device)
-            u = torch.rand(B * G, new_tokens, device=device)
+            u = torch.rand(B * G, new_tokens, generator=torch.Generator().manual_seed(rows)).to(device)
             run = dict(ids=ids, mask=mask, u=u, G=G, loop=loop, merged=merged, pad_id=tok.pad_token_id)
-            sample_timed(model, device, T=4, **run)  # warm-up
+            static_decode.HELD.pop(model, None)  # each variant and shape captures its own step
+            _free(device)
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats(device)
+            _, _, first_s = sample_timed(model, device, T=new_tokens, **run)  # the capture is in this one
+            held = static_decode.HELD.get(model)
+            captures = held.captures if held else 0
             comp, prefill_s, decode_s = sample_timed(model, device, T=new_tokens, **run)
             res[name][f"rows_{rows}"] = {
                 "prompt_columns": ids.shape[1], "prefill_seconds": round(prefill_s, 3),
+                "first_call_decode_seconds": round(first_s, 3),
+                "capture_seconds": round(held.capture_seconds, 3) if held and held.captures else None,
+                "captured_again_in_steady_call": (held.captures if held else 0) - captures,
+                "decode_path": list(rollout.decode_path(model)),
                 "decode_seconds": round(decode_s, 3), "tokens": int(comp.numel()),
                 "tokens_per_s": round(comp.numel() / decode_s, 1),
                 "ms_per_decode_step": round(1000 * decode_s / comp.shape[1], 2),
                 **({"peak_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2 ** 30, 2)}
                    if device.type == "cuda" else {})}
+            tokens[name, rows] = comp.cpu()
             del comp
-            _free(device)
+        res[name]["sdpa_backend"] = profiled_backends(model, device, run)
+        static_decode.HELD.pop(model, None)  # the variant's captured step and the merged copy it read go with it
+        for _, layer in lora_layers(model):
+            layer.merged_weight = None
+        _free(device)
+        progress(res)
+    res["tokens_equal"] = {f"{a}_vs_{b}": {f"rows_{r}": (tokens[a, r] == tokens[b, r]).float().mean().item()
+                                           for r in rows_list}
+                           for a, b in (("after", "eager_grouped"), ("after_unmerged", "eager_grouped"),
+                                        ("eager_grouped", "before"))}
     if device.type == "cuda":  # launches per token of the eager loop (the graph's are one replay a token)
         from torch.profiler import ProfilerActivity, profile
         set_attention(model, "sdpa")
@@ -644,7 +798,8 @@ def default_step(device, argv):
         steps.append({"seconds": round(time.perf_counter() - t0, 2),
                       "phases": {k: {**v, "seconds": round(v["seconds"], 2)} for k, v in times.items()},
                       "metrics": {k: rec.get(k) for k in ("reward", "kl", "loss", "completion_length",
-                                                          "skipped_update", "grad_norm", "rollout_logp_gap")}})
+                                                          "skipped_update", "grad_norm", "rollout_logp_gap",
+                                                          "decode", "decode_fallback", "attention")}})
         times.clear()
         return rec, batches
 
@@ -680,10 +835,13 @@ def trl(device, report, opts, warmup, steps):
     log_dir = tempfile.mkdtemp(prefix="gpu_check_trl_")
     opts = {**opts, "n_steps": warmup + steps}
     w = bench.Worker("trl", "trl_default", opts, log_dir)
-    try:
-        info = w.recv()
-        replies = [w.run(step=k) for k in range(warmup + steps)]
-        w.close()
+    replies = []
+    try:  # every reply within the budget's deadline: a hung worker ends this phase, not the call
+        info = w.recv(timeout=report.seconds_left())
+        for k in range(warmup + steps):
+            replies.append(w.run(step=k, timeout=report.seconds_left()))
+            report.progress("trl", {"step_seconds_so_far": [r["seconds"] for r in replies]})
+        w.close(timeout=60)
     except Exception as e:  # noqa: BLE001  the worker's own error is in its log: bring its end along
         w.proc.kill()
         tail = open(os.path.join(log_dir, "trl.log")).read()[-3000:]
@@ -698,11 +856,14 @@ def trl(device, report, opts, warmup, steps):
             "ours_step_seconds": ours, "ours_vs_trl": {k: None if v is None else v / trl_s for k, v in ours.items()}}
 
 
+# the CUDA-marked tests: the captured graph against the static loop, the GPU path, grouped attention vs SDPA in bf16
+CUDA_TESTS = ["tests/test_static_decode.py", "tests/test_gpu_path.py", "tests/test_attention.py"]
+
+
 def cuda_tests(device):
-    """The CUDA-marked tests of the decode loops and the GPU path, in a process of their own."""
-    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider",
-                        "tests/test_static_decode.py", "tests/test_gpu_path.py"], cwd=ROOT, capture_output=True,
-                       text=True, timeout=600)
+    """The CUDA-marked tests (CUDA_TESTS), in a process of their own."""
+    r = subprocess.run([sys.executable, "-m", "pytest", "-q", "-m", "cuda", "-p", "no:cacheprovider", *CUDA_TESTS],
+                       cwd=ROOT, capture_output=True, text=True, timeout=300)
     lines = (r.stdout + r.stderr).strip().splitlines()
     if r.returncode:
         raise AssertionError(f"pytest -m cuda: exit {r.returncode}: " + "\n".join(lines[-30:]))
@@ -755,15 +916,26 @@ def main(argv=None):
                     f"known: {', '.join(ESTIMATE_S)}")
     ap.add_argument("--budget-s", type=float, default=0.0, help="deadline in seconds from the start (the wheels' "
                     "installation included): a phase whose estimate (ESTIMATE_S) would end past it is skipped (0: none)")
-    ap.add_argument("--memory-cap-gib", type=float, default=78.0, help="cap this process (and TRL's) at this many "
-                    "GiB of the card (0: no cap)")
+    # an 80 GB card (A100/H100 80GB) has 80 GiB of memory, of which CUDA reports ~79.2 GiB as total_memory (the rest
+    # is the driver's); the CUDA context, cuBLAS's and cuDNN's workspaces and the loaded kernels take ~1-2 GiB more
+    # outside torch's allocator (torch's own figure for a context is 0.3-1 GiB, more with cuDNN and NCCL loaded), and
+    # the allocator's blocks leave a few hundred MiB unusable: ~76 GiB is what a run can allocate there. 78 (the
+    # earlier cap) was 1-2 GiB generous: a run that fitted under it could still fail on a real 80 GB card
+    ap.add_argument("--memory-cap-gib", type=float, default=76.0, help="cap this process (and TRL's) at this many "
+                    "GiB of the card, what an 80 GB card leaves a run (0: no cap)")
+    ap.add_argument("--graph-lora", default="merged", choices=["merged", "unmerged"], help="what the captured decode "
+                    "step reads: LoRA merged into buffers kept for the run (rollout.GRAPH_MERGED, the default) or "
+                    "unmerged inside the graph (no merged copy: ~5.2 GiB less on the 3B policy, more kernels a step)")
+    ap.add_argument("--sdpa-backend", default="auto", choices=SDPA_FORCE, help="force torch's SDPA kernel for every "
+                    "phase in this process (torch.nn.attention.sdpa_kernel; auto: torch chooses; TRL's and the tests' "
+                    "processes choose their own)")
     ap.add_argument("--allocator", default="expandable", choices=["expandable", "default"],
                     help="CUDA's caching allocator: expandable segments (as train.py sets it) or the old default")
     ap.add_argument("--prompt-lengths", default="real", choices=["real", "bytes"], help="the `shape:` models' "
                     "tokenizer: real (Qwen2.5's counts) or bytes (~4.1x; the *_stress phases always use bytes)")
     ap.add_argument("--wheels", default="", help="install reasoning-gym and TRL from this folder of wheels first "
                     "(experiments/gpu_wheels.sh builds it)")
-    ap.add_argument("--steps", type=int, default=2, help="default_step*: optimiser steps (the first a warm-up)")
+    ap.add_argument("--steps", type=int, default=3, help="default_step*: optimiser steps (the first a warm-up)")
     ap.add_argument("--trl-steps", type=int, default=2, help="trl: timed steps after one warm-up step")
     args = ap.parse_args(argv)
     start = time.time()  # the budget counts from here: the wheels' installation is part of it
@@ -812,10 +984,11 @@ def main(argv=None):
     trl_opts.update(natural_eos=False, stand_in=lengths == "real" and not tiny)
     report = Report(args.out, device, args.budget_s, {k: (3 if cpu else v) for k, v in ESTIMATE_S.items()}, start)
     phases = {
+        "preflight": (preflight, device),
         "env": (env, device, args, installed),
         "tiny_parity": (lambda: {**tiny_parity(device), "decode_loops": loop_parity(device)},),
-        "decode": (lambda: decode_at(device, spec, (8, 16) if cpu else (32, 256), 4 if shallow else 8 if tiny else 64,
-                                     lengths),),
+        "decode": (lambda: decode_at(device, spec, (8, 16) if cpu else (32, 256), 4 if shallow else 8 if tiny else 128,
+                                     lengths, lambda res: report.progress("decode", res)),),
         "default_step": (default_step_on, device, steps + out("run"), "after", lengths),
         "default_step_before": (default_step_on, device, steps + out("before"), "before", lengths),
         "default_step_single": (default_step_on, device, single + out("single"), "after", lengths),
@@ -830,19 +1003,36 @@ def main(argv=None):
         "padded_rows": (padded_rows, device, spec), "writers": (writers, device),
         "determinism": (determinism, device, ["--preset", "smoke", "--eval-items", "0", "--device",
                                               device.type], run_dir)}
-    for name in args.phases.split(","):
-        fn, *fn_args = phases[name]
-        report.run(name, fn, *fn_args)
+    rollout.GRAPH_MERGED = args.graph_lora == "merged"
+    forced = contextlib.nullcontext()
+    if args.sdpa_backend != "auto":
+        from torch.nn.attention import SDPBackend, sdpa_kernel
+        forced = sdpa_kernel([getattr(SDPBackend, {"efficient": "EFFICIENT_ATTENTION", "flash": "FLASH_ATTENTION",
+                                                   "cudnn": "CUDNN_ATTENTION", "math": "MATH"}[args.sdpa_backend])])
+    with forced:
+        for name in args.phases.split(","):
+            fn, *fn_args = phases[name]
+            report.run(name, fn, *fn_args)
     failed = [r["phase"] for r in report.phases if r["ok"] is False]
     skipped = [r["phase"] for r in report.phases if r["ok"] is None]
     print(f"[gpu_check] wrote {args.out}; failed phases: {failed or 'none'}; skipped: {skipped or 'none'}")
     print("[gpu_check] goals: " + json.dumps(goals(report)))
+    for cmd in next_commands(report):
+        print(f"[gpu_check] next: {cmd}")
     return 1 if failed else 0
 
 
-def decode_at(device, spec, rows, new_tokens, lengths):
+def decode_at(device, spec, rows, new_tokens, lengths, progress):
     with prompt_lengths(lengths):
-        return {"prompt_lengths": lengths, **decode(device, spec, rows, new_tokens)}
+        return {"prompt_lengths": lengths, "sdpa_forced": forced_sdpa(),
+                **decode(device, spec, rows, new_tokens, progress)}
+
+
+def forced_sdpa():
+    """The --sdpa-backend in force ('auto' where torch chooses): read from torch's switches, which sdpa_kernel sets."""
+    on = {"flash": torch.backends.cuda.flash_sdp_enabled(), "efficient": torch.backends.cuda.mem_efficient_sdp_enabled(),
+          "cudnn": torch.backends.cuda.cudnn_sdp_enabled(), "math": torch.backends.cuda.math_sdp_enabled()}
+    return next(iter(k for k, v in on.items() if v)) if sum(on.values()) == 1 else "auto"
 
 
 if __name__ == "__main__":

@@ -21,6 +21,7 @@ def test_help_gives_the_one_command_for_a_gpu_session():
                          text=True, timeout=120).stdout
     assert 'carry [".whl"], timeout_s 480' in out and "bash experiments/gpu_wheels.sh" in out
     assert "python experiments/gpu_check.py --wheels .whl" in out and "--budget-s 400 --out $OUT/gpu_check.json" in out
+    assert "--memory-cap-gib 76" in out and "THE SECOND COMMAND" in out  # an 80 GB card's usable memory, not 78
     for phase in gpu_check.DEFAULT_PHASES:
         assert f"  {phase} " in out, phase
 
@@ -121,3 +122,74 @@ def test_trl_phase_runs_on_cpu_at_tiny_scale(tmp_path):
     trl = {p["phase"]: p for p in json.load(open(out))["phases"]}["trl"]
     assert trl["ok"] and len(trl["step_seconds"]) == 1 and trl["gradient_checkpointing"] is True
     assert trl["ours_vs_trl"]["single"] > 0 and trl["ours_vs_trl"]["ours"] is None  # default_step did not run
+
+
+def test_every_phase_leaves_a_started_marker_and_its_figures_as_they_come(tmp_path):
+    """A phase killed by the call's time limit still leaves a trace: a "<phase>.started" file beside the JSON before
+    it runs, and each variant's figures in the JSON as it finishes (report.progress), replaced by the whole record
+    when the phase ends."""
+    path = str(tmp_path / "check.json")
+    report = gpu_check.Report(path, torch.device("cpu"))
+
+    def phase():
+        assert os.path.exists(tmp_path / "slow.started")
+        report.progress("slow", {"before": {"rows_32": 1.0}})
+        on_disk = json.load(open(path))["phases"]
+        assert on_disk == [{"phase": "slow", "ok": None, "running": True, "before": {"rows_32": 1.0}}]
+        return {"before": {"rows_32": 1.0}, "after": {"rows_32": 0.5}}
+    report.run("slow", phase)
+    phases = json.load(open(path))["phases"]
+    assert len(phases) == 1 and phases[0]["ok"] is True and phases[0]["after"] == {"rows_32": 0.5}
+
+
+def test_trls_worker_pipe_has_a_deadline(tmp_path):
+    """A worker that never answers must not eat the rest of the call: recv(timeout) gives up with TimeoutError."""
+    import time
+    import bench
+    w = bench.Worker.__new__(bench.Worker)
+    w.name, w.rss, w.log = "hung", 0.0, open(tmp_path / "hung.log", "w")
+    w.proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], stdin=subprocess.PIPE,
+                              stdout=subprocess.PIPE, text=True)
+    try:
+        t0 = time.time()
+        with pytest.raises(TimeoutError, match="no reply within"):
+            w.recv(timeout=1)
+        assert time.time() - t0 < 10
+    finally:
+        w.proc.kill()
+
+
+def test_the_sdpa_backend_is_read_from_the_profilers_names():
+    names = ["aten::linear", "aten::_scaled_dot_product_efficient_attention", "fmha_cutlassF_bf16_aligned_64x64_rf_sm80",
+             "aten::_scaled_dot_product_cudnn_attention", "cudnn_generated_fort_native_sdpa_sm90_flash_fprop"]
+    assert gpu_check.sdpa_backends(names) == {"backends": ["cudnn", "efficient"], "kernels": names[2:3] + names[4:]}
+    assert gpu_check.sdpa_backends(["aten::_scaled_dot_product_attention_math", "aten::bmm"])["backends"] == ["math"]
+
+
+def test_the_second_command_runs_what_the_first_skipped_and_compares_a_backend_it_found(tmp_path):
+    report = gpu_check.Report(str(tmp_path / "check.json"), torch.device("cpu"), budget_s=100,
+                              estimates={"decode": 1, "trl": 500, "writers": 500})
+    report.run("decode", lambda: {"after": {"sdpa_backend": {"backends": ["cudnn"]}}})
+    report.run("trl", lambda: {})
+    report.run("writers", lambda: {})
+    cmds = json.load(open(tmp_path / "check.json"))["next_commands"]
+    assert "--phases trl,writers" in cmds[0] and "--out $OUT/gpu_check_2.json" in cmds[0]
+    assert "--phases decode --sdpa-backend efficient" in cmds[1] and len(cmds) == 2
+    report.run("default_step", lambda: {"peak_allocated_gib": 44.9})  # over the goal, the merged copy kept
+    assert "--phases default_step --graph-lora unmerged" in gpu_check.next_commands(report)[2]
+
+
+def test_decode_records_capture_apart_from_replay_tokens_compared_and_a_forced_backend(tmp_path):
+    """The decode phase at tiny scale on the CPU, SDPA forced to the math kernel (--sdpa-backend): each variant's
+    first call (where the card captures) apart from its steady call, the graph's tokens compared with the eager loop's
+    from the same uniforms, and the backend that ran, read by the profiler."""
+    out = str(tmp_path / "check.json")
+    assert gpu_check.main(["--tiny", "--phases", "decode", "--sdpa-backend", "math", "--out", out]) == 0
+    rec = json.load(open(out))["phases"][0]
+    assert rec["ok"] and rec["new_tokens"] == 8 and rec["sdpa_forced"] == "math"
+    for name in gpu_check.DECODE_VARIANTS:
+        rows = rec[name]["rows_8"]
+        assert rows["first_call_decode_seconds"] > 0 and rows["ms_per_decode_step"] > 0
+        assert rec[name]["sdpa_backend"]["backends"] == ["math"]
+    assert rec["after"]["rows_8"]["decode_path"] == ["static", None]  # a CPU runs the static loop eagerly
+    assert rec["tokens_equal"]["after_vs_eager_grouped"]["rows_8"] == 1.0

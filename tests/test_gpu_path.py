@@ -207,7 +207,7 @@ def test_device_check_runs_on_cpu_at_tiny_scale(tmp_path):
     """experiments/gpu_check.py --tiny: every phase runs and is recorded (so the GPU check cannot rot). TRL's phase
     and the CUDA tests' have tests of their own (tests/test_gpu_check.py)."""
     out = str(tmp_path / "gpu_check.json")
-    phases = ["env", "tiny_parity", "decode", "default_step", "default_step_before", "default_step_single",
+    phases = ["preflight", "env", "tiny_parity", "decode", "default_step", "default_step_before", "default_step_single",
               "default_step_stress", "default_step_cached", "default_step_stress_before", "padded_rows", "writers",
               "default_step_per_micro", "determinism"]
     res = subprocess.run([sys.executable, "experiments/gpu_check.py", "--tiny", "--phases", ",".join(phases),
@@ -222,7 +222,9 @@ def test_device_check_runs_on_cpu_at_tiny_scale(tmp_path):
     assert got["tiny_parity"]["decode_loops"]["tokens_equal"] == 1.0  # the eager loop vs the static one
     assert got["padded_rows"]["math"]["behind_first"]["nonfinite_real_tokens"] == 0
     assert got["writers"]["float32_equal"] is True  # on CPU "the device" is the CPU: the same texts
-    assert len(got["default_step"]["steps"]) == 2
+    assert len(got["default_step"]["steps"]) == 3  # --steps 3: a warm-up and two measured
+    assert got["default_step"]["steps"][0]["metrics"]["decode"] == "eager"  # a CPU's loop, recorded each step
+    assert got["preflight"]["matmul_ok"] is True and os.path.exists(tmp_path / "decode.started")
     assert got["default_step_before"]["switches"]["DECODE"] == "'eager'"
     assert got["decode"]["before"]["loop"] == "eager" and got["decode"]["after"]["loop"] == "static"
     assert got["determinism"]["deterministic_all_equal"] is True

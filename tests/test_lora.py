@@ -123,3 +123,30 @@ def test_lora_merged_is_the_same_function_and_restores_weights_bit_for_bit():
     assert torch.equal(model(x), y)
     with lora_disabled(model), lora_merged(model):  # disabled layers are not merged
         torch.testing.assert_close(model(x), model[2].base(torch.relu(model[0].base(x))))
+
+
+def test_lora_merged_keep_merges_into_one_buffer_and_restores_weights_bit_for_bit():
+    """keep=True (the captured decode step's merge): W + s B A is written into the same buffer every time (a CUDA
+    graph captured once reads it there), with the same values as the merge into a new tensor, and W comes back."""
+    from lora import lora_merged
+    torch.manual_seed(0)
+    model = torch.nn.Sequential()
+    model.add_module("q_proj", torch.nn.Linear(8, 8))
+    apply_lora(model)
+    layer = model.q_proj
+    with torch.no_grad():
+        layer.lora_B.normal_()
+    w, w0 = layer.base.weight.data_ptr(), layer.base.weight.detach().clone()
+    x = torch.randn(3, 8)
+    ptrs, outs = [], []
+    for step in range(2):
+        with lora_merged(model):
+            want = model(x)
+        with lora_merged(model, keep=True):
+            ptrs.append(layer.base.weight.data_ptr())
+            outs.append(model(x))
+        assert torch.equal(outs[-1], want) and layer.base.weight.data_ptr() == w
+        assert torch.equal(layer.base.weight, w0)  # W itself, bit for bit
+        with torch.no_grad():
+            layer.lora_B.add_(0.1)  # the optimiser's step, in place
+    assert ptrs[0] == ptrs[1] != w and not torch.equal(outs[0], outs[1])

@@ -114,6 +114,7 @@ def test_plan_prints_and_writes_nothing(tmp_path):
                           "--out", out], cwd=ROOT, capture_output=True, text=True, timeout=300)
     assert res.returncode == 0, res.stderr[-2000:]
     assert "cpu: peak" in res.stdout and "LoRA + grad + AdamW" in res.stdout
+    assert " GB" not in res.stdout and res.stdout.count(" GiB") > 3  # 2 ** 30 bytes, labelled as such
     assert not os.path.exists(out) and not os.path.exists(cache)
 
 
@@ -192,9 +193,32 @@ def test_plan_counts_one_completions_logits_and_one_prefill_layer():
     cache: the decode buffers and one layer of the prefill's (kv_cache.preallocate), not a second whole cache."""
     from support.lib.shape_models import config
     c = config("Qwen/Qwen2.5-3B-Instruct")
-    _, info = plan.estimate(train.parse_args(["--team", "default", "--device", "cuda", "--task", "arithmetic"]))
+    parts, info = plan.estimate(train.parse_args(["--team", "default", "--device", "cuda", "--task", "arithmetic"]))
     B, G, T, V, Pc = 4, 8, 128, c.vocab_size, info["prompt_tokens"] + info["context_tokens"]
     assert info["loss"]["logits"] == B * G * V * (2 + 4) + T * V * (2 + 8)
     kv_token = c.num_hidden_layers * 2 * c.num_key_value_heads * (c.hidden_size // c.num_attention_heads) * 2
     R = B * G * 8                                                       # the whole step's rows in one decode loop
-    assert info["rollout"]["KV cache"] == R * (Pc + T) * kv_token + R * Pc * kv_token // c.num_hidden_layers
+    held = parts["cuda"].get("decode graph: KV cache", 0)  # CUDA's captured decode keeps its buffers: resident
+    assert info["rollout"]["KV cache"] + held == R * (Pc + T) * kv_token + R * Pc * kv_token // c.num_hidden_layers
+
+
+def test_on_cuda_the_plan_keeps_the_captured_decodes_buffers_through_the_loss_pass(monkeypatch):
+    """The decode step captured once per run (rollout.DECODE's graph, CUDA's default) keeps its KV cache and the
+    merged LoRA weights it reads (lora_merged(keep=True)) allocated between steps, so the loss pass runs beside them:
+    the plan counts them as resident on CUDA, and as the rollout's transients where the loop is not captured."""
+    import rollout
+    args = train.parse_args(TINY[:TINY.index("--device")] + TINY[TINY.index("--device") + 2:] + ["--device", "cuda"])
+    parts = {}
+    for loop in ("eager", "graph"):
+        monkeypatch.setattr(rollout, "DECODE", loop)
+        parts[loop] = plan.estimate(args)[0]["cuda"]
+    held = {k: v for k, v in parts["graph"].items() if k.startswith("decode graph")}
+    assert set(held) == {"decode graph: merged LoRA weights", "decode graph: KV cache"} and all(held.values())
+    assert not any(k.startswith("decode graph") for k in parts["eager"])
+    moved = parts["eager"]["rollout (one decode loop)"] - parts["graph"]["rollout (one decode loop)"]
+    assert moved == sum(held.values())  # the same bytes, resident instead of transient
+    assert plan.peak(parts["graph"]) > plan.peak(parts["eager"])
+    monkeypatch.setattr(rollout, "GRAPH_MERGED", False)  # LoRA unmerged inside the graph: no merged copy anywhere
+    unmerged = plan.estimate(args)[0]["cuda"]
+    assert "decode graph: merged LoRA weights" not in unmerged
+    assert unmerged["rollout (one decode loop)"] == parts["graph"]["rollout (one decode loop)"]

@@ -9,6 +9,7 @@ import time
 import numpy as np
 import torch
 
+import rollout
 from adapter import context_probes
 
 
@@ -36,6 +37,9 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
            "answer_rate": 1 - no_answer / len(r_all),
            "lr": run.optimizer.param_groups[0]["lr"], "skipped_update": skipped,
            **context_probes([b.ctx for b in batches], run.embed_rms)}
+    # which loop the rollout's decode ran (a captured graph that failed goes on as "static": why) and the attention
+    rec["decode"], rec["decode_fallback"] = rollout.decode_path(run.policy)
+    rec["attention"] = run.policy.config._attn_implementation
     if args.dynamic_sampling:  # the groups whose surrogate is trained (every group's KL is)
         signal = torch.cat([b.signal for b in batches])
         rec["trained_group_fraction"] = signal.float().mean().item()

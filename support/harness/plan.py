@@ -27,7 +27,7 @@ What is counted, per device of one process (under torchrun every process holds t
                completion at a time
                (grpo.head_logprobs; every completion's where the head is more than a linear layer)
   runtime      on CPU, the resident memory of this very process (Python, torch, transformers imported, no model
-               loaded), measured; on CUDA, the CUDA context, ~0.5 GB (a common figure, not measured here)
+               loaded), measured; on CUDA, the CUDA context, ~0.5 GiB (a common figure, not measured here)
 peak = weights + LoRA/g_phi state + max(rollout, loss pass) + runtime.
 
 Deviations / limits: an estimate, checked on CPU against a measured pocket run (results/scaling.md); the prompt
@@ -50,7 +50,7 @@ from support.lib import attention, shape_models, tiny_models
 from support.lib.shape_models import HUB_CONFIGS
 from support.lib.state_store import StateStore, reads_stored_states, store_identity
 
-GB = 2 ** 30
+GiB = 2 ** 30
 # Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
 # LoRA (their frozen weights need no gradient, so only inputs are kept), at the activations' dtype (lora.LoRALinear
 # computes in it; when it cast its input up to float32, a bfloat16 run kept ~2x this): the input of each RMSNorm (2 D), the
@@ -64,7 +64,7 @@ GB = 2 ** 30
 # grouped key/value heads before attention). tests/test_plan.py checks the count on the tiny policy, both ways.
 ACTIVATIONS_PER_TOKEN_LAYER = lambda D: 6 * D  # noqa: E731
 DEFAULT_PROMPT_TOKENS = 256
-CUDA_CONTEXT = 0.5 * GB
+CUDA_CONTEXT = 0.5 * GiB
 
 def model_config(spec):
     """The transformers config of a model spec, without loading weights (see the module docstring)."""
@@ -205,6 +205,17 @@ def estimate(args, world_size=1):
     rollout_parts = {"merged LoRA weights": merged * nbytes,
                      "KV cache": cache,
                      "logits of a step": 3 * R * V * 4}                 # float32 logits, softmax, cdf
+    # the decode step captured once per run (CUDA's rollout.DECODE, support/lib/static_decode.py) reads its KV cache
+    # and the merged weights (lora_merged(keep=True)) at fixed addresses: they stay allocated between steps, beside
+    # the loss pass; only the prefill's one layer stays a transient
+    # (rollout.GRAPH_MERGED False: LoRA unmerged inside the graph, no merged copy at all)
+    held = {}
+    if device.type == "cuda" and rollout.decode_loop(device) == "graph":
+        held = {"decode graph: KV cache": R * (Pc + T) * kv_token}
+        rollout_parts["KV cache"] -= held["decode graph: KV cache"]
+        merged_copy = rollout_parts.pop("merged LoRA weights")
+        if rollout.GRAPH_MERGED:
+            held["decode graph: merged LoRA weights"] = merged_copy
     act = ACTIVATIONS_PER_TOKEN_LAYER(D) * L * nbytes
     grouped = attention.resolve(args.attention, policy, device) == attention.NAME
     kv_saved = L * 2 * (KV if grouped else H) * hd * nbytes             # keys and values as attention keeps them
@@ -240,6 +251,7 @@ def estimate(args, world_size=1):
     pol["policy weights"] = frozen * nbytes
     pol["LoRA + grad + AdamW"] = 16 * lora
     pol["g_phi + grad + AdamW"] = 16 * g_phi
+    pol.update(held)
     ex = plan.setdefault(str(expert_device), {})
     ex["expert weights"] = ex.get("expert weights", 0) + count(p for m in expert_models for p in m.parameters()) * nbytes
     ex["expert forward"] = ex.get("expert forward", 0) + (max(per_expert) if per_expert else 0)
@@ -273,9 +285,9 @@ def main(args, world):
           f" ({'measured on the first micro-batch' if info['prompt_measured'] else 'assumed'}) + "
           f"{info['context_tokens']} context + {args.max_new_tokens} new; attention {info['attention']}")
     for device, parts in plan.items():
-        print(f"{device}: peak ~{peak(parts) / GB:.2f} GB")
+        print(f"{device}: peak ~{peak(parts) / GiB:.2f} GiB")
         for k, v in parts.items():
-            print(f"  {k:30s} {v / GB:8.3f} GB")
+            print(f"  {k:30s} {v / GiB:8.3f} GiB")
     if world.size > 1:
         print(f"each of the {world.size} processes holds the above on its own device(s)")
     return None
