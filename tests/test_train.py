@@ -104,3 +104,34 @@ def test_cli_smoke_run(tmp_path):
     assert os.path.exists(os.path.join(out, "checkpoint.pt"))
     assert os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json"))
     assert "step 3/3" in res.stdout + res.stderr
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_the_reference_pass_is_lora_off_with_zero_tokens_where_c_was(position):
+    """Eq. 4's pi_ref (train.reference_logprobs): the initial policy, LoRA off, fed zero tokens at C's positions.
+    Checked in a trained state, LoRA's B and C both non-zero, where feeding C or leaving LoRA on reads other
+    log-probs (at init both are zero and any of the three would pass)."""
+    from types import SimpleNamespace
+    from conftest import with_lora64
+    from rollout import completion_logprobs, encode_prompts
+    from support.lib.tiny_models import load as tiny_model
+    from train import reference_logprobs
+    policy, tok = tiny_model("llama")
+    policy = with_lora64(policy)                                     # LoRA with a random B
+    base = tiny_model("llama")[0].double().eval()                    # the same weights (seeded by name), no LoRA
+    ids, mask = encode_prompts(tok, ["What is 2 + 3?", "Sort 3 1 2, then add 10 and 32."], "cpu")
+    G, T, D = 3, 5, policy.config.hidden_size
+    torch.manual_seed(1)
+    C = torch.randn(2, 4, D, dtype=torch.float64)                    # (B, m, D) a trained C
+    comp = torch.randint(3, 200, (2 * G, T))
+    comp_mask = torch.ones_like(comp, dtype=torch.bool)
+    run = SimpleNamespace(method=torch.nn.Module(), policy=policy, position=position)  # a g without an anchor
+    args = SimpleNamespace(temperature=1.0, no_shared_prefix=False)
+    got = reference_logprobs(run, args, ids, mask, C=C, comp=comp, comp_mask=comp_mask)
+    with torch.no_grad():
+        zeros = torch.zeros_like(C)
+        want = completion_logprobs(base, ids, mask, zeros, comp, comp_mask, 1.0, position)
+        fed_C = completion_logprobs(base, ids, mask, C, comp, comp_mask, 1.0, position)
+        lora_on = completion_logprobs(policy, ids, mask, zeros, comp, comp_mask, 1.0, position)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (fed_C - want).abs().max() > 1e-2 and (lora_on - want).abs().max() > 1e-2  # the check has teeth
