@@ -79,6 +79,24 @@ def test_resume_is_exact(tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), (k, x["step"])
 
 
+def test_resume_says_where_it_starts(tmp_path, capfd):
+    """--resume names the step it resumes at and the checkpoint it reads (before: nothing); in a run folder
+    without a checkpoint (stopped before its first) it says that it starts at step 1, and does (before: silently)."""
+    common = TINY + ["--batch-size", "1", "--grad-accum", "1", "--group-size", "2", "--max-new-tokens", "2",
+                     "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--save-every", "2"]
+    out, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
+    main(common + ["--steps", "2", "--out", out], score_batch=letter_reward)
+    capfd.readouterr()
+    main(common + ["--steps", "3", "--out", out, "--resume"], score_batch=letter_reward)
+    assert f"resuming at step 3 of 3 from {os.path.join(out, 'checkpoint.pt')}\n" in capfd.readouterr().err
+    os.makedirs(fresh)  # what a run stopped before its first checkpoint leaves: its config.json
+    with open(os.path.join(out, "config.json")) as f, open(os.path.join(fresh, "config.json"), "w") as g:
+        g.write(f.read())
+    main(common + ["--steps", "1", "--out", fresh, "--resume"], score_batch=letter_reward)
+    assert f"--resume: no checkpoint in {fresh}: starting at step 1 of 1\n" in capfd.readouterr().err
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3] and [m["step"] for m in metrics(fresh)] == [1]
+
+
 def test_data_order_is_a_permutation_per_epoch():
     first = [i for s in range(4) for i in batch_indices(s, 0, 4, 1, 16, seed=3)]
     second = [i for s in range(4, 8) for i in batch_indices(s, 0, 4, 1, 16, seed=3)]
