@@ -117,7 +117,8 @@ def resume_run(run, args, world):
     with writes_or_fail(life, args):
         if args.resume:
             dropped = [keep_metrics_upto(paths[name], start) for name in ("metrics", "samples")][0]
-            print(resume_line(args, paths["checkpoint"], start, resuming, dropped), file=sys.stderr, flush=True)
+            print(resume_line(args, paths["checkpoint"], start=start, resuming=resuming, dropped=dropped),
+                  file=sys.stderr, flush=True)
         else:  # what a run that failed before its first step may have left (check_run let it start again)
             for name in ("metrics", "samples", "validation"):
                 if os.path.exists(paths[name]):

@@ -207,9 +207,9 @@ def neighbour_eval_args(argv, script):
     from types import SimpleNamespace
 
     from support.harness.model_check import check_models
-    from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder
+    from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
-                       "validation split, greedy -> eval.json")
+                       "validation split, greedy -> eval.json", formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, help=f"a run folder written by {script}")
     p.add_argument("--n", type=SPLIT_SIZE, default=4000, help="validation items (paper: 4000)")
     p.add_argument("--batch-size", type=COUNT, default=50, help="prompts per generation batch")
