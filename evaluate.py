@@ -23,6 +23,7 @@ Choices the paper leaves open:
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
 import os
+import textwrap
 from types import SimpleNamespace
 
 import numpy as np
@@ -33,7 +34,8 @@ from experts import frozen_dtype, load_model, pick_device, team_models
 from support.harness.checkpoint import write_json
 from support.lib.files import UnsafePath, WriteFailed, link_in_run_folder
 from support.harness.checks import parse_args
-from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, remove_created
+from support.harness.config import (COUNT, HELP_WIDTH, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder,
+                                    fail, remove_created)
 from support.harness.model_check import check_models
 from support.harness.report import plot_runs, summarize
 from support.lib.stats import paired_comparison
@@ -131,10 +133,10 @@ def paired_table(result):
 
 def main(argv=None):
     """evaluate.py's command line (a neighbour's run: its own script's `evaluate`)."""
-    p = ArgumentParser(description="Score runs on the validation split; summarise and plot "
-                       "folders of runs. With --untrained, any train.py flag (--task, --team, "
-                       "--policy, --task-config, prompt and generation flags) describes the policy "
-                       "to score.")
+    p = ArgumentParser(description=textwrap.fill(
+        "Score runs on the validation split; summarise and plot folders of runs. With --untrained, any train.py "
+        "flag (--task, --team, --policy, --task-config, prompt and generation flags) describes the policy to "
+        "score.", HELP_WIDTH), formatter_class=HelpFormatter)  # train.py's --help: each default shown, once
     p.add_argument("--run", help="a run folder written by train.py")
     p.add_argument("--untrained", action="store_true", help="score the policy before training, as "
                    "train.py's flags describe it (e.g. --task chain_sum --team pocket "

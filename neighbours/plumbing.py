@@ -17,7 +17,7 @@ import rewards
 from baselines import NEIGHBOURS
 from experts import frozen_dtype, load_model
 from support.harness.checkpoint import write_json
-from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, create_folder, fail, remove_created
+from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder, fail, remove_created
 from support.harness.metrics import LOSS_TERMS
 from support.harness.model_check import check_models
 from support.harness.run import open_run, release_folders
@@ -98,7 +98,7 @@ def evaluate_args(argv, script):
     evaluate.py spells them. Returns (flags, the run's config as a namespace, its checkpoint, the eval.json path,
     the folders made for it); bad input exits with code 2 and one line."""
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
-                       "validation split, greedy -> eval.json")
+                       "validation split, greedy -> eval.json", formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, help=f"a run folder written by {script}")
     p.add_argument("--n", type=SPLIT_SIZE, default=4000, help="validation items (paper: 4000)")
     p.add_argument("--batch-size", type=COUNT, default=50, help="prompts per generation batch")

@@ -8,7 +8,10 @@ import torch
 # Hermetic: no request to a model hub ever leaves the machine (subprocesses inherit this).
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-torch.set_num_threads(max(1, min(2, os.cpu_count() or 1)))
+# Threads: OMP_NUM_THREADS when it is set (the suite holds at 1 and at 2, two orders of sums), else one per
+# pytest-xdist worker (the workers already share the cores), else at most 2.
+if "OMP_NUM_THREADS" not in os.environ:
+    torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
 def pytest_configure(config):

@@ -34,6 +34,7 @@ def test_matches_torch_multihead_attention():
     torch.manual_seed(0)
     ad = PerceiverAdapter(DIMS, out_dim=16, latent_dim=32, num_latents=4, num_heads=4)
     mha = nn.MultiheadAttention(32, 4, bias=False, batch_first=True)
+    nn.init.normal_(ad.out.weight, std=0.5)  # at init W_out = 0 and C = 0 whatever Eq. 10 computes
     with torch.no_grad():
         mha.in_proj_weight.copy_(torch.cat([ad.w_q.weight, ad.w_k.weight, ad.w_v.weight]))
         mha.out_proj.weight.copy_(torch.eye(32))
@@ -43,6 +44,34 @@ def test_matches_torch_multihead_attention():
     C, A = ad(h)
     torch.testing.assert_close(A, ref_A)
     torch.testing.assert_close(C, ad.out(ad.ffn(ad.latents + ref)))
+
+
+def test_adapter_is_eq_6_to_11_and_16_written_out():
+    """C and A by the paper's equations, one head at a time, with a random W_out and b_out (at init W_out = 0 makes
+    C = 0 whatever the rest computes): Eq. 6-7 z_i = h_i W_i stacked into V; Eq. 9 Q = Q_lat W_Q, K = V W_K,
+    V' = V W_V; Eq. 10 C' = FFN(Q_lat + softmax(Q K^T / sqrt(d_head)) V') with the heads side by side; Eq. 16
+    FFN(x) = tanh(W2 tanh(W1 x)); Eq. 11 C = C' W_out + b_out; A the heads' mean."""
+    torch.manual_seed(0)
+    ad = PerceiverAdapter(DIMS, out_dim=16, latent_dim=32, num_latents=4, num_heads=4)
+    nn.init.normal_(ad.out.weight, std=0.5)
+    nn.init.normal_(ad.out.bias, std=0.5)
+    h = states()
+    W = {name: p.detach().T for name, p in ad.named_parameters() if name.endswith("weight")}  # x W, as written
+    Q_lat, hs = ad.latents.detach(), 32 // 4
+    V = torch.stack([h_i @ W[f"proj.{i}.weight"] for i, h_i in enumerate(h)], dim=1)       # (B, n, d)
+    Q, K, V_ = Q_lat @ W["w_q.weight"], V @ W["w_k.weight"], V @ W["w_v.weight"]
+    heads, A = [], 0
+    for j in range(4):
+        s = slice(j * hs, (j + 1) * hs)
+        A_j = torch.softmax(Q[:, s] @ K[..., s].transpose(1, 2) / math.sqrt(hs), dim=-1)   # (B, m, n)
+        heads.append(A_j @ V_[..., s])
+        A = A + A_j / 4
+    C_prime = torch.tanh(torch.tanh((Q_lat + torch.cat(heads, -1)) @ W["ffn.w1.weight"]) @ W["ffn.w2.weight"])
+    C_want = C_prime @ W["out.weight"] + ad.out.bias.detach()
+    C, A_got = ad(h)
+    assert C.abs().mean() > 0.1  # W_out random: C is not zero
+    torch.testing.assert_close(C, C_want)
+    torch.testing.assert_close(A_got, A)
 
 
 def test_gradient_reaches_every_parameter():

@@ -31,6 +31,26 @@ def test_straight_through_gumbel_is_one_hot_forward_with_router_gradient():
     assert logits.grad is not None and logits.grad.abs().sum() > 0
 
 
+@pytest.mark.parametrize("tau", [1.0, 0.5])
+def test_straight_through_gradient_is_the_softmax_gradient(tau):
+    """Straight-through Gumbel-softmax: the forward is the one-hot, the backward the gradient of
+    softmax((logits + noise) / tau) itself, whatever the loss."""
+    torch.manual_seed(0)
+    logits = torch.randn(5, 3, dtype=torch.float64, requires_grad=True)
+    noise = -torch.empty(5, 3, dtype=torch.float64).exponential_().log()
+    w = torch.randn(5, 3, dtype=torch.float64)
+    loss = lambda R: (R * w).sum() + R[:, 0].pow(2).sum()  # noqa: E731  (not linear in R)
+    hard = torch.nn.functional.one_hot((logits + noise).argmax(-1), 3).to(torch.float64)
+    R = straight_through_gumbel(logits, noise, tau=tau)
+    (st,) = torch.autograd.grad(loss(R), logits)
+    soft = torch.softmax((logits + noise) / tau, dim=-1)
+    (upstream,) = torch.autograd.grad(loss(hard.requires_grad_()), hard)  # dL/dR at the one-hot
+    (want,) = torch.autograd.grad(soft, logits, grad_outputs=upstream)     # back through the softmax's Jacobian
+    torch.testing.assert_close(R.detach(), hard.detach())
+    torch.testing.assert_close(st, want)
+    assert want.abs().max() > 1e-3
+
+
 def test_hard_routing_runs_only_the_chosen_expert():
     m = build("hard_routing").train()
     ctx = m(QS)

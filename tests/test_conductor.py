@@ -364,8 +364,9 @@ def test_constrained_logprobs_are_the_masked_distributions(tiny_policy):
 
 
 def test_free_decoding_is_rollout_sample_as_it_was(tiny_policy):
-    """--workflow-decoding free draws exactly what rollout.sample draws without a mask (the paper's mode; the
-    conductor run of tests/test_same_metrics.py holds it bit for bit over 3 training steps)."""
+    """--workflow-decoding free draws exactly what rollout.sample draws without a mask (the paper's mode; on the
+    machine of its fixture, tests/fixtures/record_metrics.py --check holds the conductor's run bit for bit over 3
+    training steps)."""
     import rollout
     model, tok = tiny_policy
     cond = C.Conductor([None, None], ["w0", "w1"], 2, 8, ("simple", False, ""), "free")

@@ -181,6 +181,24 @@ def test_help_states_each_default_once(capsys):
     assert "(default: None)" not in out and "(default: False)" not in out
 
 
+@pytest.mark.parametrize("script", ["evaluate.py", "neighbours/rlae.py evaluate"])
+def test_evaluates_help_shows_its_defaults_once(script, capsys):
+    """evaluate.py --help (and a neighbour's evaluate) says what an unset flag does, as train.py's does (before:
+    no default shown); a help that already names its default, or an unset flag, gets none appended."""
+    from evaluate import main as evaluate_main
+    from neighbours.plumbing import evaluate_args
+    with pytest.raises(SystemExit) as e:
+        if script == "evaluate.py":
+            evaluate_main(["--help"])
+        else:
+            evaluate_args(["--help"], "neighbours/rlae.py")
+    out = capsys.readouterr().out
+    assert e.value.code == 0 and "(default: 4000)" in out and "(default: 50)" in out and "(default: auto)" in out
+    flags = re.split(r"\n  (?=-)", out.split("options:", 1)[1])
+    assert [f.split()[0] for f in flags if len(re.findall(r"\(default[: ]", f)) > 1] == []
+    assert "(default: None)" not in out and "(default: False)" not in out
+
+
 def test_the_run_plot_shows_both_curves_the_validation_and_the_uniform_references(tmp_path, monkeypatch):
     """plot.png: reward and solve rate both visible (different styles: they coincide under exact rewards), the
     validation before/after as points, utilisation beside 1/n and the entropy beside log n on its own panel."""

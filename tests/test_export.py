@@ -102,3 +102,17 @@ def test_load_trained_rebuilds_the_whole_system_from_the_export_alone(tmp_path):
         logits = policy(inputs_embeds=emb, attention_mask=m, position_ids=p).logits
         assert torch.allclose(logits, policy2(inputs_embeds=emb2, attention_mask=m2, position_ids=p2).logits,
                               atol=1e-6)
+
+
+def test_the_exports_loading_recipe_needs_only_what_the_readmes_set_up_installs():
+    """lora_peft/README.md loads the adapter with PEFT's PeftModel and transformers' AutoModelForCausalLM:
+    requirements.txt, the README's set-up, brings both (before: peft came only with requirements-dev.txt, and the
+    recipe failed after the set-up with `No module named 'peft'`)."""
+    import re
+    from support.harness.export import base_readme
+    recipe = base_readme("NAME", "")
+    needed = {package for name, package in (("PeftModel", "peft"), ("AutoModelForCausalLM", "transformers"))
+              if name in recipe}
+    with open(os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "requirements.txt")) as f:
+        installed = {re.split(r"[<>=\[ ]", line.strip())[0].lower() for line in f if line.strip()[:1].isalpha()}
+    assert needed == {"peft", "transformers"} and needed <= installed, needed - installed

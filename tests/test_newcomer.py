@@ -35,3 +35,18 @@ def test_a_finished_run_is_named_sampled_to_its_last_step_and_not_run_again(tmp_
     assert longer.returncode == 0, longer.stderr[-2000:]
     with open(os.path.join(out, "metrics.jsonl")) as f:
         assert [json.loads(line)["step"] for line in f] == [1, 2, 3, 4]
+
+
+def test_the_readmes_test_command_is_the_one_ci_runs_and_uses_every_core():
+    """The README's test command spreads the suite over the cores (pytest-xdist, in requirements-dev.txt) with each
+    file on one worker, so that a module's costly set-up runs once; CI runs that very command (before: one core,
+    12.5 minutes where two were there)."""
+    import re
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = re.search(r"pip install -r requirements-dev.txt && python -m (pytest[^\n]*)", f.read()).group(1)
+    with open(os.path.join(ROOT, ".ci", "run")) as f:
+        ci = [line.split("python3 -m ", 1)[1].strip() for line in f if line.startswith("python3 -m pytest")]
+    with open(os.path.join(ROOT, "requirements-dev.txt")) as f:
+        dev = f.read()
+    assert ci == [readme] and "-n auto" in readme and "--dist loadfile" in readme
+    assert re.search(r"^pytest-xdist\b", dev, re.MULTILINE)

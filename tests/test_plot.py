@@ -43,3 +43,21 @@ def test_without_matplotlib_one_line_and_no_crash(tmp_path, monkeypatch, capsys)
     monkeypatch.setitem(sys.modules, "matplotlib", None)  # import matplotlib raises ImportError
     assert plot_run(str(tmp_path / "m")) is None
     assert capsys.readouterr().out == "no plot: matplotlib is not installed (pip install matplotlib)\n"
+
+
+def test_routing_panels_show_their_whole_range(tmp_path, monkeypatch):
+    """Utilisation on 0..1 and the entropy on 0..log n (before: matplotlib zoomed onto the data, so a drift of
+    0.001 in H = 1.0985 filled the panel like a swing)."""
+    pytest.importorskip("matplotlib")
+    import math
+    import matplotlib.figure
+    rows = [{"step": s, "reward": 0.0, "kl": 0.0, "entropy": 1.0985 - s / 1000, "utilization": [0.333, 0.334, 0.333]}
+            for s in (1, 2, 3)]
+    write_run(tmp_path / "r", rows)
+    limits = []
+    monkeypatch.setattr(matplotlib.figure.Figure, "savefig",
+                        lambda self, path, **k: limits.extend(ax.get_ylim() for ax in self.axes[3:]))
+    plot_run(str(tmp_path / "r"))
+    (use_low, use_high), (h_low, h_high) = limits
+    assert use_low <= 0 and 1 <= use_high < 1.1
+    assert h_low <= 0 and math.log(3) <= h_high < 1.1 * math.log(3)

@@ -18,6 +18,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import time
 
 import numpy as np
 import pytest
@@ -194,6 +195,38 @@ def test_ctrl_c_ends_the_run_in_one_line_that_says_how_to_resume(tmp_path):
     assert step in (2, 4)  # 2, or 4 if step 4 ended before the signal came
     assert checkpoint.read_checkpoint(os.path.join(out, "checkpoint.pt"), "test")["step"] == step
     assert LOCK_NAME not in os.listdir(out)
+
+
+# The run's scorer is the task's own (rewards.score_batch, its worker process and forkserver), fed an answer block
+# made of each completion's first characters, so that every step sends the worker jobs.
+SCORER_SCRIPT = ("import sys, torch; sys.path[:0] = [{root!r}]; torch.set_num_threads(1); import rewards, train; "
+                 "train.main(sys.argv[1:], score_batch=lambda items, texts: rewards.score_batch(items, "
+                 "['<answer>' + t[:2] + '</answer>' for t in texts]))").format(root=ROOT)
+
+
+def test_ctrl_c_at_a_terminal_reaches_the_scoring_worker_too_and_still_ends_in_one_line(tmp_path):
+    """A terminal's Ctrl-C signals the whole process group: the run and the children it started (the scoring
+    worker and its forkserver). The children ignore it and the run ends them (before: the worker printed a
+    17-line KeyboardInterrupt traceback above the run's one line)."""
+    out = str(tmp_path / "stopped")
+    proc = subprocess.Popen([sys.executable, "-c", SCORER_SCRIPT, *FLAGS, "--steps", "200", "--out", out], cwd=ROOT,
+                            env={**os.environ, "PYTHONUNBUFFERED": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, preexec_fn=at_a_terminal, start_new_session=True)
+    for line in proc.stdout:  # the group is the run's own (start_new_session): its id is the run's pid
+        if line.startswith("step 3/"):
+            os.killpg(proc.pid, signal.SIGINT)
+            break
+    code, stderr, step = stopped(proc)
+    assert code == 130 and step in (2, 4), stderr[-3000:]
+    assert "KeyboardInterrupt" not in stderr, stderr[-3000:]
+    for _ in range(100):  # the worker and the forkserver end with the run, within a few seconds
+        try:
+            os.killpg(proc.pid, 0)
+        except ProcessLookupError:
+            break
+        time.sleep(0.1)
+    else:
+        pytest.fail("a child of the run outlived it")
 
 
 def test_sigterm_while_a_checkpoint_is_written_waits_for_it(tmp_path):

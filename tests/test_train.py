@@ -79,6 +79,24 @@ def test_resume_is_exact(tmp_path):
             assert x[k] == pytest.approx(y[k], rel=1e-5, abs=1e-7), (k, x["step"])
 
 
+def test_resume_says_where_it_starts(tmp_path, capfd):
+    """--resume names the step it resumes at and the checkpoint it reads (before: nothing); in a run folder
+    without a checkpoint (stopped before its first) it says that it starts at step 1, and does (before: silently)."""
+    common = TINY + ["--batch-size", "1", "--grad-accum", "1", "--group-size", "2", "--max-new-tokens", "2",
+                     "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--save-every", "2"]
+    out, fresh = str(tmp_path / "run"), str(tmp_path / "fresh")
+    main(common + ["--steps", "2", "--out", out], score_batch=letter_reward)
+    capfd.readouterr()
+    main(common + ["--steps", "3", "--out", out, "--resume"], score_batch=letter_reward)
+    assert f"resuming at step 3 of 3 from {os.path.join(out, 'checkpoint.pt')}\n" in capfd.readouterr().err
+    os.makedirs(fresh)  # what a run stopped before its first checkpoint leaves: its config.json
+    with open(os.path.join(out, "config.json")) as f, open(os.path.join(fresh, "config.json"), "w") as g:
+        g.write(f.read())
+    main(common + ["--steps", "1", "--out", fresh, "--resume"], score_batch=letter_reward)
+    assert f"--resume: no checkpoint in {fresh}: starting at step 1 of 1\n" in capfd.readouterr().err
+    assert [m["step"] for m in metrics(out)] == [1, 2, 3] and [m["step"] for m in metrics(fresh)] == [1]
+
+
 def test_data_order_is_a_permutation_per_epoch():
     first = [i for s in range(4) for i in batch_indices(s, 0, 4, 1, 16, seed=3)]
     second = [i for s in range(4, 8) for i in batch_indices(s, 0, 4, 1, 16, seed=3)]
@@ -140,3 +158,34 @@ def test_token_aggregation_normalises_per_micro_batch_as_documented(tmp_path, mo
     per_step = sum(per_token) / sum(units)
     assert sum(backwards) == pytest.approx(per_micro_batch, rel=1e-5, abs=1e-6)
     assert abs(per_micro_batch - per_step) > 1e-4  # the two normalisations differ here
+
+
+@pytest.mark.parametrize("position", ["after", "before"])
+def test_the_reference_pass_is_lora_off_with_zero_tokens_where_c_was(position):
+    """Eq. 4's pi_ref (train.reference_logprobs): the initial policy, LoRA off, fed zero tokens at C's positions.
+    Checked in a trained state, LoRA's B and C both non-zero, where feeding C or leaving LoRA on reads other
+    log-probs (at init both are zero and any of the three would pass)."""
+    from types import SimpleNamespace
+    from conftest import with_lora64
+    from rollout import completion_logprobs, encode_prompts
+    from support.lib.tiny_models import load as tiny_model
+    from train import reference_logprobs
+    policy, tok = tiny_model("llama")
+    policy = with_lora64(policy)                                     # LoRA with a random B
+    base = tiny_model("llama")[0].double().eval()                    # the same weights (seeded by name), no LoRA
+    ids, mask = encode_prompts(tok, ["What is 2 + 3?", "Sort 3 1 2, then add 10 and 32."], "cpu")
+    G, T, D = 3, 5, policy.config.hidden_size
+    torch.manual_seed(1)
+    C = torch.randn(2, 4, D, dtype=torch.float64)                    # (B, m, D) a trained C
+    comp = torch.randint(3, 200, (2 * G, T))
+    comp_mask = torch.ones_like(comp, dtype=torch.bool)
+    run = SimpleNamespace(method=torch.nn.Module(), policy=policy, position=position)  # a g without an anchor
+    args = SimpleNamespace(temperature=1.0, no_shared_prefix=False)
+    got = reference_logprobs(run, args, ids, mask, C=C, comp=comp, comp_mask=comp_mask)
+    with torch.no_grad():
+        zeros = torch.zeros_like(C)
+        want = completion_logprobs(base, ids, mask, zeros, comp, comp_mask, 1.0, position)
+        fed_C = completion_logprobs(base, ids, mask, C, comp, comp_mask, 1.0, position)
+        lora_on = completion_logprobs(policy, ids, mask, zeros, comp, comp_mask, 1.0, position)
+    torch.testing.assert_close(got, want, rtol=1e-12, atol=1e-12)
+    assert (fed_C - want).abs().max() > 1e-2 and (lora_on - want).abs().max() > 1e-2  # the check has teeth

@@ -247,7 +247,7 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "its default; a switch the file turns on can only be turned off in the file. Not with --preset (the file "
       "holds its values)")
     a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
-    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
+    a("--resume", action="store_true", help="continue from OUT/checkpoint.pt (none there: start at step 1)")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
     a("--max-bad-steps", type=COUNT, default=5, help="stop (exit code 3) after this many non-finite steps in a row")

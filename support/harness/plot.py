@@ -7,8 +7,8 @@ Panels over optimiser steps, from metrics.jsonl: the training reward (the format
 with the solve rate (drawn on top of each other when the reward is exact: the dashed line is the
 solve rate) and the validation score before and after training (validation.json, the stars); the
 answer rate (completions with an <answer> block); the KL to the reference policy; and for methods
-with experts, each expert's utilisation beside 1/n (uniform routing) and the entropy H of the
-attention over experts beside log n (its largest value). Each curve is drawn as it was logged, point
+with experts, each expert's utilisation beside 1/n (uniform routing) on 0..1 and the entropy H of
+the attention over experts beside log n (its largest value) on 0..log n. Each curve is drawn as it was logged, point
 by point: a moving average would hide a run of six steps. matplotlib is optional: without it, one
 line says so and nothing else happens.
 """
@@ -110,8 +110,9 @@ def draw_routing(ax_use, ax_h, rows, folder):
     ax_h.plot(*series(rows, "entropy"), marker="o", color="black", label="entropy H")
     ax_h.axhline(math.log(n), color="gray", ls=":", label=f"log n = {math.log(n):.3f} (uniform)")
     ax_h.set_title("routing entropy H (nats)")
-    for ax in (ax_use, ax_h):
-        ax.ticklabel_format(axis="y", useOffset=False)  # H sits a hair under log n: show the digits
+    # each on its whole range: zoomed onto the data, a drift of 0.001 under log n would fill the panel like a swing
+    ax_use.set_ylim(-0.02, 1.02)
+    ax_h.set_ylim(-0.02 * math.log(n), 1.02 * math.log(n))
     ax_h.legend(fontsize=7)
 
 

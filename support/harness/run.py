@@ -116,11 +116,9 @@ def resume_run(run, args, world):
     remove_stray_temporary_files(args.out)  # left by a run killed while writing (SIGKILL, a power cut)
     with writes_or_fail(life, args):
         if args.resume:
-            for name in ("metrics", "samples"):
-                dropped = keep_metrics_upto(paths[name], start)
-                if dropped and name == "metrics":
-                    print(f"resume: from step {start}; {dropped} log line(s) after it dropped (those steps run "
-                          "again)", file=sys.stderr, flush=True)
+            dropped = [keep_metrics_upto(paths[name], start) for name in ("metrics", "samples")][0]
+            print(resume_line(args, paths["checkpoint"], start=start, resuming=resuming, dropped=dropped),
+                  file=sys.stderr, flush=True)
         else:  # what a run that failed before its first step may have left (check_run let it start again)
             for name in ("metrics", "samples", "validation"):
                 if os.path.exists(paths[name]):
@@ -134,6 +132,16 @@ def resume_run(run, args, world):
         with writes_or_fail(life, args):
             write_json(paths["validation"], {"items": args.eval_items, "before": before})
     return start
+
+
+def resume_line(args, checkpoint, start, resuming, dropped):
+    """What --resume does, in one line. Without a checkpoint in --out (a run stopped before its first) it starts
+    at step 1, as the command a stopped run prints asks it to, rather than refusing."""
+    if not resuming:
+        return f"--resume: no checkpoint in {args.out}: starting at step 1 of {args.steps}"
+    line = f"resuming at step {start + 1} of {args.steps} from {checkpoint}" if start < args.steps else \
+        f"resuming: {checkpoint} holds step {start} of {args.steps}, no step left to run"
+    return line + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else "")
 
 
 @contextlib.contextmanager

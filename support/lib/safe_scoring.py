@@ -40,6 +40,7 @@ import math
 import multiprocessing as mp
 import os
 import re
+import signal
 import sys
 import types
 from decimal import Decimal
@@ -211,6 +212,9 @@ def _score_here(entry, answer, config_of):
 
 def _worker_main(conn):
     """Worker process: receive a list of jobs, send one (reward, status) per job, in order."""
+    # A terminal's Ctrl-C signals the whole process group, this worker too: the trainer answers it in one line and
+    # ends the worker (multiprocessing ends its daemon children at exit; a closed pipe ends the loop below).
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     import reasoning_gym  # noqa: F401  (preloaded by the forkserver; else imported here, before "ready")
 
     try:  # cap memory at start + 1 GiB (Linux): a memory bomb raises MemoryError instead of swapping the host
