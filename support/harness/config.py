@@ -112,8 +112,11 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = NEGATIVE_NUMBER
 
+    where = ""  # what the values came from, when not a command line (evaluate.py: "--run DIR: config.json")
+
     def error(self, message):
-        fail(re.sub(r"^argument ([-\w]+)(/[-\w]+)?: ", r"\1: ", message))
+        message = re.sub(r"^argument ([-\w]+)(/[-\w]+)?: ", r"\1: ", message)
+        fail(f"{self.where}: {message}" if self.where else message)
 
 
 def presets_help():
@@ -326,5 +329,8 @@ def fail(msg, code=2):
     """One line on stderr, then exit: code 2 for bad input, before anything is written; code 3 when
     --max-bad-steps stops a run."""
     if distributed.world_from_env().rank == 0:  # under torchrun every rank fails alike: one line, from rank 0
-        print(f"error: {msg}", file=sys.stderr)
+        try:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+        except OSError:  # stderr closed too: the exit code says it
+            pass
     sys.exit(code)
