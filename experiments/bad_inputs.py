@@ -424,7 +424,8 @@ def write_safety_cases(p, work, T, out):
 def user_files_cases(p, work, T, out):
     """The user's files round (a folder the user already had, evaluation, summaries, the expert cache's writes,
     streams): as write_safety_cases has them, with the options `absent` (a path that must not exist afterwards),
-    `env` (variables set for the command) and `resumes` (the command in the line must finish the run)."""
+    `made` (a path that must exist afterwards: what shows the run was read), `env` (variables set for the command)
+    and `resumes` (the command in the line must finish the run)."""
     E = ["evaluate.py", "--n", "2", "--run"]
     S = ["evaluate.py", "--summarize"]
     V = {"victim": p["victim"]}
@@ -455,7 +456,8 @@ def user_files_cases(p, work, T, out):
         ("--out: a run that failed before its first step starts again",
          T + ["--out", failed_first_step(p, "failed-own")], None, None, 0, {"exit0": True}),
         # evaluate.py reads the run's config.json through train.py's own checks, before any model loads
-        ("evaluate.py --run: config.json with --max-new-tokens -1", E + [edited_run(p, "cfg-neg", {"max_new_tokens": -1})],
+        ("evaluate.py --run: config.json with --max-new-tokens -1",
+         E + [edited_run(p, "cfg-neg", {"max_new_tokens": -1})],
          "--max-new-tokens", os.path.join(work, "cfg-neg"), 2),
         ("evaluate.py --run: config.json with a 200,000-character prefix",
          E + [edited_run(p, "cfg-long", {"response_prefix": "x" * 200_000})], "--response-prefix",
@@ -495,7 +497,7 @@ def user_files_cases(p, work, T, out):
          None, None, 0, {"exit0": True}),
         ("evaluate.py --summarize: a folder named with glob characters", S + [torn_runs(p, "globbed", glob_name=True),
                                                                             "--out", out], None, None, 0,
-         {"exit0": True}),
+         {"exit0": True, "made": os.path.join(out, "reward_chain_sum.png")}),
         ("evaluate.py --summarize: a metrics line that is not JSON", S + [torn_runs(p, "bad-line", torn=False),
                                                                         "--out", out], "metrics.jsonl", out, 2),
         # every path flag checked on every code path; every write through one discipline
@@ -763,6 +765,10 @@ def main():
         if "absent" in opts:  # a path outside that the command must not make
             kept = kept and not os.path.exists(opts["absent"])
             written += f"; {'no' if kept else 'MADE'} {opts['absent'].replace(a.work, 'W')}"
+        if "made" in opts:  # a file only a run read makes (a summary's figure)
+            made = opts["made"].replace("-OUT", f"-{i}")
+            kept = kept and os.path.exists(made)
+            written += f"; {'wrote' if kept else 'NOT written:'} {made.replace(a.work, 'W')}"
         traceback = any(ln.startswith("Traceback") for ln in lines)
         ok = code == want and n_errors == (0 if opts.get("exit0") else 1) and not traceback and kept and \
             (flag is None or flag in line) and resumed and (watch is None or before == after) and \

@@ -24,7 +24,6 @@ import subprocess
 import sys
 
 import pytest
-import torch
 
 import evaluate
 import train

@@ -245,7 +245,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "new folder), --resume (add it to continue a run instead) and --config; a flag newer than the file takes "
       "its default; a switch the file turns on can only be turned off in the file. Not with --preset (the file "
       "holds its values)")
-    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
+    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED): new, empty, or a run of "
+      "this project's (--resume continues it); a folder holding other files is refused (exit code 2), never "
+      "written: a run replaces only files a run wrote")
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
@@ -268,7 +270,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
       "slower. CPU runs are deterministic without it")
     a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
-      "prompt: runs and evaluations that name the same folder compute each state once (support/lib/state_store.py)")
+      "prompt: runs and evaluations that name the same folder compute each state once (support/lib/state_store.py). "
+      "A state read back is the one computed in the batch that first filled it, which differs from one computed in "
+      "another batch in its last bits: --resume keeps the run's own --expert-cache")
     a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
       "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
     a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "

@@ -21,7 +21,10 @@ checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (14
 the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/harness/stop.py);
 --resume continues to the very numbers and files of a run never killed (support/harness/checkpoint.py,
 tests/test_chaos.py); every file is written whole, never through a link, and a write the system refuses ends in
-one line with exit code 4, nothing half-written left (support/lib/files.py, tests/test_write_safety.py); every
+one line with exit code 4, nothing half-written left (support/lib/files.py, tests/test_write_safety.py), the
+expert cache's states too; a folder the user already had is refused, never written, and a failed first step's
+files are removed only when its config and their own form show the run wrote them (checks.user_files_problem);
+a closed or full stdout stops the run as a signal does (say, tests/test_user_files.py); every
 prompt fits the policy's context before the first forward (support/harness/checks.py); --eval-items scores the policy
 before and after training on the items evaluate.py scores for the seed.
 
