@@ -20,6 +20,9 @@ Choices the paper leaves open:
      with C, with C = 0 and with another item's C; paired differences with an exact sign test and a
      bootstrap interval over items, on the task score and on the log-probability of the gold answer.
 
+A run's config.json is read with train.py's own checks (support/harness/checks.run_config) before any model
+loads, and the --expert-cache it records is used only when named again here (evaluate.py writes where it is told).
+
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
 import os
@@ -208,12 +211,12 @@ def main(argv=None):
             "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)
     # where the result goes, checked (and made) before the evaluation runs, so that none is lost
+    if a.expert_cache:  # checked (and made) as train.py checks it, before any folder is made for the result
+        claim_expert_cache(a.expert_cache)
     flag = "--run" if a.run and not a.out else "--out"
     made = create_folder(os.path.dirname(path), flag)
     if os.path.isdir(path):
         fail(f"{flag}: {path} is a folder; the result is written to that file name")
-    if a.expert_cache:
-        claim_expert_cache(a.expert_cache)
     # Ctrl-C / SIGTERM: one line, exit code 130 / 143, within seconds, nothing half-written
     with stopping_on_signals(lambda name: f"stopped by {name}: nothing written (the result is written at the "
                              "end); run the same command again", cleanup=lambda: remove_created(made)):

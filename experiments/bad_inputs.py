@@ -522,11 +522,11 @@ def user_files_cases(p, work, T, out):
          T + ["--steps", "3", "--resume", "--out", copy_run(p, "resume-cache"), "--expert-cache", p["cache"]],
          "--expert-cache", os.path.join(work, "resume-cache"), 2),
         # streams
-        ("stdout a pipe closed after one line (| head -1)", ["-c", STREAM, "head", *T, "--steps", "3", "--save-every",
+        ("stdout a pipe closed after one line (piped to head -1)", ["-c", STREAM, "head", *T, "--steps", "3", "--save-every",
                                                               "1", "--out", os.path.join(work, "head")],
          "--resume", None, 141, {"resumes": True,
                                  "show": "train.py --preset smoke --eval-items 0 --steps 3 --save-every 1 "
-                                         "--out W/head | head -1"}),
+                                         "--out W/head, piped to head -1"}),
         ("stdout on a full device (> /dev/full)", ["-c", STREAM, "full", *T, "--steps", "3", "--out",
                                                    os.path.join(work, "devfull")], "stdout", None, 4,
          {"absent": os.path.join(work, "devfull"),

@@ -170,7 +170,7 @@ def test_evaluate_checks_an_expert_cache_named_on_its_command_line(who, finished
         evaluate.main(argv + ["--n", "2", "--expert-cache", str(victim)])
     line = one_error(capfd)
     assert exc.value.code == 2 and "--expert-cache" in line and "file" in line, line
-    assert victim.read_text() == "precious\n"
+    assert victim.read_text() == "precious\n" and not (tmp_path / "out").exists()  # no folder made for a result
 
 
 # ----------------------------------------------------------------------------------------------------------
