@@ -20,6 +20,9 @@ Choices the paper leaves open:
      with C, with C = 0 and with another item's C; paired differences with an exact sign test and a
      bootstrap interval over items, on the task score and on the log-probability of the gold answer.
 
+A run's config.json is read with train.py's own checks (support/harness/checks.run_config) before any model
+loads, and the --expert-cache it records is used only when named again here (evaluate.py writes where it is told).
+
 Try it on CPU:  python -m pytest tests/test_collaboration.py -q -k paired
 """
 import os
@@ -33,11 +36,12 @@ from baselines import METHODS, kind
 from experts import frozen_dtype, load_model, pick_device, team_models
 from support.harness.checkpoint import write_json
 from support.lib.files import UnsafePath, WriteFailed, link_in_run_folder
-from support.harness.checks import parse_args
+from support.harness.checks import parse_args, run_config
 from support.harness.config import (COUNT, HELP_WIDTH, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder,
                                     fail, remove_created)
 from support.harness.model_check import check_models
-from support.harness.report import plot_runs, summarize
+from support.harness.report import load_runs, plot_runs, summarize
+from support.harness.run import claim_expert_cache, replace_unencodable
 from support.lib.stats import paired_comparison
 from support.harness.stop import stopping_on_signals
 from support.harness.validation import read_run, restore_trained, score_items, scored, summary, validation_items
@@ -156,9 +160,13 @@ def main(argv=None):
     p.add_argument("--out", default=None,
                    help="where to write (default: the run folder, or results/)")
     p.add_argument("--device", default="auto", help="auto, cpu, cuda or mps")
+    p.add_argument("--expert-cache", default=None, help="a folder of the experts' pooled states to read and "
+                   "fill, as train.py's flag (default: none; the one a run's config.json records is not used "
+                   "unless named here: evaluate.py writes only where it is told)")
     p.add_argument("--no-shared-prefix", action="store_true", help="run every item's whole prompt "
                    "(the evaluation before prefix sharing, bit for bit); by default the items' "
                    "common beginning runs once per batch")
+    replace_unencodable()  # a non-ASCII path on an ASCII stdout: written with replacement characters
     a, train_flags = p.parse_known_args(argv)
     if sum(map(bool, (a.run, a.untrained, a.summarize))) != 1:
         p.error("give exactly one of --run DIR, --untrained or --summarize FOLDER...")
@@ -173,6 +181,12 @@ def main(argv=None):
         missing = [d for d in a.summarize if not os.path.isdir(d)]
         if missing:
             p.error(f"--summarize: no such folder {missing[0]}")
+        try:
+            if not load_runs(a.summarize):  # a run folder: config.json and metrics.jsonl together
+                fail(f"--summarize: no run found under {', '.join(a.summarize)} (a run's folder holds config.json "
+                     "and metrics.jsonl)")
+        except ValueError as e:  # a metrics line that is not JSON (a torn last one is left out)
+            fail(str(e))
         out = a.out or "results"
         create_folder(out, "--out")
         table, rho = summarize(a.summarize, out)
@@ -183,24 +197,24 @@ def main(argv=None):
         return
     if a.untrained:
         targs = parse_args([*train_flags, "--method", "single"])
-        cfg, state = {**vars(targs), "team_models": team_models(targs)}, {}
+        cfg, state = {**vars(targs), "team_models": team_models(targs), "expert_cache": a.expert_cache}, {}
         flag = "--policy" if targs.policy else f"--team {targs.team}"
         models = [(cfg["team_models"]["policy"], flag)]
         path = os.path.join(a.out or "results", f"untrained-{targs.task}-{targs.team}.json")
     else:
-        cfg, state = read_run(a.run)
-        if msg := link_in_run_folder(a.run, "--run"):  # a link planted in a shared run folder
+        if os.path.lexists(a.run) and (msg := link_in_run_folder(a.run, "--run")):  # a link planted there
             fail(msg)
-        # a neighbour's run: its own script builds it
-        if cfg["method"] not in METHODS:
-            fail(f"--run {a.run} is a {cfg['method']} run: python neighbours/{cfg['method']}.py "
-                 f"evaluate --run {a.run}")
+        # config.json through train.py's own checks (a neighbour's run: its own script), the checkpoint after
+        cfg = {**run_config(a.run), "expert_cache": a.expert_cache}  # the recorded cache only if named here
+        state = read_run(a.run)[1]
         experts = cfg["team_models"]["experts"] if kind(cfg["method"]).experts == "team" else []
         models = [(m, f"--run {a.run}") for m in [cfg["team_models"]["policy"]] + experts]
         name = "eval_paired.json" if a.paired else \
             "eval_no_context.json" if a.no_context else "eval.json"
         path = os.path.join(a.out or a.run, name)
     # where the result goes, checked (and made) before the evaluation runs, so that none is lost
+    if a.expert_cache:  # checked (and made) as train.py checks it, before any folder is made for the result
+        claim_expert_cache(a.expert_cache)
     flag = "--run" if a.run and not a.out else "--out"
     made = create_folder(os.path.dirname(path), flag)
     if os.path.isdir(path):
@@ -219,6 +233,10 @@ def main(argv=None):
         except (ValueError, FileNotFoundError) as e:  # unknown task, missing data or model, no CUDA
             remove_created(made)
             fail(str(e))
+        except WriteFailed as e:  # --expert-cache on a full disk
+            remove_created(made)
+            fail(f"--expert-cache {a.expert_cache}: {e}; nothing half-written was left. Free space there (or make "
+                 "it writable), then run the same command again", code=4)
         except SystemExit:  # a signal's line
             remove_created(made)
             raise

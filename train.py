@@ -51,7 +51,7 @@ from support.harness.checks import parse_args
 from support.harness.config import fail
 from support.harness.metrics import step_metrics, wall_clock
 from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders
-from support.harness.run import resume_run
+from support.harness.run import claim_expert_cache, resume_run, writes_or_fail
 from support.lib import distributed
 from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite
 from support.lib.runtime import deterministic_kernels, expandable_segments
@@ -197,20 +197,21 @@ def train(args, world, score_batch):
     """One run: checked and opened, built, resumed, its steps, finished. Returns --out."""
     life = open_run(args, world)  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
     try:  # however the run ends, the lock on --out goes with it
-        try:
-            run = build_run(args, life.device)
-        except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-            fail(str(e))
-        run.life = life
-        start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
-        bar, bad_steps = progress_bar(start, args, life.writer), 0
-        for step in range(start, args.steps):
-            rec, batches = grpo_step(step, run, args, score_batch)
-            # ---- log and checkpoint: samples.jsonl, metrics.jsonl, the log line, checkpoint.pt ----
-            bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
-            bar.update(1)
-        bar.close()
-        return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
+        with writes_or_fail(args):  # a write the system refuses, --expert-cache's too: one line, exit code 4
+            try:
+                run = build_run(args, life.device)
+            except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
+                fail(str(e))
+            run.life = life
+            start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
+            bar, bad_steps = progress_bar(start, args, life.writer), 0
+            for step in range(start, args.steps):
+                rec, batches = grpo_step(step, run, args, score_batch)
+                # ---- log and checkpoint: samples.jsonl, metrics.jsonl, the log line, checkpoint.pt ----
+                bad_steps = after_step(run, args, step, rec, batches=batches, bar=bar, bad_steps=bad_steps)
+                bar.update(1)
+            bar.close()
+            return finish_run(run, args)  # lora_peft/, g_phi, the plot, validation after training
     finally:
         release_folders(life)
 
@@ -444,7 +445,13 @@ def main(argv=None, score_batch=None):
              f"{args.grad_accum} micro-batches per step: each process needs one; start fewer "
              "processes or raise --grad-accum")
     if args.precompute_states:  # --expert-cache filled for every prompt the run reads, then exit
-        return precompute_states(build_run(args, pick_device(args.device)), args)
+        claim_expert_cache(args.expert_cache)  # checked before any model loads, as a run's
+        with writes_or_fail(args):  # a full disk: one line, exit code 4
+            try:
+                run = build_run(args, pick_device(args.device))
+            except (ValueError, FileNotFoundError) as e:
+                fail(str(e))
+            return precompute_states(run, args)
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support.harness import plan
         return plan.main(args, world)

@@ -82,6 +82,61 @@ def fixtures(work):
     return paths
 
 
+def users_folder(p, name, files):
+    """A folder of the user's own, never a run: {file name: text}."""
+    out = os.path.join(os.path.dirname(p["run"]), name)
+    os.makedirs(out)
+    for file, text in files.items():
+        with open(os.path.join(out, file), "w") as f:
+            f.write(text)
+    return out
+
+
+USERS = {"validation.json": '{"my": "own scores"}\n', "samples.jsonl": "my own samples\n", "plot.png": "my plot"}
+
+
+def failed_first_step(p, name, validation=None):
+    """What a run that failed before its first step leaves: its config.json and the samples of step 1 (and,
+    with `validation`, a validation.json of that text)."""
+    out = os.path.join(os.path.dirname(p["run"]), name)
+    os.makedirs(out)
+    shutil.copy(os.path.join(p["run"], "config.json"), out)
+    with open(os.path.join(p["run"], "samples.jsonl")) as f, open(os.path.join(out, "samples.jsonl"), "w") as g:
+        g.write(f.readline())
+    if validation is not None:
+        with open(os.path.join(out, "validation.json"), "w") as f:
+            f.write(validation)
+    return out
+
+
+def edited_run(p, name, change=None, text=None):
+    """A copy of the finished run whose config.json has `change` (a dict merged in), or is `text`."""
+    out = copy_run(p, name)
+    path = os.path.join(out, "config.json")
+    if change is not None:
+        with open(path) as f:
+            cfg = json.load(f)
+        with open(path, "w") as f:
+            json.dump({**cfg, **change}, f)
+    else:
+        with open(path, "w") as f:
+            f.write(text)
+    return out
+
+
+def torn_runs(p, name, torn=True, glob_name=False):
+    """A folder of runs for --summarize: a copy of the finished run whose metrics.jsonl ends in a torn line (or,
+    torn=False, holds a line that is not JSON in the middle), in a folder whose name holds glob characters."""
+    top = os.path.join(os.path.dirname(p["run"]), name + ("[1]*" if glob_name else ""))
+    shutil.copytree(p["run"], os.path.join(top, "run"))
+    path = os.path.join(top, "run", "metrics.jsonl")
+    with open(path) as f:
+        lines = f.readlines()
+    with open(path, "w") as f:
+        f.writelines(lines + ['{"step": 3, "rew'] if torn else ["{oops\n"] + lines)
+    return top
+
+
 def victim(p):
     """(Re)write the file outside every run folder that no case may change."""
     with open(p["victim"], "w") as f:
@@ -144,7 +199,7 @@ def damaged_cache(p, kind):
     shutil.copytree(p["cache"], out)
     for name in os.listdir(out):
         path = os.path.join(out, name)
-        if kind == "width" and name.endswith(".width"):
+        if kind.startswith("width") and name.endswith(".width"):
             with open(path, "w") as f:
                 f.write("lots")
         elif kind == "states" and name.endswith(".pt"):
@@ -159,10 +214,27 @@ TMPFS = r"""
 import os, subprocess, sys
 mnt, size, rest = sys.argv[1], sys.argv[2], sys.argv[3:]
 os.makedirs(mnt, exist_ok=True)
-script = (f'mount -t tmpfs -o size={size} tmpfs {mnt} && "$0" train.py "$@" --out {mnt}/run; code=$?; '
-          f'ls -a {mnt}/run | grep -q -e "\.tmp" -e "^\.lock$" && exit 99; exit $code')
+placed = any("@MNT" in x for x in rest)  # a path on the tmpfs given in the flags (else --out is there)
+rest = [x.replace("@MNT", mnt) for x in rest]
+script = (f'mount -t tmpfs -o size={size} tmpfs {mnt} && "$0" train.py "$@" {"" if placed else f"--out {mnt}/run"}; '
+          f'code=$?; ls -aR {mnt} | grep -q -e "\.tmp" -e "^\.lock$" && exit 99; exit $code')
 sys.exit(subprocess.run(["unshare", "--user", "--map-root-user", "--mount", "sh", "-c", script, sys.executable,
                          *rest]).returncode)
+"""
+
+
+# train.py with its stdout a pipe whose reader ends after the first line (`| head -1`), or the full device
+# (`> /dev/full`); exits with the run's code.
+STREAM = r"""
+import subprocess, sys
+how, rest = sys.argv[1], sys.argv[2:]
+if how == "head":
+    proc = subprocess.Popen([sys.executable, *rest], stdout=subprocess.PIPE)
+    print(proc.stdout.readline().decode().strip(), file=sys.stderr)
+    proc.stdout.close()
+    sys.exit(proc.wait())
+with open("/dev/full", "w") as f:
+    sys.exit(subprocess.run([sys.executable, *rest], stdout=f).returncode)
 """
 
 
@@ -249,7 +321,7 @@ def cases(p, work):
                                                  os.path.join(work, "sigint")], "--resume", None, 130),
         ("SIGTERM during training", T + ["--steps", "40", "--save-every", "2", "--out", os.path.join(work, "sigterm")],
          "--resume", None, 143),
-    ] + write_safety_cases(p, work, T, out)
+    ] + write_safety_cases(p, work, T, out) + user_files_cases(p, work, T, out)
 
 
 def write_safety_cases(p, work, T, out):
@@ -346,6 +418,125 @@ def write_safety_cases(p, work, T, out):
          {"signal": (signal.SIGINT, "step 2/")}),
     ]
     os.symlink(os.path.join(work, "gsm8k"), os.path.join(work, "out-link"))
+    return cases
+
+
+def user_files_cases(p, work, T, out):
+    """The user's files round (a folder the user already had, evaluation, summaries, the expert cache's writes,
+    streams): as write_safety_cases has them, with the options `absent` (a path that must not exist afterwards),
+    `made` (a path that must exist afterwards: what shows the run was read), `env` (variables set for the command)
+    and `resumes` (the command in the line must finish the run)."""
+    E = ["evaluate.py", "--n", "2", "--run"]
+    S = ["evaluate.py", "--summarize"]
+    V = {"victim": p["victim"]}
+    gone = os.path.join(work, "gone", "cache")  # a recorded --expert-cache that no longer exists
+    tmpfs = os.path.join(work, "tmpfs-OUT")
+    folder = {name: users_folder(p, f"users-{name}", files) for name, files in (
+        ("scores", USERS), ("notes", {"notes.txt": "mine\n"}),
+        ("config", {"config.json": '{"name": "my own config"}\n', "samples.jsonl": "mine\n"}),
+        ("conductor", USERS), ("rlae", USERS), ("cache-inside", USERS))}
+    cases = [
+        # a folder the user already had is never a run's to clean up
+        ("--out: the user's folder (validation.json, samples.jsonl, plot.png)", T + ["--out", folder["scores"]],
+         "--out", folder["scores"], 2),
+        ("--out: the user's folder holding notes.txt", T + ["--out", folder["notes"]], "--out", folder["notes"], 2),
+        ("--out: the user's folder with a config.json of their own", T + ["--out", folder["config"]], "--out",
+         folder["config"], 2),
+        ("--out: the user's folder, --expert-cache inside it", T + ["--out", folder["cache-inside"], "--expert-cache",
+                                                                   os.path.join(folder["cache-inside"], "cache")],
+         "--out", folder["cache-inside"], 2),
+        ("conductor: --out the user's folder", ["neighbours/conductor.py", *SMOKE, "--out", folder["conductor"]],
+         "--out", folder["conductor"], 2),
+        ("rlae: --out the user's folder", ["neighbours/rlae.py", *SMOKE, "--out", folder["rlae"]], "--out",
+         folder["rlae"], 2),
+        ("--out: a failed first step whose validation.json is not the run's",
+         T + ["--out", failed_first_step(p, "failed-foreign", validation='{"my": "own"}')], "validation.json",
+         os.path.join(work, "failed-foreign"), 2),
+        ("--out: an empty folder", T + ["--out", users_folder(p, "users-empty", {})], None, None, 0, {"exit0": True}),
+        ("--out: a run that failed before its first step starts again",
+         T + ["--out", failed_first_step(p, "failed-own")], None, None, 0, {"exit0": True}),
+        # evaluate.py reads the run's config.json through train.py's own checks, before any model loads
+        ("evaluate.py --run: config.json with --max-new-tokens -1",
+         E + [edited_run(p, "cfg-neg", {"max_new_tokens": -1})],
+         "--max-new-tokens", os.path.join(work, "cfg-neg"), 2),
+        ("evaluate.py --run: config.json with a 200,000-character prefix",
+         E + [edited_run(p, "cfg-long", {"response_prefix": "x" * 200_000})], "--response-prefix",
+         os.path.join(work, "cfg-long"), 2),
+        ("evaluate.py --run: config.json nested 100,000 deep",
+         E + [edited_run(p, "cfg-deep", text='{"team": ' + "[" * 100_000 + "]" * 100_000 + "}")], "config.json",
+         os.path.join(work, "cfg-deep"), 2),
+        ("evaluate.py --run: config.json with NaN for --lr", E + [edited_run(p, "cfg-nan", {"lr": float("nan")})],
+         "config.json", os.path.join(work, "cfg-nan"), 2),
+        ("evaluate.py --run: config.json is a list", E + [edited_run(p, "cfg-list", text="[1, 2]")], "config.json",
+         os.path.join(work, "cfg-list"), 2),
+        ("evaluate.py --run: config.json names an unknown flag", E + [edited_run(p, "cfg-key", {"warp_drive": 9})],
+         "warp_drive", os.path.join(work, "cfg-key"), 2),
+        ("evaluate.py --run: config.json --team unknown", E + [edited_run(p, "cfg-team", {"team": "galactic"})],
+         "--team", os.path.join(work, "cfg-team"), 2),
+        ("evaluate.py --run: config.json without team_models", E + [edited_run(p, "cfg-models", text='{"lr": 0.1}')],
+         "config.json", os.path.join(work, "cfg-models"), 2),
+        ("evaluate.py --run: the recorded --expert-cache is now a file",
+         E + [edited_run(p, "cfg-cache-file", {"expert_cache": p["victim"]})], None, None, 0, {**V, "exit0": True}),
+        ("evaluate.py --run: the recorded --expert-cache no longer exists (not made again)",
+         E + [edited_run(p, "cfg-cache-gone", {"expert_cache": gone})], None, None, 0,
+         {"exit0": True, "absent": os.path.dirname(gone)}),
+        ("evaluate.py --run --expert-cache is a file", E + [copy_run(p, "eval-cache-file"), "--expert-cache",
+                                                         p["victim"]], "--expert-cache",
+         os.path.join(work, "eval-cache-file"), 2, V),
+        ("evaluate.py --untrained --expert-cache is a file", ["evaluate.py", "--untrained", "--team", "tiny", "--task",
+                                                              "chain_sum", "--n", "2", "--out", out,
+                                                              "--expert-cache", p["victim"]], "--expert-cache", out,
+         2, V),
+        # --summarize reads run folders: config.json and metrics.jsonl together
+        ("evaluate.py --summarize: a smoke run (its base_model/config.json is no run)", S + [p["run"], "--out",
+                                                                                          out], None, None, 0,
+         {"exit0": True}),
+        ("evaluate.py --summarize: a folder with no run", S + [p["gsm8k_dir"], "--out", out], "no run found",
+         out, 2),
+        ("evaluate.py --summarize: a run whose last metrics line is torn", S + [torn_runs(p, "torn"), "--out", out],
+         None, None, 0, {"exit0": True}),
+        ("evaluate.py --summarize: a folder named with glob characters", S + [torn_runs(p, "globbed", glob_name=True),
+                                                                            "--out", out], None, None, 0,
+         {"exit0": True, "made": os.path.join(out, "reward_chain_sum.png")}),
+        ("evaluate.py --summarize: a metrics line that is not JSON", S + [torn_runs(p, "bad-line", torn=False),
+                                                                        "--out", out], "metrics.jsonl", out, 2),
+        # every path flag checked on every code path; every write through one discipline
+        ("--precompute-states: --expert-cache is a file", T + ["--out", out, "--precompute-states", "--expert-cache",
+                                                              p["victim"]], "--expert-cache", out, 2, V),
+        ("--precompute-states: --expert-cache cannot be created", T + ["--out", out, "--precompute-states",
+                                                                      "--expert-cache", "/sys/nmusk"],
+         "--expert-cache", out, 2),
+        ("--precompute-states: a width file that is not a number", T + ["--out", out, "--precompute-states",
+                                                                       "--expert-cache", damaged_cache(p, "width2")],
+         "--expert-cache", out, 2),
+        ("a full disk under --expert-cache (tmpfs 4 kB)", ["-c", TMPFS, tmpfs, "4k", *SMOKE, "--out",
+                                                            os.path.join(work, "fullcache-OUT"), "--expert-cache",
+                                                            "@MNT/cache"], "--expert-cache", None, 4,
+         {"show": "train.py --preset smoke --eval-items 0 --steps 1 --out W/fullcache --expert-cache TMPFS(4k)"}),
+        ("--precompute-states on a full disk (tmpfs 4 kB)", ["-c", TMPFS, tmpfs, "4k", *SMOKE, "--out",
+                                                              os.path.join(work, "fullpre-OUT"),
+                                                              "--precompute-states", "--expert-cache", "@MNT/cache"],
+         "--expert-cache", None, 4,
+         {"show": "train.py --preset smoke --eval-items 0 --steps 1 --precompute-states --expert-cache TMPFS(4k)"}),
+        ("--resume adding an --expert-cache (its states differ in their last bits)",
+         T + ["--steps", "3", "--resume", "--out", copy_run(p, "resume-cache"), "--expert-cache", p["cache"]],
+         "--expert-cache", os.path.join(work, "resume-cache"), 2),
+        # streams
+        ("stdout a pipe closed after one line (piped to head -1)", ["-c", STREAM, "head", *T, "--steps", "3", "--save-every",
+                                                              "1", "--out", os.path.join(work, "head")],
+         "--resume", None, 141, {"resumes": True,
+                                 "show": "train.py --preset smoke --eval-items 0 --steps 3 --save-every 1 "
+                                         "--out W/head, piped to head -1"}),
+        ("stdout on a full device (> /dev/full)", ["-c", STREAM, "full", *T, "--steps", "3", "--out",
+                                                   os.path.join(work, "devfull")], "stdout", None, 4,
+         {"absent": os.path.join(work, "devfull"),
+          "show": "train.py --preset smoke --eval-items 0 --steps 3 --out W/devfull > /dev/full"}),
+        ("PYTHONIOENCODING=ascii with a non-ASCII --out", T + ["--out", os.path.join(work, "r\u00e9sum\u00e9-OUT")],
+         None, None, 0, {"exit0": True, "env": {"PYTHONIOENCODING": "ascii"}}),
+        ("evaluate.py, PYTHONIOENCODING=ascii, a non-ASCII --out", E + [p["run"], "--out",
+                                                                       os.path.join(work, "\u00e9val-OUT")],
+         None, None, 0, {"exit0": True, "env": {"PYTHONIOENCODING": "ascii"}}),
+    ]
     return cases
 
 
@@ -477,11 +668,11 @@ def listing(path):
             for d, _, names in os.walk(path) for n in names}
 
 
-def run_case(name, argv, watch, work, trigger=None):
+def run_case(name, argv, watch, work, trigger=None, extra_env=None):
     """(exit code, stderr, seconds) of one case. trigger: (signal, the line that fires it: "step 2/" on stdout,
     or "stderr:TEXT"), or a test hook NMUSK_TEST_SIGKILL=POINT:STEP:SIGNAL, or None."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "NMUSK_TEST_SIGKILL": trigger if isinstance(trigger, str) else ""}
+           "NMUSK_TEST_SIGKILL": trigger if isinstance(trigger, str) else "", **(extra_env or {})}
     holder = None
     if name.startswith("--out held"):  # another process that holds the run folder's lock
         holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); "
@@ -547,7 +738,7 @@ def main():
         trigger = opts.get("signal") or ((signal.SIGINT if name.startswith("SIGINT") else signal.SIGTERM, "step 2/")
                                          if name.startswith("SIG") else None)
         before = listing(watch) if watch else None
-        code, stderr, seconds = run_case(name, argv, watch, a.work, trigger)
+        code, stderr, seconds = run_case(name, argv, watch, a.work, trigger, opts.get("env"))
         line, n_errors, lines = first_line(stderr)
         after = listing(watch) if watch else None
         if name.startswith("--out held"):
@@ -560,7 +751,7 @@ def main():
                 kept = f.read() == "precious\n"
         if opts.get("exit0"):  # a run that must finish, its target untouched
             written = "the run finished" + ("; the file outside untouched" if "victim" in opts else "")
-        elif trigger is not None:  # the command the line names must continue the run to its end
+        elif trigger is not None or opts.get("resumes"):  # the command in the line must finish the run
             resume = line.partition("with: ")[2] or (argv if "run the same command again" in line else "")
             command = shlex.split(resume)[1:] if isinstance(resume, str) else resume
             done = subprocess.run([sys.executable, *command], cwd=ROOT, capture_output=True,
@@ -571,6 +762,13 @@ def main():
             written = "no temporary file, no lock" if code != 99 else "a temporary file or the lock left behind"
         if "victim" in opts:
             written += "; the file outside untouched" if kept else "; THE FILE OUTSIDE CHANGED"
+        if "absent" in opts:  # a path outside that the command must not make
+            kept = kept and not os.path.exists(opts["absent"])
+            written += f"; {'no' if kept else 'MADE'} {opts['absent'].replace(a.work, 'W')}"
+        if "made" in opts:  # a file only a run read makes (a summary's figure)
+            made = opts["made"].replace("-OUT", f"-{i}")
+            kept = kept and os.path.exists(made)
+            written += f"; {'wrote' if kept else 'NOT written:'} {made.replace(a.work, 'W')}"
         traceback = any(ln.startswith("Traceback") for ln in lines)
         ok = code == want and n_errors == (0 if opts.get("exit0") else 1) and not traceback and kept and \
             (flag is None or flag in line) and resumed and (watch is None or before == after) and \

@@ -41,8 +41,11 @@ from lora import load_lora_state_dict, lora_state_dict
 from support.lib.files import UnsafePath, refuse_link, replaced
 
 # Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
-# processes: a run may resume with another.)
-RESUME_MAY_CHANGE = {"steps", "keep_activations", "device", "expert_device", "expert_cache", "plan", "out",
+# processes: a run may resume with another.) Not --expert-cache: a state read from a cache is the one computed in
+# the batch that first filled it (--precompute-states: 64 prompts a batch), and a state computed in another batch,
+# with other padding, differs in its last bits; adding a precomputed cache on --resume moved the weights by 1.5e-8
+# and kl in its 8th digit on the tiny team. So a run resumes with the cache it ran with (or none, if none).
+RESUME_MAY_CHANGE = {"steps", "keep_activations", "device", "expert_device", "plan", "out",
                      "resume", "save_every", "sample_every", "preset", "max_bad_steps", "config",
                      "track"}
 
@@ -210,10 +213,11 @@ def check_resume(args, config_path, default=lambda flag: None):
     return None
 
 
-def read_log(path):
+def read_log(path, flag="--resume"):
     """The records of a JSONL log (metrics.jsonl, samples.jsonl), [] when there is none. A last line without its
     newline is the torn write of a killed run and is left out; any other line that is not a JSON record with a
-    step raises ValueError naming it: --resume drops nothing quietly."""
+    step raises ValueError naming it (and `flag`, what read it): --resume drops nothing quietly, and
+    evaluate.py --summarize reads logs the same way."""
     if not os.path.lexists(path):
         return []
     refuse_link(path)
@@ -229,8 +233,8 @@ def read_log(path):
         if not ok:
             if n == len(lines) and not line.endswith("\n"):
                 break
-            raise ValueError(f"--resume: line {n} of {path} is not a JSON record with a step: {line.strip()[:40]!r}; "
-                             "repair or delete that line, then resume again")
+            raise ValueError(f"{flag}: line {n} of {path} is not a JSON record with a step: {line.strip()[:40]!r}; "
+                             f"repair or delete that line{', then resume again' if flag == '--resume' else ''}")
         records.append((record, line if line.endswith("\n") else line + "\n"))
     return records
 

@@ -24,10 +24,11 @@ import torch
 import rewards
 from baselines import NEIGHBOURS, kind
 from experts import team_models
-from support.harness.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume
+from support.harness.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume, read_log
 from support.harness.config import PRESETS, ArgumentParser, build_parser, fail
 from support.harness.model_check import check_models
 from support.harness.track import check_library
+from support.lib.files import RUN_FILES
 
 
 def parse_args(argv=None):
@@ -35,9 +36,11 @@ def parse_args(argv=None):
     return parse(build_parser(), argv)
 
 
-def parse(p, argv=None):
+def parse(p, argv=None, where=""):
     """Parse with `p` (build_parser's): --preset's values, or --config's (a run's config.json), become the
-    defaults, so that a flag given beside them wins; then the checks between flags."""
+    defaults, so that a flag given beside them wins; then the checks between flags. `where`: what a bad value's
+    line names first when the values are a run's, not a command line's (run_config)."""
+    p.where = where
     pre = ArgumentParser(add_help=False)
     pre.add_argument("--preset", default=None, choices=sorted(PRESETS))
     pre.add_argument("--method", default=None)
@@ -70,33 +73,34 @@ def replayed_values(p, path):
     line would be (its type, its choices), as {dest: value} for p.set_defaults: a flag given beside --config
     wins. A flag the file lacks is newer than the run, which ran as that flag's default behaves (as --resume
     reads it, support/harness/checkpoint.py). A file that cannot be read, is not a JSON object, names a key that is no
-    flag of `p` or holds a bad value fails in one line (exit code 2)."""
+    flag of `p` or holds a bad value fails in one line (exit code 2), naming p.where or --config."""
+    where = p.where or f"--config {path}"
     try:
         if os.path.exists(path) and not os.path.isfile(path):  # a folder, or a pipe that would block the read
-            fail(f"--config {path}: not a file (a run's config.json)")
+            fail(f"{where}: not a file (a run's config.json)")
         if os.path.isfile(path) and os.path.getsize(path) > MAX_CONFIG_BYTES:
-            fail(f"--config {path}: {os.path.getsize(path)} bytes, more than a config.json's {MAX_CONFIG_BYTES}")
+            fail(f"{where}: {os.path.getsize(path)} bytes, more than a config.json's {MAX_CONFIG_BYTES}")
         with open(path) as f:
             saved = strict_json(f.read(MAX_CONFIG_BYTES + 1))
     except OSError as e:
-        fail(f"--config {path}: cannot read it ({type(e).__name__}: {e.strerror})")
+        fail(f"{where}: cannot read it ({type(e).__name__}: {e.strerror})")
     except ValueError as e:  # json.JSONDecodeError: "Expecting value: line 1 column 1 (char 0)"
-        fail(f"--config {path}: not JSON of flag values ({e})")
+        fail(f"{where}: not JSON of flag values ({e})")
     if not isinstance(saved, dict):
-        fail(f"--config {path}: not a JSON object of flag values")
+        fail(f"{where}: not a JSON object of flag values")
     flags = {a.dest: a for a in p._actions if a.default is not argparse.SUPPRESS}  # --help has no value
     unknown = sorted(set(saved) - set(flags) - RECORDED)
     if unknown:
-        fail(f"--config {path}: {', '.join(unknown)}: not a flag of this script")
-    return {k: replayed_value(flags[k], v, path) for k, v in saved.items() if k in flags and k not in NOT_REPLAYED}
+        fail(f"{where}: {', '.join(unknown)}: not a flag of this script")
+    return {k: replayed_value(flags[k], v, where) for k, v in saved.items() if k in flags and k not in NOT_REPLAYED}
 
 
-def replayed_value(action, value, path):
+def replayed_value(action, value, where):
     """A config.json value for the flag `action`, checked as argparse checks the flag's text: a switch takes true
     or false, a flag whose default is null may be null, and any other value goes through the flag's type
     (str(value): a float's str is its exact repr) and its choices."""
     flag = action.option_strings[0]
-    bad = f"--config {path}: {flag}: {json.dumps(value)} is not a value of this flag"
+    bad = f"{where}: {flag}: {json.dumps(value)} is not a value of this flag"
     if action.nargs == 0:  # a switch (store_true)
         if not isinstance(value, bool):
             fail(bad)
@@ -111,7 +115,7 @@ def replayed_value(action, value, path):
         try:
             value = action.type(str(value))
         except (argparse.ArgumentTypeError, ValueError) as e:
-            fail(f"--config {path}: {flag}: {e}")
+            fail(f"{where}: {flag}: {e}")
     if action.choices is not None and value not in action.choices:
         fail(bad)
     return value
@@ -164,6 +168,8 @@ def check_args(p, args):
                f"({args.response_prefix!r}), with --context-position after"),
               (args.out != "", "--out needs a folder, got ''"),
               (args.expert_cache != "", "--expert-cache needs a folder, got ''"),
+              (args.expert_cache or not args.precompute_states,
+               "--precompute-states writes the experts' states into --expert-cache DIR: give one"),
               (not args.experts or declared.experts == "team", f"--experts is not used by --method {args.method}"),
               (args.state_norm == "none" or declared.state_norm,
                f"--state-norm {args.state_norm}: --method {args.method} has no expert states to standardise"),
@@ -261,6 +267,90 @@ def refuse_train_levers(p, args, rewards=("task",)):
                 "float32 rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
                 "--rollout-dtype / --tis-cap")
     return args
+
+
+def run_config(folder):
+    """evaluate.py's reading of a run: its config.json checked as train.py checks it, with training's own
+    functions and before any model loads: each value as its flag's (replayed_values: bounded, finite, a flag of
+    train.py), then the checks between flags and of texts (check_args). A run of a neighbour's script is sent
+    to that script. Returns {flag: value, "team_models": the models the run used}; fails in one line that
+    begins `--run FOLDER: config.json`."""
+    path, where = os.path.join(folder, "config.json"), f"--run {folder}: config.json"
+    if not os.path.isfile(path):
+        fail(f"--run {folder} has no config.json (is it a folder train.py wrote?)")
+    saved = written_by_a_run(path)
+    if isinstance(saved, dict) and saved.get("method") in NEIGHBOURS:
+        fail(f"--run {folder} is a {saved['method']} run: python neighbours/{saved['method']}.py evaluate "
+             f"--run {folder}")
+    # --out: the run's own folder (a replay needs one); --track: a tracker evaluate.py never opens
+    args = parse(build_parser(), ["--config", path, "--out", folder, "--track", "none"], where=where)
+    team = (saved or {}).get("team_models")
+    if not (isinstance(team, dict) and isinstance(team.get("policy"), str) and isinstance(team.get("experts"), list)
+            and all(isinstance(e, str) for e in team["experts"])):
+        fail(f"{where} records no team_models (the models the run used): not a config.json train.py wrote")
+    return {**vars(args), "team_models": team}
+
+
+def written_by_a_run(path):
+    """The JSON object a run's config.json holds, when train.py (or a neighbour's script) wrote it: bounded, and
+    with the keys resume_run records beside the flags (RECORDED). None for anything else."""
+    try:
+        if not os.path.isfile(path) or os.path.islink(path) or os.path.getsize(path) > MAX_CONFIG_BYTES:
+            return None
+        with open(path) as f:
+            saved = strict_json(f.read())
+    except (OSError, ValueError):
+        return None
+    return saved if isinstance(saved, dict) and RECORDED <= set(saved) else None
+
+
+def user_files_problem(out):
+    """A new run (no --resume) in a folder that exists: the one-line refusal, or None. What the run writes there
+    replaces files of the same name, and a run that failed before its first step has its metrics, samples and
+    validation removed; so a folder that is not empty must hold a run of this project (a config.json that
+    train.py wrote: written_by_a_run), and each file the new run would remove or replace must be one that run
+    wrote: its logs records with a step (read_log), its validation the scores before training. The user's own
+    files are never deleted or overwritten. (The lock, .lock, and a killed run's temporary files are the
+    project's.)"""
+    if not os.path.isdir(out):
+        return None
+    names = sorted(n for n in os.listdir(out) if n != ".lock" and not is_temporary(n))
+    if not names:
+        return None
+    if not written_by_a_run(os.path.join(out, "config.json")):
+        return (f"--out {out} holds files ({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}) and no run "
+                "of this project (no config.json that train.py wrote): they are not a run's to replace; choose a "
+                "new or empty folder")
+    if holds_a_run(out):  # a run to resume, or to refuse: check_run says which
+        return None
+    for name in names:
+        if not from_its_run(os.path.join(out, name)):
+            return (f"--out {out}: {name} is not a file its run wrote (that run never ended a step), and a new run "
+                    "would replace it: move it away or choose another --out")
+    return None
+
+
+def from_its_run(path):
+    """Whether a file in the folder of a run that never ended a step may be replaced or removed by the next run:
+    its config, its logs (records with a step: read_log) and its validation before training ({items, before});
+    a name the run never writes is not the run's to touch, so it may stay."""
+    name = os.path.basename(path)
+    try:
+        if name in ("metrics.jsonl", "samples.jsonl"):
+            read_log(path, flag=f"--out {os.path.dirname(path)}")  # ValueError for a line that is not a record
+            return True
+        if name == "validation.json":
+            with open(path) as f:
+                scores = strict_json(f.read(MAX_CONFIG_BYTES + 1))
+            return isinstance(scores, dict) and set(scores) == {"items", "before"}
+    except (OSError, ValueError):
+        return False
+    return name == "config.json" or name not in RUN_FILES
+
+
+def is_temporary(name):
+    """A temporary file a run killed while writing left (support/lib/files.remove_stray_temporary_files)."""
+    return any(name.startswith(f"{run_file}.tmp") for run_file in RUN_FILES)
 
 
 def holds_a_run(out):

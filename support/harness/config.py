@@ -112,8 +112,11 @@ class ArgumentParser(argparse.ArgumentParser):
         super().__init__(*args, **kwargs)
         self._negative_number_matcher = NEGATIVE_NUMBER
 
+    where = ""  # what the values came from, when not a command line (evaluate.py: "--run DIR: config.json")
+
     def error(self, message):
-        fail(re.sub(r"^argument ([-\w]+)(/[-\w]+)?: ", r"\1: ", message))
+        message = re.sub(r"^argument ([-\w]+)(/[-\w]+)?: ", r"\1: ", message)
+        fail(f"{self.where}: {message}" if self.where else message)
 
 
 def presets_help():
@@ -246,7 +249,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "new folder), --resume (add it to continue a run instead) and --config; a flag newer than the file takes "
       "its default; a switch the file turns on can only be turned off in the file. Not with --preset (the file "
       "holds its values)")
-    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED)")
+    a("--out", default=None, help="output folder (default runs/TASK-TEAM-METHOD-sSEED): new, empty, or a run of "
+      "this project's (--resume continues it); a folder holding other files is refused (exit code 2), never "
+      "written: a run replaces only files a run wrote")
     a("--resume", action="store_true", help="continue from OUT/checkpoint.pt (none there: start at step 1)")
     a("--save-every", type=COUNT, default=50, help="checkpoint every N steps (and at the end)")
     a("--sample-every", type=COUNT, default=10, help="write a few completions to OUT/samples.jsonl every N steps")
@@ -269,7 +274,9 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
       "slower. CPU runs are deterministic without it")
     a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
-      "prompt: runs and evaluations that name the same folder compute each state once (support/lib/state_store.py)")
+      "prompt: runs and evaluations that name the same folder compute each state once (support/lib/state_store.py). "
+      "A state read back is the one computed in the batch that first filled it, which differs from one computed in "
+      "another batch in its last bits: --resume keeps the run's own --expert-cache")
     a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
       "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
     a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
@@ -330,5 +337,8 @@ def fail(msg, code=2):
     """One line on stderr, then exit: code 2 for bad input, before anything is written; code 3 when
     --max-bad-steps stops a run."""
     if distributed.world_from_env().rank == 0:  # under torchrun every rank fails alike: one line, from rank 0
-        print(f"error: {msg}", file=sys.stderr)
+        try:
+            print(f"error: {msg}", file=sys.stderr, flush=True)
+        except OSError:  # stderr closed too: the exit code says it
+            pass
     sys.exit(code)

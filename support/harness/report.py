@@ -28,6 +28,7 @@ import sys
 
 import numpy as np
 
+from support.harness.checkpoint import read_log
 from support.lib.stats import (MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci, mean_std,
                                partial_spearman, permutation_p, spearman)
 
@@ -41,20 +42,22 @@ def read_json(path):
 
 
 def read_metrics(run):
-    with open(os.path.join(run, "metrics.jsonl")) as f:
-        return [json.loads(line) for line in f if line.strip()]
+    """metrics.jsonl's records as --resume reads them (a torn last line left out; a bad line: ValueError)."""
+    return [record for record, _ in read_log(os.path.join(run, "metrics.jsonl"), flag="--summarize")]
 
 
 def load_runs(folders):
     """Every run under the folders, read once: {"dir", "cfg", "metrics", "finished", and "eval",
-    "eval_no_context", "eval_paired" where evaluate.py wrote them}. A run is finished when its training
-    reached its last step; runs still training stay out of rho and the curves."""
+    "eval_no_context", "eval_paired" where evaluate.py wrote them}. A run's folder holds config.json and
+    metrics.jsonl together (a tiny run's base_model/config.json is a model's). A run is finished when its
+    training reached its last step; runs still training stay out of rho and the curves."""
     runs = []
     for folder in folders:
-        for cfg_path in sorted(glob.glob(os.path.join(folder, "**", "config.json"), recursive=True)):
+        for cfg_path in sorted(glob.glob(os.path.join(glob.escape(folder), "**", "config.json"), recursive=True)):
             d = os.path.dirname(cfg_path)
-            run = {"dir": d, "cfg": read_json(cfg_path),
-                   "metrics": read_metrics(d) if os.path.exists(os.path.join(d, "metrics.jsonl")) else []}
+            if not os.path.isfile(os.path.join(d, "metrics.jsonl")):
+                continue
+            run = {"dir": d, "cfg": read_json(cfg_path), "metrics": read_metrics(d)}
             run["finished"] = bool(run["metrics"]) and run["metrics"][-1]["step"] >= run["cfg"].get("steps", 0)
             for name in ("eval", "eval_no_context", "eval_paired"):
                 if os.path.exists(os.path.join(d, f"{name}.json")):
@@ -89,7 +92,7 @@ def collect(folders, out):
             rhos[run["dir"]] = {"reward_H": spearman(reward, H), "step_H": spearman(step, H),
                                 "reward_H_given_step": partial_spearman(reward, H, step)}
             rho_method.setdefault(key[0], []).append(rhos[run["dir"]])
-    for path in glob.glob(os.path.join(out, "untrained-*.json")):
+    for path in glob.glob(os.path.join(glob.escape(out), "untrained-*.json")):
         ev = read_json(path)
         cells.setdefault(("untrained", ev["task"]), []).append(ev)
     return cells, zero_c, paired, rhos, rho_method

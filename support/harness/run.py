@@ -21,7 +21,10 @@ checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (14
 the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/harness/stop.py);
 --resume continues to the very numbers and files of a run never killed (support/harness/checkpoint.py,
 tests/test_chaos.py); every file is written whole, never through a link, and a write the system refuses ends in
-one line with exit code 4, nothing half-written left (support/lib/files.py, tests/test_write_safety.py); every
+one line with exit code 4, nothing half-written left (support/lib/files.py, tests/test_write_safety.py), the
+expert cache's states too; a folder the user already had is refused, never written, and a failed first step's
+files are removed only when its config and their own form show the run wrote them (checks.user_files_problem);
+a closed or full stdout stops the run as a signal does (say, tests/test_user_files.py); every
 prompt fits the policy's context before the first forward (support/harness/checks.py); --eval-items scores the policy
 before and after training on the items evaluate.py scores for the seed.
 
@@ -44,8 +47,8 @@ from experts import pick_device
 from support.lib import distributed
 from support.harness.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
 from support.harness.checkpoint import sigkill_hook, write_json
-from support.harness.checks import check_prompt_lengths, check_run, holds_a_run
-from support.harness.config import create_folder, fail, folder_problem, remove_created
+from support.harness.checks import check_prompt_lengths, check_run, holds_a_run, user_files_problem
+from support.harness.config import create_folder, fail, remove_created
 from support.lib.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
 from support.lib.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
 from support.harness.export import export_run
@@ -68,6 +71,7 @@ class Life(SignalState):
     tracker: Any = None                 # --track's live tracker; None without it
     writer: bool = True                 # rank 0: the one process that writes
     start: int = 0                      # this process's first step (--resume: the checkpoint's)
+    stdout_refused: Optional[OSError] = None  # a write to stdout failed (a closed pipe, a full device): say()
 
 
 def open_run(args, world):
@@ -75,6 +79,7 @@ def open_run(args, world):
     take --out (support/harness/lock.py) and --expert-cache, handle Ctrl-C and SIGTERM, and pick the device. Returns the
     run's Life; release_folders(life) lets go of --out however the run ends."""
     hand_back_freed_memory()  # support/lib/runtime.py
+    replace_unencodable()
     life = Life(paths=run_paths(args.out), claim=claim_folders(args, world))
     stop_on_signals(life, args)
     try:
@@ -84,7 +89,8 @@ def open_run(args, world):
         except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
             fail(str(e))
         if world.rank == 0:
-            print(f"run folder: {args.out}", flush=True)
+            say(life, f"run folder: {args.out}")
+            stop_if_stdout_refused(life, args)
         return life
     except BaseException:
         release_folders(life)
@@ -114,12 +120,13 @@ def resume_run(run, args, world):
         return start
     # from here on we write: metrics after the checkpoint are dropped, each file replaced atomically
     remove_stray_temporary_files(args.out)  # left by a run killed while writing (SIGKILL, a power cut)
-    with writes_or_fail(life, args):
+    with writes_or_fail(args):
         if args.resume:
             dropped = [keep_metrics_upto(paths[name], start) for name in ("metrics", "samples")][0]
             print(resume_line(args, paths["checkpoint"], start=start, resuming=resuming, dropped=dropped),
                   file=sys.stderr, flush=True)
-        else:  # what a run that failed before its first step may have left (check_run let it start again)
+        else:  # what a run that failed before its first step left: the run's own (checks.user_files_problem read
+            # its config.json and each file, this process holding the lock); the same command starts it again
             for name in ("metrics", "samples", "validation"):
                 if os.path.exists(paths[name]):
                     os.remove(paths[name])
@@ -129,7 +136,7 @@ def resume_run(run, args, world):
     if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
         before = validation_scores(run, args)
         sigkill_hook("validation", 0)  # tests: a kill after validating, before its file
-        with writes_or_fail(life, args):
+        with writes_or_fail(args):
             write_json(paths["validation"], {"items": args.eval_items, "before": before})
     return start
 
@@ -145,7 +152,7 @@ def resume_line(args, checkpoint, start, resuming, dropped):
 
 
 @contextlib.contextmanager
-def writes_or_fail(life, args):
+def writes_or_fail(args):
     """A write the system refuses (a full disk, a read-only folder, a permission: support/lib/files.WriteFailed,
     its temporary file already removed) ends the run in one line, exit code 4, saying what to free and how
     to continue; a link planted in --out while the run ran, in one line, exit code 2."""
@@ -157,17 +164,20 @@ def writes_or_fail(life, args):
             print(file=sys.stderr)
         if isinstance(e, UnsafePath):
             fail(f"--out {args.out}: {e}")
-        fail(write_failed_message(e, life, args), code=4)
+        fail(write_failed_message(e, args), code=4)
 
 
-def write_failed_message(e, life, args):
-    """What a failed write says: which file and why, what is kept, what to free, the command that continues."""
-    paths, folder = life.paths, os.path.dirname(os.path.abspath(e.path))
+def write_failed_message(e, args):
+    """What a failed write says: which file and why (and the flag, for --expert-cache's), what is kept, what to
+    free, the command that continues."""
+    paths, folder = run_paths(args.out), os.path.dirname(os.path.abspath(e.path))
     step = checkpoint_step(paths["checkpoint"])
     kept = f"{paths['checkpoint']} holds step {step}" if step is not None else "no checkpoint was written yet"
     again = (f"continue with: {resume_command(args)}" if os.path.exists(paths["config"]) and step is not None
              else "run the same command again")
-    return (f"{e}; nothing half-written was left and {kept}. Free space on the disk that holds {folder} "
+    cache = args.expert_cache and os.path.abspath(args.expert_cache)
+    flag = f"--expert-cache {args.expert_cache}: " if cache and folder.startswith(cache) else ""
+    return (f"{flag}{e}; nothing half-written was left and {kept}. Free space on the disk that holds {folder} "
             f"(df -h {folder}) or make it writable, then {again}")
 
 
@@ -177,6 +187,8 @@ def claim_folders(args, world):
     if world.rank != 0:
         return {"lock": None, "made": []}
     if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # before the lock is written there
+        fail(msg)
+    if not args.resume and (msg := user_files_problem(args.out)):  # a folder of the user's: never written
         fail(msg)
     made = create_folder(args.out, "--out")
     try:
@@ -192,22 +204,27 @@ def claim_folders(args, world):
     claim = {"lock": lock, "made": made}
     if args.expert_cache:
         try:
-            if msg := folder_problem(args.expert_cache, "--expert-cache"):
-                raise ValueError(msg)
-            os.makedirs(args.expert_cache, exist_ok=True)
-            fd, probe = exclusive_temporary(os.path.join(args.expert_cache, ".probe"))  # a file made, removed
-            os.close(fd)
-            remove_quietly(probe)
-            PENDING.discard(probe)
-        except WriteFailed as e:
+            claim_expert_cache(args.expert_cache)
+        except SystemExit:
             release_folders(Life(claim=claim))
-            fail(f"--expert-cache {args.expert_cache} cannot be written ({type(e.error).__name__}: "
-                 f"{e.error.strerror})")
-        except (OSError, ValueError) as e:
-            release_folders(Life(claim=claim))
-            fail(str(e) if isinstance(e, ValueError) else
-                 f"--expert-cache {args.expert_cache} cannot be written ({type(e).__name__}: {e.strerror})")
+            raise
     return claim
+
+
+def claim_expert_cache(path):
+    """--expert-cache made if missing, written to once (a file made and removed) and its width files read, before
+    any model loads (train.py, --precompute-states, evaluate.py): a bad one fails in one line, exit code 2."""
+    create_folder(path, "--expert-cache")  # a file there, or in its way: one line
+    try:
+        fd, probe = exclusive_temporary(os.path.join(path, ".probe"))  # a file made, removed
+        os.close(fd)
+        remove_quietly(probe)
+        PENDING.discard(probe)
+    except WriteFailed as e:
+        fail(f"--expert-cache {path} cannot be written ({type(e.error).__name__}: {e.error.strerror})")
+    from support.lib.state_store import cache_problem
+    if msg := cache_problem(path, "--expert-cache"):
+        fail(msg)
 
 
 def release_folders(life):
@@ -296,18 +313,19 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
         return bad_steps
     life.writing = True  # the step's line, samples and checkpoint are written whole: signals wait
     try:
-        with writes_or_fail(life, args):  # a full disk: one line, exit code 4, the last good checkpoint kept
+        with writes_or_fail(args):  # a full disk: one line, exit code 4, the last good checkpoint kept
             append_lines(life.paths["metrics"], json.dumps({k: None if isinstance(v, float) and not np.isfinite(v)
                                                               else v for k, v in rec.items()}) + "\n")  # strict JSON
             if life.tracker:  # --track: the same record, live
                 life.tracker.log(rec)
-            bar.write(log_line(rec, args.steps))
+            say(life, log_line(rec, args.steps), bar)
             if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
                 parts = (run.policy, run.method, run.optimizer, run.pool)
                 save_checkpoint(life.paths["checkpoint"], step + 1, *parts)
     finally:
         life.writing = False
     raise_held_signal(life)  # Ctrl-C or SIGTERM came while writing: now it stops the run
+    stop_if_stdout_refused(life, args)  # likewise a stdout that refused the log line (| head, > /dev/full)
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
         msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss, gradient or update; stopped. "
@@ -345,7 +363,7 @@ def write_samples(run, args, step, question, answer, texts, rewards_trained):
         lines.append(json.dumps(rec) + "\n")
     life.writing = True  # whole lines: a signal waits for them
     try:
-        with writes_or_fail(life, args):
+        with writes_or_fail(args):
             append_lines(life.paths["samples"], "".join(lines))
     finally:
         life.writing = False
@@ -360,24 +378,67 @@ def finish_run(run, args):
     distributed.finish(run.world)  # the other ranks are done; rank 0 writes the rest alone
     if not life.writer:
         return args.out
-    with writes_or_fail(life, args):
+    with writes_or_fail(args):
         export_run(args.out, run.policy, run.tok, run.method, args=args,
                    team=run.team)  # support/harness/export.py
     from support.harness.plot import plot_run
-    print(f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
-          f"{', validation.json' if args.eval_items else ''})", flush=True)
+    say(life, f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
+        f"{', validation.json' if args.eval_items else ''})")
     if args.eval_items:
         with open(life.paths["validation"]) as f:
             before = json.load(f)["before"]
         after = validation_scores(run, args)
         sigkill_hook("validation", args.steps)  # tests: a kill after validating, before its file
         scores = {"items": args.eval_items, "before": before, "after": after}
-        with writes_or_fail(life, args):
+        with writes_or_fail(args):
             write_json(life.paths["validation"], scores)
-        print(validation_line(before, after), flush=True)
-    with writes_or_fail(life, args), replaced_name(os.path.join(args.out, "plot.png"), ".png") as tmp:
+        say(life, validation_line(before, after))
+    with writes_or_fail(args), replaced_name(os.path.join(args.out, "plot.png"), ".png") as tmp:
         plot_run(args.out, name=os.path.basename(tmp))  # after the validation, whose scores it shows
+    stop_if_stdout_refused(life, args)
     return args.out
+
+
+# --------------------------------------------------------------------------------------------------
+# Streams: stdout may be a pipe whose reader ends (`train.py | head -1`), a full device, or ASCII only
+
+
+def replace_unencodable():
+    """Text stdout and stderr cannot encode (PYTHONIOENCODING=ascii and a non-ASCII --out) is written with a
+    replacement character, not raised."""
+    for stream in (sys.stdout, sys.stderr):
+        if hasattr(stream, "reconfigure"):
+            stream.reconfigure(errors="replace")
+
+
+def say(life, text, bar=None):
+    """A line on stdout (above the progress bar `bar`, when there is one), flushed. A stdout that refuses it (a
+    closed pipe, a full device) is noted in life.stdout_refused and sent to os.devnull from then on, so that
+    nothing more fails there, not even at exit; stop_if_stdout_refused then ends the run as a signal does."""
+    if life.stdout_refused:
+        return
+    try:
+        bar.write(text) if bar is not None else print(text)
+        sys.stdout.flush()
+    except OSError as e:
+        life.stdout_refused = e
+        with contextlib.suppress(OSError, ValueError):  # a stdout without a file descriptor (a test's)
+            devnull = os.open(os.devnull, os.O_WRONLY)
+            os.dup2(devnull, sys.stdout.fileno())
+            os.close(devnull)
+
+
+def stop_if_stdout_refused(life, args):
+    """After the writes of a step (or of the start, or the end): a stdout that refused a line ends the run as
+    Ctrl-C does, one line on stderr with the checkpoint's step and the command that continues; exit code 141
+    (128 + SIGPIPE, as a shell reports `| head`'s writer) for a closed pipe, 4 for any other refusal (a full
+    device), as for a file."""
+    e = life.stdout_refused
+    if e is None:
+        return
+    closed = isinstance(e, BrokenPipeError)
+    why = "stdout closing (a pipe whose reader ended)" if closed else f"stdout refusing a line ({e.strerror or e})"
+    fail(stopped_message(why, life, args), code=128 + signal.SIGPIPE if closed else 4)
 
 
 def validation_line(before, after):
