@@ -110,83 +110,89 @@ class MicroBatch:
 
 
 def grpo_step(step, run, args, score_batch):
-    """rollout -> reward -> advantage -> reference -> loss -> step -> log.
-    Returns (the step's metrics, its micro-batches: MicroBatch). A line marked
-    `# lever:` is not the paper's (a flag, off by default); skipping them reads the paper's step."""
-    G, world, optimizer, t0 = args.group_size, run.world, run.optimizer, time.time()
-    g, policy = run.method, run.policy  # C = g(x): --method's context builder (baselines.py)
-    set_learning_rates(optimizer, step, args)  # lever: --lr-schedule, --warmup-steps (paper: constant)
-    micros = list(distributed.my_micro_batches(world, args.grad_accum))  # torchrun: a rank's share
-    # ---- rollout: C = g(x) per micro-batch, then every micro-batch's G samples per prompt, all in
-    # one decode loop (--rollout-batch splits it), each conditioned on its prompt's C ------------
+    """One GRPO step: C = g(x) -> prompts -> G samples each -> rewards -> advantages -> reference -> loss ->
+    update -> metrics. Returns (the step's metrics, its micro-batches: MicroBatch). A line marked `# lever:` is
+    not the paper's (a flag, off by default); skipping them reads the paper's step."""
+    G, g, policy, t0 = args.group_size, run.method, run.policy, time.time()
+    set_learning_rates(run.optimizer, step, args)  # lever: --lr-schedule, --warmup-steps (paper: constant)
+    micros = list(distributed.my_micro_batches(run.world, args.grad_accum))  # torchrun: this rank's share
+    # ---- C = g(x) and the prompts per micro-batch, then G samples per prompt, one decode loop for all ----
     inputs = [micro_batch_inputs(run, args, step, micro) for micro in micros]  # (items, ctx, ids, mask)
     samples = sample_step(run, args, step, micros, inputs=inputs)  # [(comp, logp_mu)] per micro-batch
     batches = []
     for micro, (items, ctx, ids, mask), (comp, logp_mu) in zip(micros, inputs, samples):
-        # ---- reward: the task's scorer (or the random-reward control), plus --format-bonus ------
+        # ---- reward: the task's scorer (or the random-reward control), plus --format-bonus ----------
         key = (step, micro, 0)  # seeds the random-reward control's coins
         drawn = score_draw(run, args, items, comp, logp_mu=logp_mu, key=key, score_batch=score_batch)
         first = dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
                      first_counts=drawn["counts"])  # what the log reports: the first draw
         if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
-            redraw_flat_groups(run, args, items, ids, mask=mask, ctx=ctx, drawn=drawn, key=key,
-                               score_batch=score_batch)
-        comp = drawn["comp"]                                          # (B*G, T) every group's
+            redraw_flat_groups(run, args, items, ids, mask, ctx=ctx, drawn=drawn, key=key, score_batch=score_batch)
+        comp = drawn["comp"]                                       # (B*G, T) every group's
         comp_mask = grpo.completion_mask(comp, run.eos_ids)        # (B*G, T) up to EOS, inclusive
-        # ---- advantage: group-relative, one group per prompt ------------------------------------
+        # ---- advantage: group-relative, one group per prompt -----------------------------------------
         adv = grpo.group_advantages(drawn["r"], G, scale=not args.no_scale_rewards)
-        signal = ~grpo.flat_groups(drawn["r"], G)  # (B,) groups whose rewards differ: A != 0
-        # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) --
+        # ---- reference: pi_ref = the initial policy (LoRA off), zero tokens where C was (§4.1) -------
         logp_ref = reference_logprobs(run, args, ids, mask, C=ctx.C, comp=comp, comp_mask=comp_mask)
-        batches.append(MicroBatch(items=items, questions=[it["question"] for it in items], ctx=ctx,
-                                  ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, r=drawn["r"],
-                                  adv=adv, logp_ref=logp_ref, logp_mu=drawn["logp_mu"],
-                                  counts=drawn["counts"], texts=drawn["texts"],
-                                  signal=signal, **first))
+        batches.append(MicroBatch(items=items, questions=[it["question"] for it in items], ctx=ctx, ids=ids,
+                                  mask=mask, comp=comp, comp_mask=comp_mask, r=drawn["r"], adv=adv,
+                                  logp_ref=logp_ref, logp_mu=drawn["logp_mu"], counts=drawn["counts"],
+                                  texts=drawn["texts"], signal=~grpo.flat_groups(drawn["r"], G), **first))
     if args.dynamic_sampling:  # lever: DAPO, the surrogate averages over groups with signal; KL over all
-        dapo_advantages(batches, G, world, args.loss_aggregation)
-
-    # ---- loss and step: mu passes over the rollout, gradient accumulation over micro-batches ----
+        dapo_advantages(batches, G, run.world, args.loss_aggregation)
+    # ---- loss: each micro-batch's GRPO loss, its gradient accumulated; then one update ----------------
     skipped = False
     for epoch in range(args.inner_epochs):  # lever: --inner-epochs mu (paper: 1)
-        optimizer.zero_grad(set_to_none=True)
+        run.optimizer.zero_grad(set_to_none=True)
         losses, stats = [], []
         for b in batches:
             C = g(b.questions, reuse=b.ctx).C  # the rollout's C again (its states), now with gradient
             logp = rollout.completion_logprobs(policy, b.ids, b.mask, C, completion_ids=b.comp,
-                                               completion_mask=b.comp_mask,
-                                               temperature=args.temperature, position=run.position,
-                                               share=not args.no_shared_prefix)  # (N, T)
+                                               completion_mask=b.comp_mask, temperature=args.temperature,
+                                               position=run.position, share=not args.no_shared_prefix)  # (N, T)
             if epoch == 0:  # the weights have not moved: logp_old = logp, detached
                 b.logp_old = logp.detach()
-                b.is_weight = None if not args.tis_cap or b.logp_mu is None else \
-                    grpo.truncated_is_weights(b.logp_old, b.logp_mu, b.comp_mask, args.tis_cap)  # lever: --tis-cap
-            loss, m = grpo.grpo_loss(logp=logp, logp_old=b.logp_old, logp_ref=b.logp_ref,
-                                     advantages=b.adv, mask=b.comp_mask, clip_eps=args.clip_eps,
-                                     beta=args.beta, aggregation=args.loss_aggregation,
-                                     is_weight=b.is_weight)  # is_weight: None without --tis-cap
+                b.is_weight = tis_weights(b, args)  # lever: --tis-cap (None without it)
+            loss, m = grpo.grpo_loss(logp=logp, logp_old=b.logp_old, logp_ref=b.logp_ref, advantages=b.adv,
+                                     mask=b.comp_mask, clip_eps=args.clip_eps, beta=args.beta,
+                                     aggregation=args.loss_aggregation, is_weight=b.is_weight)
             if args.channel_weight:  # lever: + lambda * grpo.channel_forcing_loss
                 loss, m = add_channel_forcing(loss, m, logp, b, C=C, run=run, args=args)
             (loss / args.grad_accum).backward()  # each micro-batch holds B*G completions
             losses.append(loss.item())
             stats.append(m)
-        losses = distributed.gather(world, losses)  # torchrun: every rank's
-        stats = distributed.gather(world, stats)
-        distributed.all_reduce_grads(world, optimizer.param_groups)  # torchrun: all ranks' sum
-        grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip,
-                                                args.clip_per_group)  # lever: --clip-per-group
-        finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
-        if finite and losses:  # a non-finite loss or gradient skips the update
-            finite = step_if_finite(optimizer)  # and an update that makes a weight non-finite is undone
+        # ---- update: clip the gradient, step AdamW (a non-finite loss, gradient or weight: skipped) ---
+        losses, stats, grad_norm, group_norms, finite = update(run, args, losses, stats)
         skipped = skipped or not finite
-
-    # ---- log: the step's metrics (README "Metrics"), of the first draw ---------------------------
-    batches = distributed.gather(world, batches, run.device)  # every rank's, in order
+    # ---- the step's metrics (README "Metrics"), of the first draw -----------------------------------
+    batches = distributed.gather(run.world, batches, run.device)  # every rank's, in order
     rec = step_metrics(step, batches, losses, stats, grad_norm=grad_norm, group_norms=group_norms,
                        skipped=skipped, run=run, args=args)
-    tokens = sum(int(b.comp_mask.sum()) for b in batches)  # generated: EOS counts, padding does not
-    rec.update(wall_clock(t0, tokens))  # seconds, tokens_per_s
+    rec.update(wall_clock(t0, tokens=sum(int(b.comp_mask.sum()) for b in batches)))  # EOS counts, padding not
     return rec, batches
+
+
+def update(run, args, losses, stats):
+    """After a pass's backward: every process's losses and gradients together (torchrun; one process: as they
+    are), the gradient clipped to --grad-clip, then AdamW's step unless a loss, the gradient or an updated weight
+    is not finite (support/lib/optim.step_if_finite undoes such an update). Returns (losses, stats, grad_norm,
+    group_norms, finite)."""
+    losses, stats = distributed.gather(run.world, losses), distributed.gather(run.world, stats)
+    distributed.all_reduce_grads(run.world, run.optimizer.param_groups)  # torchrun: all ranks' sum
+    grad_norm, group_norms = clip_gradients(run.optimizer.param_groups, args.grad_clip,
+                                            args.clip_per_group)  # lever: --clip-per-group
+    finite = bool(np.isfinite(grad_norm) and np.isfinite(losses).all())
+    if finite and losses:
+        finite = step_if_finite(run.optimizer)
+    return losses, stats, grad_norm, group_norms, finite
+
+
+def tis_weights(b, args):
+    """--tis-cap: min(pi_old / mu, cap) per token (grpo.truncated_is_weights), where the sampler mu is not the
+    scoring pass; None otherwise."""
+    if not args.tis_cap or b.logp_mu is None:
+        return None
+    return grpo.truncated_is_weights(b.logp_old, b.logp_mu, b.comp_mask, args.tis_cap)
 
 
 # --------------------------------------------------------------------------------------------------
