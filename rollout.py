@@ -10,6 +10,8 @@ positions by construction; if they did not, the log-probs of the scoring pass wo
 the policy that sampled (a small error for RoPE models, a large one for GPT-2's learned positions).
 tests/test_adapter.py checks it token for token.
 
+  sample_plain, completion_logprobs_plain
+                            the rollout and the scoring pass in their plain form: read these first
   encode_prompts, policy_inputs, context_slot, same_width, cut_padding
                             the prompts as the policy reads them, [x || C]
   prefill, prefill_shared   [x || C] once per prompt (their common beginning once) -> the KV cache
@@ -97,6 +99,48 @@ def position_ids(mask):
     KV-cached rollout and a one-pass scorer that count left padding differently score different
     sequences."""
     return (mask.long().cumsum(-1) - 1).clamp(min=0)
+
+
+# --------------------------------------------------------------------------------------------------
+# The plain versions, to read first: every token runs the policy over the whole sequence, G copies of each
+# prompt, LoRA unmerged, no KV cache. `sample` and `completion_logprobs` further down compute the same thing
+# faster (one shared prefill, a KV cache, merged LoRA, a captured decode step on CUDA, the head in chunks);
+# tests/test_adapter.py holds each pair equal.
+
+
+@torch.no_grad()
+def sample_plain(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, eos_ids, pad_id,
+                 position="after", uniforms=None):
+    """G completions per prompt [B*G, max_new_tokens] from pi(. | [x || C]) (Eq. 3), one full forward a token:
+    y_t = draw(pi(. | [x || C || y_<t])), padding after a row's EOS."""
+    embed = policy.get_input_embeddings()
+    x, mask, _ = policy_inputs(embed, prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0),
+                               None if C is None else C.repeat_interleave(G, 0), position)   # (N, P', D)
+    eos, tokens = torch.tensor(eos_ids, device=x.device), []
+    done = torch.zeros(len(x), dtype=torch.bool, device=x.device)
+    for t in range(max_new_tokens):
+        logits = policy(inputs_embeds=x, attention_mask=mask, position_ids=position_ids(mask)).logits[:, -1]
+        y = draw(logits, temperature, None if uniforms is None else uniforms[:, t:t + 1])   # (N,)
+        y = torch.where(done, torch.full_like(y, pad_id), y)       # a finished row writes padding
+        tokens.append(y)
+        done = done | torch.isin(y, eos)
+        x = torch.cat([x, embed(y)[:, None].to(x.dtype)], 1)       # (N, P' + t + 1, D)
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)
+    return torch.stack(tokens, 1)
+
+
+def completion_logprobs_plain(policy, prompt_ids, prompt_mask, C, completion_ids, completion_mask, temperature,
+                              position="after"):
+    """log pi(y_t | [x || C], y_<t) [N, T] for G = N / B completions per prompt: one forward over G copies of
+    [x || C || y], the logits that predict y read with a log-softmax."""
+    G, T = len(completion_ids) // len(prompt_ids), completion_ids.shape[1]
+    embed = policy.get_input_embeddings()
+    x, mask, _ = policy_inputs(embed, prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0),
+                               None if C is None else C.repeat_interleave(G, 0), position)   # (N, P', D)
+    x = torch.cat([x, embed(completion_ids).to(x.dtype)], 1)                                 # (N, P' + T, D)
+    mask = torch.cat([mask, completion_mask], 1)
+    logits = policy(inputs_embeds=x, attention_mask=mask, position_ids=position_ids(mask)).logits
+    return token_logprobs(logits[:, -T - 1:-1], completion_ids, temperature)                 # (N, T)
 
 
 def encode_prompts(tok, prompts, device, split=""):

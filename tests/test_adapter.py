@@ -246,6 +246,43 @@ def test_shared_prefix_scoring_equals_one_plain_forward(lora_policy, position):
     assert g_shared[0].abs().sum() > 0                               # the gradient reached C through the cache
 
 
+@pytest.mark.parametrize("position", ["after", "before", 2])
+def test_the_plain_sampler_and_scoring_pass_equal_the_fast_ones(lora_policy, position):
+    """rollout.sample_plain and completion_logprobs_plain (one full forward a token / a pass: what the tutorial
+    points at) against sample and completion_logprobs (shared prefill, KV cache, merged LoRA): the same tokens
+    from the same uniforms, the same log-probs; and the plain log-probs against F.cross_entropy by hand. In
+    float64, where the two orders of sums differ by ~1e-15 and no draw can land on the other side of a bound."""
+    import torch.nn.functional as F
+    from grpo import completion_mask
+    from rollout import completion_logprobs_plain, sample_plain
+    model, tok = copy.deepcopy(lora_policy[0]).double(), lora_policy[1]
+    torch.manual_seed(4)
+    for p in model.parameters():
+        if p.requires_grad:  # a trained LoRA: merged and unmerged differ if the merge were wrong
+            nn.init.normal_(p, std=0.05)
+    G, T, D = 3, 6, model.config.hidden_size
+    ids, mask = encode_prompts(tok, PROMPTS, "cpu")
+    C = torch.randn(2, 3, D, dtype=torch.float64) * 0.5
+    u = torch.rand(2 * G, T, dtype=torch.float64)
+    eos = [tok.eos_token_id, 5, 9, 17]  # a few more ends: rows stop at different tokens
+    fast = sample(model, ids, mask, C, G, T, 1.0, eos, tok.pad_token_id, position, uniforms=u)
+    plain = sample_plain(model, ids, mask, C, G, T, 1.0, eos, tok.pad_token_id, position, uniforms=u)
+    assert torch.equal(plain[:, :fast.shape[1]], fast)
+    assert (plain[:, fast.shape[1]:] == tok.pad_token_id).all()  # the fast loop stops once every row ended
+    cmask = completion_mask(plain, eos)
+    want = completion_logprobs(model, ids, mask, C, plain, cmask, 0.8, position)
+    got = completion_logprobs_plain(model, ids, mask, C, plain, cmask, 0.8, position)
+    torch.testing.assert_close(got[cmask], want[cmask], rtol=1e-9, atol=1e-9)
+    x, m, _ = policy_inputs(model.get_input_embeddings(), ids.repeat_interleave(G, 0), mask.repeat_interleave(G, 0),
+                            C.repeat_interleave(G, 0), position)
+    m = torch.cat([m, cmask], 1)
+    logits = model(inputs_embeds=torch.cat([x, model.get_input_embeddings()(plain)], 1), attention_mask=m,
+                   position_ids=position_ids(m)).logits[:, -T - 1:-1]
+    ref = -F.cross_entropy(logits.reshape(-1, logits.shape[-1]) / 0.8, plain.reshape(-1), reduction="none")
+    # token_logprobs returns float32 (grpo.py): the float64 reference within float32's rounding of values ~1-10
+    torch.testing.assert_close(got[cmask], ref.view(2 * G, T)[cmask].float(), rtol=1e-6, atol=1e-6)
+
+
 def test_completion_logprobs_rejects_ungrouped_rows(lora_policy):
     model, tok = lora_policy
     ids, mask = encode_prompts(tok, PROMPTS, "cpu")
