@@ -35,14 +35,14 @@ import torch
 from baselines import METHODS, kind
 from experts import frozen_dtype, load_model, pick_device, team_models
 from support.harness.checkpoint import write_json
-from support.lib.files import UnsafePath, WriteFailed, link_in_run_folder
+from lib.files import UnsafePath, WriteFailed, link_in_run_folder
 from support.harness.checks import parse_args, run_config
 from support.harness.config import (COUNT, HELP_WIDTH, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder,
                                     fail, remove_created)
 from support.harness.model_check import check_models
 from support.harness.report import load_runs, plot_runs, summarize
 from support.harness.run import claim_expert_cache, replace_unencodable
-from support.lib.stats import paired_comparison
+from lib.stats import paired_comparison
 from support.harness.stop import stopping_on_signals
 from support.harness.validation import read_run, restore_trained, score_items, scored, summary, validation_items
 

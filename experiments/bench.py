@@ -195,7 +195,7 @@ def trl_worker(kind, o, reply, read):
         total = torch.cuda.get_device_properties(0).total_memory
         torch.cuda.set_per_process_memory_fraction(min(1.0, o["memory_cap_gib"] * 2 ** 30 / total))
     if o.get("stand_in"):
-        from support.lib import shape_models
+        from lib import shape_models
         from support.harness import stand_in_tokenizer
         shape_models.tokenizer = stand_in_tokenizer.tokenizer
     policy, tok = load_model(o.get("policy", POLICY), device, torch.bfloat16 if o.get("bf16") else torch.float32)

@@ -71,7 +71,7 @@ import grpo  # noqa: E402
 import rollout  # noqa: E402
 from rollout import policy_inputs  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
-from support.lib import kv_cache  # noqa: E402
+from lib import kv_cache  # noqa: E402
 
 TASK, TASK_CONFIG = "chain_sum", '{"min_terms": 2, "max_terms": 2, "min_digits": 1, "max_digits": 2}'
 POLICY = "pocket:smollm2-135m-instruct"

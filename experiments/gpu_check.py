@@ -1,7 +1,7 @@
 """
 The device check: one command that says how the paper's setting runs on one CUDA GPU, before and after each change
 of issue 44, with no network and only this repository (the paper's models are built at their real shapes with
-RANDOM weights, support/lib/shape_models.py; TRL's GRPOTrainer runs beside ours on the same card).
+RANDOM weights, lib/shape_models.py; TRL's GRPOTrainer runs beside ours on the same card).
 
 THE COMMAND for a GPU session (the run tool: carry [".whl"], timeout_s 480; the wheels are built here first by
 `bash experiments/gpu_wheels.sh`, ~37 MB, so the tree travels whole under the 64 MiB a call may carry):
@@ -39,8 +39,8 @@ the captured decode step reads (--graph-lora unmerged: read inside the graph, no
 
 "before" is today's path as it was before issue 44, kept behind switches so that it re-runs on the same card in
 the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph
-once per run, support/lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after":
-auto = grouped, support/lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once;
+once per run, lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after":
+auto = grouped, lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once;
 "after": one completion at a time, grpo.head_logprobs). A switch this checkout lacks is recorded as absent, not
 failed (SWITCHES).
 
@@ -256,7 +256,7 @@ def goals(report):
 def prompt_lengths(kind):
     """real: `shape:` models tokenise with support/harness/stand_in_tokenizer.py (Qwen2.5's counts within 1 %); bytes:
     shape_models' own one-token-per-byte stand-in (~4.1x as many tokens: the stress case)."""
-    from support.lib import shape_models
+    from lib import shape_models
     from support.harness import stand_in_tokenizer
     own = shape_models.tokenizer
 
@@ -312,9 +312,9 @@ def known_flags(argv, flags):
 
 
 def set_attention(model, name):
-    """support/lib/attention.use where this checkout has it; returns what the model runs."""
+    """lib/attention.use where this checkout has it; returns what the model runs."""
     try:
-        from support.lib import attention
+        from lib import attention
     except ImportError:
         return model.config._attn_implementation
     attention.use(model, name)
@@ -329,7 +329,7 @@ def preflight(device):
     """Imports and the driver, before anything long: every module a phase imports (a missing one is recorded, and
     fails the check only where every phase needs it), a matmul on the device, and a one-op CUDA graph captured on a
     side stream and replayed twice (the mechanism the decode's graph needs, in a second)."""
-    rec, needed = {}, ("train", "rewards", "evaluate", "transformers", "support.lib.static_decode")
+    rec, needed = {}, ("train", "rewards", "evaluate", "transformers", "lib.static_decode")
     for name in (*needed, "reasoning_gym", "trl", "peft", "accelerate", "datasets"):
         try:
             module = __import__(name)
@@ -651,7 +651,7 @@ def decode(device, spec, rows_list, new_tokens, progress=lambda res: None):
     the graph is captured: its warm-up steps and the capture, `capture_seconds`, are in it) and a steady call (the
     captured step replayed, as every later step of a run), timed apart; the tokens of the graph beside the eager
     loop's from the same uniforms; the SDPA backend that ran (profiled). progress(res): the figures so far."""
-    from support.lib import static_decode
+    from lib import static_decode
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = load_model(spec, device, dtype)
     apply_lora(model)

@@ -26,7 +26,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from pocket import archive, run  # noqa: E402
-from support.lib.stats import mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
+from lib.stats import mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
 from verdict import EXACT, HYPER, PROMPT, TESTBED_CONFIG, TESTBED_TASK, arms, cpu_capability, read_timing  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "int8")

@@ -64,8 +64,8 @@ from channel import (CACHE, POLICY, RESPONSE, TASK, TASK_CONFIG, ChannelAdapter,
                      expert_input, expert_model, pad_left, teacher_forced)
 from experts import load_model  # noqa: E402
 from rewards import build_prompt, extract_answer, load_entries  # noqa: E402
-from support.lib import kv_cache  # noqa: E402
-from support.lib.stats import paired_comparison  # noqa: E402
+from lib import kv_cache  # noqa: E402
+from lib.stats import paired_comparison  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "mechanism")
 # The GRPO runs of the suite are shorter than the defaults for lack of CPU: on one shared core a step of

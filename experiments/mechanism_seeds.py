@@ -7,7 +7,7 @@ gold answer's log-prob, tested two ways, as pre-registered in results/mechanism-
   (H1: mean > 0). On the exact score each item's seed-mean is a multiple of 1/k (k seeds), so the test is exact
   (the distribution of the flipped sum counted on that lattice); on log-probs it is a Monte Carlo estimate
   (200,000 flips, fixed seed; its standard error is below 0.001 at p = 0.05).
-- over seeds: each seed's mean difference and the exact one-sided sign-flip p (support.lib.stats.sign_flip_p; with 3
+- over seeds: each seed's mean difference and the exact one-sided sign-flip p (lib.stats.sign_flip_p; with 3
   seeds it cannot fall below 1/8).
 
     python experiments/mechanism_seeds.py results/mechanism-gcd/partial-grpo-scratch-300-s{0,1,2}.json \\
@@ -23,7 +23,7 @@ import numpy as np
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
-from support.lib.stats import sign_flip_p  # noqa: E402
+from lib.stats import sign_flip_p  # noqa: E402
 
 MC_FLIPS = 200_000
 

@@ -35,7 +35,7 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the repository
 # (module, attribute, label): the functions metered as phases, in the order a run meets them. The
-# first run's GGUF conversion runs in a process of its own (support/lib/pocket_models.py): its peak is
+# first run's GGUF conversion runs in a process of its own (lib/pocket_models.py): its peak is
 # the row "processes it started".
 PHASES = [
     ("experts", "load_model", "load {0}"),

@@ -9,7 +9,7 @@ metrics.jsonl, eval.json, timing.json of every run and control): RESULTS/table.m
 What is computed (all on the same items: a seed's runs are scored on the seed's validation items):
   1. each method minus each of its controls (comparisons): per seed, the difference of mean scores (of exact solve
      rates, when the runs were trained on --reward exact: partial credit counts 0); mean +- sd
-     over seeds; the exact two-sided sign-flip p over seeds (support/lib/stats.sign_flip_p: 2 seeds give p in
+     over seeds; the exact two-sided sign-flip p over seeds (lib/stats.sign_flip_p: 2 seeds give p in
      {0.5, 1}, 3 seeds p >= 0.25, so a "no" from 3 seeds is weak and a "yes" impossible below 0.25); item by item,
      the two-level bootstrap interval (seeds, then items: stats.hierarchical_bootstrap_ci, descriptive below
      stats.MIN_SEEDS_FOR_BOOTSTRAP seeds), the items better and worse, and per seed stats.paired_comparison
@@ -36,7 +36,7 @@ import numpy as np
 from support.harness.checkpoint import write_json
 from support.harness.config import fail
 from support.harness.report import plot_runs
-from support.lib.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
+from lib.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
 
 LAST = 3  # "at the end" of a training: the mean over its last 3 steps
 # the conductor's metrics over training; zero_std_fraction is the share of groups whose G rewards are all equal:

@@ -4,7 +4,7 @@
 # Estimated time (not measured here: no GPU on our machines): ~40-60 s per step on one H100/H200 with bf16
 # (8 micro-batches x 32 completions x 128 tokens of Qwen2.5-3B, plus the scoring passes), i.e. 5-8 h per
 # 500-step run and ~2-3 h per 233-step GSM8K run: about 400-500 GPU hours for the whole table.
-# With N GPUs on one node each training run is data-parallel over them (torchrun, support/lib/distributed.py): N processes
+# With N GPUs on one node each training run is data-parallel over them (torchrun, lib/distributed.py): N processes
 # share the 8 micro-batches of every step, so N may be 1, 2, 4 or 8 (at most --grad-accum); the maths, and so
 # the numbers, are those of one GPU. Evaluation stays on one GPU. `python train.py ... --plan` prints the memory
 # per GPU first.

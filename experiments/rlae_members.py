@@ -29,7 +29,7 @@ sys.path.insert(0, ROOT)
 from support.harness import config  # noqa: E402
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
-from support.lib import stats  # noqa: E402
+from lib import stats  # noqa: E402
 from support.harness.checkpoint import write_json  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
 from neighbours import rlae  # noqa: E402

@@ -16,7 +16,7 @@ changes. Reported per setting:
                     the slowest rank
   rollout share     each rank's own work per step = step_seconds - sync_seconds
 It is measured through this file itself: under torchrun it is the program each rank runs (--worker), timing
-support/lib/distributed.py's collectives around train.main.
+lib/distributed.py's collectives around train.main.
 
 The processes share whatever cores this script is given (e.g. `taskset -c 0 python experiments/scaling.py`: all
 on one core, which measures the overhead of splitting, not a speed-up). The numbers, the CPU affinity and the
@@ -41,10 +41,10 @@ TINY = ("--task chain_sum --device cpu --dataset-size 64 --system-prompt simple 
 
 
 def worker(argv):
-    """One rank: train.main with support/lib/distributed.py's collectives timed; writes OUT/sync-rank{R}.json."""
+    """One rank: train.main with lib/distributed.py's collectives timed; writes OUT/sync-rank{R}.json."""
     import torch
     sys.path.insert(0, ROOT)
-    from support.lib import distributed
+    from lib import distributed
     import train
     torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS", "1")))
     spent, real = [0.0], distributed._collective

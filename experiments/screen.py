@@ -85,7 +85,7 @@ sys.path.insert(0, os.path.join(ROOT, "experiments"))
 import rewards  # noqa: E402
 from experts import ENCODER_TYPES, expert_text, load_model  # noqa: E402
 from channel import ridge_probe  # noqa: E402
-from support.lib import kv_cache  # noqa: E402
+from lib import kv_cache  # noqa: E402
 
 OUT = os.path.join(ROOT, "results", "screen")
 RUNS = os.path.join(ROOT, "runs", "screen")

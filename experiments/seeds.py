@@ -25,7 +25,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 
 from support.harness.report import load_runs, method_key, same_items_cell  # noqa: E402
-from support.lib.stats import MIN_SEEDS_FOR_BOOTSTRAP, holm, mean_std, sign_flip_p  # noqa: E402
+from lib.stats import MIN_SEEDS_FOR_BOOTSTRAP, holm, mean_std, sign_flip_p  # noqa: E402
 
 
 def scores_by_row(folders, extra, items=None, typed=None, split_by=()):

@@ -8,7 +8,7 @@ against single and against TRL seed by seed; the table (.md) and the plot (.png)
 A run that never reached a target has time null. The median counts "not reached" as slower than any time, so it is
 null when at least half the seeds did not reach, and the table says so in words. The paired comparison of a
 against b uses the seeds both ran: the ratio of the medians; each seed's ratio and the exact sign-flip test of the
-paired differences in seconds over the seeds where both reached (support/lib/stats.py; with 5 seeds p >= 0.0625);
+paired differences in seconds over the seeds where both reached (lib/stats.py; with 5 seeds p >= 0.0625);
 and the exact sign test of which reached first (a seed where only one reached counts for it, where neither did it
 is dropped).
 """
@@ -20,7 +20,7 @@ import statistics
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-from support.lib import stats  # noqa: E402
+from lib import stats  # noqa: E402
 
 ORDER = ("single", "ours", "trl")  # the contenders, first in every table; ablations after them
 

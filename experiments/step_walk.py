@@ -7,7 +7,7 @@ the file that defines it. `g(...)` / `run.method(...)`, the context builder, cou
     python experiments/step_walk.py            # this checkout
     python experiments/step_walk.py --root DIR # another checkout, e.g. an older commit's
     python experiments/step_walk.py --paper    # the paper's path: lines marked `# lever:` skipped, torchrun's
-                                               # calls (support/lib/distributed.py, no-ops on one process) too
+                                               # calls (lib/distributed.py, no-ops on one process) too
 
 Prints the files in the order a reader meets them (consecutive calls into the same file are one visit), the
 number of distinct files, and the jumps: how often the reader leaves train.py for another file.
@@ -36,7 +36,7 @@ def walk(root, paper=False):
             for a in n.names:
                 names[a.asname or a.name] = module_file(root, a.name)
         elif isinstance(n, ast.ImportFrom) and n.module:
-            for a in n.names:  # `from support.lib import distributed` is a module; `from grpo import x` a name
+            for a in n.names:  # `from lib import distributed` is a module; `from grpo import x` a name
                 names[a.asname or a.name] = (module_file(root, f"{n.module}.{a.name}")
                                              or module_file(root, n.module))
     route, seen = [], set()
@@ -65,7 +65,7 @@ def walk(root, paper=False):
                 route.append("baselines.py")
     visit("grpo_step")
     if paper:
-        route = [f for f in route if f != module_file(root, "support.lib.distributed")
+        route = [f for f in route if f != module_file(root, "lib.distributed")
                  and f != module_file(root, "support.distributed")]
     route = [f for f in route if f]
     visits = [f for i, f in enumerate(route) if i == 0 or route[i - 1] != f]

@@ -40,7 +40,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from pocket import archive, run  # noqa: E402
-from support.lib.stats import holm, mean_std, sign_flip_ci, sign_flip_p  # noqa: E402
+from lib.stats import holm, mean_std, sign_flip_ci, sign_flip_p  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict")
 # the testbed the screen chose and every verdict run trained on (given to this script as --task / --task-config);

@@ -46,7 +46,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
-from support.lib.stats import holm, mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
+from lib.stats import holm, mean_std, paired_comparison, sign_flip_ci, sign_flip_p  # noqa: E402
 from verdict import costs, cpu_capability, load, read_timing, run_once  # noqa: E402
 
 RESULTS = os.path.join(ROOT, "results", "verdict2")

@@ -76,7 +76,7 @@ from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
 from support.harness.run import after_step, finish_run, progress_bar, resume_run  # noqa: E402
 from support.harness.validation import restore_trained  # noqa: E402
-from support.lib.optim import set_learning_rates  # noqa: E402
+from lib.optim import set_learning_rates  # noqa: E402
 from neighbours import plumbing  # noqa: E402
 from neighbours.workflow import CONDUCTOR_PREFIX, MAX_STRING, NO_LIBRARY, WorkflowMasks  # noqa: E402
 from neighbours.workflow import have_llguidance, longest_workflow, parse_workflow  # noqa: E402

@@ -23,8 +23,8 @@ from support.harness.model_check import check_models
 from support.harness.run import open_run, release_folders
 from support.harness.stop import stopping_on_signals
 from support.harness.validation import read_run, score_items, scored, validation_items
-from support.lib import distributed
-from support.lib.optim import clip_gradients, step_if_finite
+from lib import distributed
+from lib.optim import clip_gradients, step_if_finite
 
 # ----------------------------------------------------------------------------------------------------------
 # The step: its items, its update, its record

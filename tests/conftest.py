@@ -56,6 +56,6 @@ def with_lora64(model):
 @pytest.fixture(scope="module")
 def policy64():
     """The tiny llama policy through with_lora64, and its tokenizer: (model, tok), one per test module."""
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     model, tok = tiny_model("llama")
     return with_lora64(model), tok

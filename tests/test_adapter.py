@@ -150,7 +150,7 @@ def test_zero_context_in_front_of_a_deep_policy_has_a_finite_gradient():
     every update with a non-zero advantage was skipped, and C stayed 0 for ever. policy_inputs now keeps the
     first prompt token in front ([x_0 C x_1..]); a 16-layer random Llama shows both sides of the story."""
     import transformers as tf
-    from support.lib.tiny_models import tiny_tokenizer
+    from lib.tiny_models import tiny_tokenizer
     tok = tiny_tokenizer()
     torch.manual_seed(0)
     cfg = tf.LlamaConfig(vocab_size=len(tok), hidden_size=16, intermediate_size=32, num_hidden_layers=16,
@@ -300,7 +300,7 @@ def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
     """Regression: encode_prompts dropped the <bos> that a base model's tokenizer adds to plain text (Gemma-3-270M
     as the policy scored 0.0 without it). A chat template writes its own special tokens: nothing is added then."""
     from tokenizers import processors
-    from support.lib.tiny_models import tiny_tokenizer
+    from lib.tiny_models import tiny_tokenizer
     for chat in (False, True):
         tok = tiny_tokenizer(chat=chat)
         bos = tok.bos_token_id
@@ -314,7 +314,7 @@ def test_a_policy_without_a_chat_template_gets_its_tokenizers_bos():
 
 def test_recomputed_mlps_give_the_same_logprobs_and_gradients_bit_for_bit(lora_policy):
     """With gradient on, completion_logprobs keeps no MLP activations for the backward pass and runs the
-    MLPs again there (support.lib.recompute.mlps_recomputed, memory). The log-probs and every gradient are the very same
+    MLPs again there (lib.recompute.mlps_recomputed, memory). The log-probs and every gradient are the very same
     bits as with the activations kept (train.py --keep-activations sets model.recompute_mlps = False); the
     MLPs really do run twice, and once with the activations kept."""
     model, tok = copy.deepcopy(lora_policy[0]), lora_policy[1]

@@ -1,4 +1,4 @@
-"""support/lib/attention.py: grouped-query attention with each key/value head read once (train.py --attention grouped).
+"""lib/attention.py: grouped-query attention with each key/value head read once (train.py --attention grouped).
 Parity with transformers' SDPA path (which repeats K and V per query head) in every pass the policy runs (the
 prefill, the KV-cached decode steps, the scoring pass with its gradient), on models with grouped KV heads, in
 float64 where another order of sums leaves ~1e-15; parity of the function itself with the attention formula; and
@@ -9,7 +9,7 @@ import torch
 from conftest import with_lora64
 from grpo import completion_mask
 from rollout import completion_logprobs, encode_prompts, prefill, sample
-from support.lib import attention
+from lib import attention
 
 QUESTIONS = ["What is 17 + 25?", "Add 3 and 4, then stop.", "Hi"]  # different lengths: padding behind x_0
 
@@ -18,7 +18,7 @@ def four_per_group():
     """A Qwen2 with 8 query heads on 2 key/value heads (n_rep 4; the tiny team's models have 2) and the tiny
     tokenizer."""
     import transformers as tf
-    from support.lib.tiny_models import tiny_tokenizer
+    from lib.tiny_models import tiny_tokenizer
     tok = tiny_tokenizer()
     config = tf.Qwen2Config(vocab_size=len(tok), hidden_size=64, intermediate_size=96, num_hidden_layers=2,
                             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096,
@@ -29,7 +29,7 @@ def four_per_group():
 
 @pytest.fixture(scope="module", params=["llama", "qwen2", "qwen2-n_rep-4"])
 def model64(request):
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     model, tok = four_per_group() if request.param == "qwen2-n_rep-4" else tiny_model(request.param)
     assert attention.groups(model.config) > 1  # grouped KV heads: the case the old path repeats
     return with_lora64(model), tok
@@ -63,7 +63,7 @@ def both():
 def test_the_function_is_the_attention_formula(q, made_by):
     """grouped_attention against softmax(q_h K_g^T s + M) V_g written out head by head, with a KV cache (the
     queries are the last q of k keys; q = 1: a decode step), padding in the middle, and its mask from grouped_mask
-    (stacked, additive) or a bool [B, 1, q, k] mask built elsewhere (support/lib/static_decode.py builds its own)."""
+    (stacked, additive) or a bool [B, 1, q, k] mask built elsewhere (lib/static_decode.py builds its own)."""
     torch.manual_seed(0)
     B, H, H_kv, k, d = 2, 6, 2, 7, 5
     Q = torch.randn(B, H, q, d, dtype=torch.float64)
@@ -177,7 +177,7 @@ def test_no_key_or_value_is_repeated(model64, monkeypatch):
 def test_auto_is_grouped_on_cuda_for_grouped_heads_only():
     """--attention auto: grouped on CUDA for a model with n_rep > 1 that runs SDPA; the model's own attention on
     a CPU (the bit-identical fixtures' numbers) and for a model without grouped heads (nothing to repeat)."""
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     llama, gpt2 = tiny_model("llama")[0], tiny_model("gpt2")[0]
     assert attention.resolve("auto", llama, "cuda") == "grouped"
     assert attention.resolve("auto", llama, torch.device("cpu")) == "sdpa"
@@ -186,7 +186,7 @@ def test_auto_is_grouped_on_cuda_for_grouped_heads_only():
 
 
 def test_grouped_refuses_a_model_that_does_not_run_sdpa():
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     model = tiny_model("llama")[0]
     model.set_attn_implementation("eager")
     with pytest.raises(ValueError, match="--attention"):

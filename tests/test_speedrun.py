@@ -17,8 +17,8 @@ import grpo
 import rewards
 import rollout
 import train
-from support.lib import low_precision
-from support.lib.optim import lr_factor
+from lib import low_precision
+from lib.optim import lr_factor
 from support.harness.validation import score_items
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",

@@ -1,11 +1,11 @@
 """The device check's stand-in tokenizer (support/harness/stand_in_tokenizer.py): Qwen2.5's pre-tokenizer with a subset of
 its merges, so the paper's prompts have their real length on a GPU machine without a hub (the byte-level stand-in
 made them ~4x longer). Hermetic checks of the file as it travels, and the ratio to a real Qwen2.5 tokenizer where
-one is installed (the pocket Qwen2.5-Coder-1.5B, support/lib/pocket_models.py)."""
+one is installed (the pocket Qwen2.5-Coder-1.5B, lib/pocket_models.py)."""
 import pytest
 
 import rewards
-from support.lib import shape_models
+from lib import shape_models
 from support.harness import stand_in_tokenizer as stand_in
 
 # Qwen2.5's tokens for TEXT, written by Qwen2.5-Coder-1.5B-Instruct's tokenizer (transformers 5.24, 2026-11-28)
@@ -66,7 +66,7 @@ def test_token_counts_within_15_percent_of_a_real_qwen25_tokenizer():
     byte-level stand-in made 957.4 (4.11x). The merges were chosen on the validation split."""
     from transformers import AutoTokenizer
     try:
-        from support.lib import pocket_models
+        from lib import pocket_models
         folder = pocket_models.converted_dir("qwen2.5-coder-1.5b-instruct")
         real = AutoTokenizer.from_pretrained(folder)
     except Exception as e:  # noqa: BLE001  the pocket Qwen is optional (requirements-pocket.txt)

@@ -1,4 +1,4 @@
-"""support/lib/static_decode.py: the decode loop with fixed shapes (the one a CUDA graph captures), run eagerly on the
+"""lib/static_decode.py: the decode loop with fixed shapes (the one a CUDA graph captures), run eagerly on the
 CPU against rollout.decode's loop, the reference: the same tokens and log-probs from the same uniforms, rows that
 end early cut alike, greedy alike, on the tiny policy with a LoRA that is not a no-op and on the paper policy's
 layer shape (Qwen2.5-3B's widths and heads at one layer). Plus where rollout.decode sends each call."""
@@ -11,7 +11,7 @@ import torch
 
 import rollout
 from lora import apply_lora
-from support.lib import static_decode
+from lib import static_decode
 
 SMOKE = ["--preset", "smoke", "--eval-items", "0"]
 
@@ -70,10 +70,10 @@ def test_rows_that_end_early_and_greedy_rows_are_cut_alike():
 def test_the_static_loop_on_the_paper_policys_layer_shape(attention):
     """Qwen2.5-3B's layer (hidden 2048, 16 query heads on 2 key/value heads of 128, q/k/v biases), one layer and a
     4,096-token vocabulary (the full 151,936 takes ~30 s to initialise on one core and changes no shape the loop
-    handles); under transformers' SDPA and under support/lib/attention.py's grouped attention (train.py --attention,
+    handles); under transformers' SDPA and under lib/attention.py's grouped attention (train.py --attention,
     grouped on CUDA), which stacks the loop's [N, 1, 1, P + T] mask per group."""
     import transformers as tf
-    from support.lib import shape_models
+    from lib import shape_models
     cfg = shape_models.config("Qwen/Qwen2.5-3B-Instruct@1")
     V = 4096
     cfg.vocab_size, cfg.bos_token_id, cfg.eos_token_id, cfg.pad_token_id = V, V - 4, V - 2, V - 1
@@ -85,7 +85,7 @@ def test_the_static_loop_on_the_paper_policys_layer_shape(attention):
         for name, p in policy.named_parameters():
             if "lora_B" in name:
                 p.normal_(0, 0.05)
-    from support.lib import attention as attention_module
+    from lib import attention as attention_module
     attention_module.use(policy, attention)
     tokens, logp, tokens_static, logp_static = both_loops(policy.eval(), tok, G=2, T=6)
     assert torch.equal(tokens, tokens_static)

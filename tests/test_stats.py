@@ -1,9 +1,9 @@
-"""support/lib/stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
+"""lib/stats.py against scipy.stats, an independent implementation (skipped where scipy is not installed; the
 hand-worked cases are in tests/test_baselines.py and tests/test_collaboration.py)."""
 import numpy as np
 import pytest
 
-from support.lib.stats import (paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p,
+from lib.stats import (paired_comparison, partial_spearman, permutation_p, ranks, sign_flip_p, sign_test_p,
                                spearman)
 
 scipy_stats = pytest.importorskip("scipy.stats")
@@ -110,7 +110,7 @@ def test_seed_table_splits_rows_by_a_config_key_and_refuses_two_runs_of_one_row_
 def test_holm_by_hand_and_as_the_sequential_rule():
     """Holm (1979) worked by hand: p = (0.01, 0.04, 0.03, 0.005), m = 4. Sorted 0.005, 0.01, 0.03, 0.04 times
     4, 3, 2, 1 = 0.02, 0.03, 0.06, 0.04; the running maximum makes the last 0.06."""
-    from support.lib.stats import holm
+    from lib.stats import holm
     assert holm([0.01, 0.04, 0.03, 0.005]) == pytest.approx([0.03, 0.06, 0.06, 0.02])
     assert holm([0.5]) == [0.5] and holm([0.9, 0.2]) == [0.9, 0.4] and holm([0.6, 0.7, 0.01]) == [1.0, 1.0, 0.03]
     # the same decisions as the step-down rule: reject p_(k) while p_(k) < alpha / (m - k + 1), then stop
@@ -131,7 +131,7 @@ def test_the_two_level_bootstrap_covers_badly_with_few_seeds_and_the_sign_flip_t
     difference (the between-seed spread the pocket runs show), 100 items of 0/1 noise. The bootstrap's 95 %
     interval should exclude 0 in 5 % of draws; with 3 seeds it does so far more often. The exact sign-flip test
     at alpha = 0.05 never rejects with 3 seeds (its smallest p is 0.25) and stays at or below 5 % with 10."""
-    from support.lib.stats import MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci
+    from lib.stats import MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci
     rng = np.random.default_rng(0)
 
     def null_draw(n_seeds):
@@ -154,7 +154,7 @@ def test_sign_flip_ci_by_hand_and_as_the_inversion_of_sign_flip_p():
     """[1, 2, 3]: subset means 1, 1.5, 2, 2, 2, 2.5, 3; at 75 % k = floor(8 x 0.125) = 1, so [1, 3]. Then on
     random differences the interval is the set of shifts t that neither one-sided sign_flip_p of d - t rejects
     at (1 - level) / 2, found on a grid (the inversion done the slow way)."""
-    from support.lib.stats import sign_flip_ci
+    from lib.stats import sign_flip_ci
     assert sign_flip_ci([1, 2, 3], level=0.75) == (1.0, 3.0, 0.75)
     assert sign_flip_ci([1, 2, 3, 4, 5]) is None                          # 5 seeds: 93.75 % at most
     assert sign_flip_ci(np.arange(6.0))[2] == 1 - 2 / 64 and sign_flip_ci(np.arange(8.0))[2] == 1 - 12 / 256
@@ -172,7 +172,7 @@ def test_sign_flip_ci_by_hand_and_as_the_inversion_of_sign_flip_p():
 def test_sign_flip_ci_covers_as_it_says_for_symmetric_differences():
     """6 seeds of Laplace noise about 0.3 (symmetric, heavy-tailed): the 95 % interval's exact coverage is
     1 - 2/64 = 96.9 %; 3,000 draws measure it to +-0.3 points (one standard error)."""
-    from support.lib.stats import sign_flip_ci
+    from lib.stats import sign_flip_ci
     rng = np.random.default_rng(2)
     draws = 3000
     covered = np.mean([(lambda c: c[0] <= 0.3 <= c[1])(sign_flip_ci(0.3 + rng.laplace(0, 1, 6)))

@@ -15,7 +15,7 @@ def test_the_papers_step_visits_the_concept_files_and_two_support_files():
     files = set(visits)
     assert {"baselines.py", "rewards.py", "rollout.py", "grpo.py", "lora.py", "adapter.py"} <= files
     assert files - {"baselines.py", "rewards.py", "rollout.py", "grpo.py", "lora.py", "adapter.py"} == {
-        "support/lib/optim.py", "support/harness/metrics.py"}
+        "lib/optim.py", "support/harness/metrics.py"}
     assert visits[0] == "rewards.py" and visits[-1] == "support/harness/metrics.py"  # the items first, the log last
 
 

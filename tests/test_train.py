@@ -168,7 +168,7 @@ def test_the_reference_pass_is_lora_off_with_zero_tokens_where_c_was(position):
     from types import SimpleNamespace
     from conftest import with_lora64
     from rollout import completion_logprobs, encode_prompts
-    from support.lib.tiny_models import load as tiny_model
+    from lib.tiny_models import load as tiny_model
     from train import reference_logprobs
     policy, tok = tiny_model("llama")
     policy = with_lora64(policy)                                     # LoRA with a random B

@@ -228,8 +228,8 @@ def test_precompute_states_checks_its_cache_before_any_model_loads(tmp_path, cap
 
 def full_disk_in_cache(monkeypatch):
     """The expert cache's state files meet a full disk (every other write goes through)."""
-    from support.lib import state_store
-    from support.lib.files import WriteFailed
+    from lib import state_store
+    from lib.files import WriteFailed
     real = state_store.replaced
 
     def replaced(path, *a, **k):

@@ -11,7 +11,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 from verdict import FAMILY, analyse, costs, headline, markdown  # noqa: E402
 
-from support.lib.stats import holm, sign_flip_p  # noqa: E402
+from lib.stats import holm, sign_flip_p  # noqa: E402
 
 
 def record(score, shuffled=None, strong=0.25, n=100, seed=0):

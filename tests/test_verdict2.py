@@ -51,7 +51,7 @@ def test_pilot_table_reads_each_lr_against_single_of_the_same_seed():
 def test_seven_seeds_can_pass_a_family_of_four_and_six_cannot():
     """results/verdict2/preregistration.md: 7 seeds because the family has 4 tests (and 6 seeds for the fallback
     family of 2)."""
-    from support.lib.stats import holm, sign_flip_p
+    from lib.stats import holm, sign_flip_p
     best = {n: sign_flip_p([1.0] * n, "greater") for n in (6, 7)}
     assert min(holm([best[6]] * 4)) > 0.05                  # 4 / 64 = 0.0625
     assert max(holm([best[7]] * 4)) < 0.05                  # 4 / 128 = 0.031
@@ -148,7 +148,7 @@ def test_the_best_possible_p_bounds_every_completion_and_is_reached_by_large_one
     H1a +53, +13, +9, -22 and H2 +0, +0, +11, +0 over 6 seeds can reach no less than 5/64 and 8/64."""
     import numpy as np
 
-    from support.lib.stats import sign_flip_p
+    from lib.stats import sign_flip_p
     from verdict2 import best_possible_p
     assert best_possible_p([53, 13, 9, -22], 6) == 5 / 64 and best_possible_p([0, 0, 11, 0], 6) == 8 / 64
     rng = np.random.default_rng(0)

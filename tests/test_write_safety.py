@@ -141,9 +141,9 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, cap
 
 
 def test_each_writer_refuses_a_link_and_leaves_nothing(tmp_path):
-    """The writers themselves (support/lib/files.py), for every kind of write: replaced, replaced_name,
+    """The writers themselves (lib/files.py), for every kind of write: replaced, replaced_name,
     replaced_folder, append_lines, write_json."""
-    from support.lib import files
+    from lib import files
     victim = outside(tmp_path)
     link = tmp_path / "link"
     os.symlink(victim, link)
@@ -355,7 +355,7 @@ def test_a_damaged_checkpoint_is_refused_before_any_model_loads(kind, finished, 
 
 
 def test_an_unreadable_expert_state_is_computed_again_and_a_bad_width_refused(tmp_path, capfd, monkeypatch):
-    from support.lib.state_store import StateStore, cache_problem
+    from lib.state_store import StateStore, cache_problem
     store = StateStore(str(tmp_path / "cache"), "tiny:qwen2|cpu|float32|last|1.0|1024")
     store.write({"a": torch.ones(4), "b": torch.ones(4)})
     store.set_dim(4)

@@ -23,7 +23,7 @@ from adapter import anchor_context
 from experts import frozen_dtype, load_model, team_models
 from lora import apply_lora
 from support.harness.config import fail
-from support.lib.optim import make_optimizer
+from lib.optim import make_optimizer
 
 
 @dataclass
@@ -57,7 +57,7 @@ def attach_lora(policy, tok, method, args):
         for p in policy.parameters():
             p.requires_grad_(False)
     policy.train()  # no dropout in these models; train() only marks intent
-    policy.recompute_mlps = not args.keep_activations  # read by support.lib.recompute.mlps_recomputed
+    policy.recompute_mlps = not args.keep_activations  # read by lib.recompute.mlps_recomputed
     return make_optimizer(policy, method, args)
 
 

@@ -21,7 +21,7 @@ pickled) is refused in one line that names the command converting it, for a file
   keep_metrics_upto  drops the log lines written after the checkpoint
   write_json         a JSON file written the same way (config.json, validation.json, evaluate.py's results)
 
-Every file here is written by support/lib/files.py's `replaced` (exclusive temporary file, renamed; nothing left
+Every file here is written by lib/files.py's `replaced` (exclusive temporary file, renamed; nothing left
 behind when the disk is full), never through a link. A checkpoint records its format (CHECKPOINT_FORMAT): a newer
 one is refused before any model loads, as is one whose LoRA rank or latent queries do not fit the run.
 
@@ -38,7 +38,7 @@ import numpy as np
 import torch
 
 from lora import load_lora_state_dict, lora_state_dict
-from support.lib.files import UnsafePath, refuse_link, replaced
+from lib.files import UnsafePath, refuse_link, replaced
 
 # Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
 # processes: a run may resume with another.) Not --expert-cache: a state read from a cache is the one computed in

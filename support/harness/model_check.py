@@ -41,20 +41,20 @@ def check_models(specs):
     for spec, flag in specs:
         spec = spec.removeprefix(ORACLE)
         if spec.startswith("shape:"):
-            from support.lib.shape_models import split_name
+            from lib.shape_models import split_name
             try:  # a model without published dimensions
                 split_name(spec[6:])
             except ValueError as e:
                 raise ValueError(f"{flag}: {e}") from None
             continue
         if spec.startswith("tiny:"):
-            from support.lib.tiny_models import NAMES
+            from lib.tiny_models import NAMES
             if spec[5:] not in NAMES:
                 raise ValueError(f"{flag}: unknown tiny model {spec!r}; choose from "
                                  f"{', '.join('tiny:' + n for n in NAMES)}")
             continue
         if spec.startswith("pocket:"):
-            from support.lib import pocket_models
+            from lib import pocket_models
             if spec[7:] not in pocket_models.POCKET_MODELS:
                 raise ValueError(f"{flag}: unknown pocket model {spec!r}; choose from "
                                  f"{', '.join('pocket:' + n for n in pocket_models.POCKET_MODELS)}")

@@ -9,7 +9,7 @@ The models are built on PyTorch's meta device (shapes without storage) by the co
 lora.apply_lora, the method with its own constructor (experts.load_model swapped for a meta loader while it
 runs). So the parameter counts are exact, LoRA and g_phi included. A config comes from: tiny (built here),
 pocket (the converted copy's config.json, else the GGUF file's header), a local folder or the hub cache, and for
-the paper's hub models without a cache, support/lib/shape_models.HUB_CONFIGS (their published dimensions).
+the paper's hub models without a cache, lib/shape_models.HUB_CONFIGS (their published dimensions).
 
 What is counted, per device of one process (under torchrun every process holds the same on its own devices):
   policy       its frozen weights at --dtype
@@ -18,7 +18,7 @@ What is counted, per device of one process (under torchrun every process holds t
   LoRA, g_phi  float32 weights + gradient + AdamW's two moments: 16 bytes a parameter
   rollout      one decode loop (train.sample_step: every micro-batch of the step, or --rollout-batch of them): a
                merged copy of the LoRA-wrapped weights (lora.lora_merged), the KV cache of its rows x (prompt + m +
-               new tokens) (and one layer of the prefill's cache while its buffer is filled: support/lib/kv_cache.py),
+               new tokens) (and one layer of the prefill's cache while its buffer is filled: lib/kv_cache.py),
                the float32 logits of one sampling step
   loss pass    one micro-batch with gradient: what autograd keeps (ACTIVATIONS_PER_TOKEN_LAYER per token and
                layer, the attention's keys and values: at the key/value heads' width with --attention grouped,
@@ -46,9 +46,9 @@ import torch
 import experts
 import rollout
 from lora import apply_lora, lora_layers
-from support.lib import attention, shape_models, tiny_models
-from support.lib.shape_models import HUB_CONFIGS
-from support.lib.state_store import StateStore, reads_stored_states, store_identity
+from lib import attention, shape_models, tiny_models
+from lib.shape_models import HUB_CONFIGS
+from lib.state_store import StateStore, reads_stored_states, store_identity
 
 GiB = 2 ** 30
 # Saved-for-backward elements per token and layer of a Llama/Qwen-style decoder whose linear layers all carry
@@ -59,7 +59,7 @@ GiB = 2 ** 30
 # runs it again in the backward pass (before that it kept down_proj's input and SiLU's input, its output and the
 # up projection, 4 I more; with them, on SmolLM2-135M, B 4, G 4, 211 + 48 tokens, saved_tensors_hooks measured
 # 2.58 GiB of distinct saved storage besides the weights against 2.51 GiB counted). Keys and values are counted
-# apart, over the whole sequence, at the key/value heads' count with --attention grouped (support/lib/attention.py
+# apart, over the whole sequence, at the key/value heads' count with --attention grouped (lib/attention.py
 # reads them as the cache holds them) and at the query's head count with sdpa (transformers' SDPA path repeats
 # grouped key/value heads before attention). tests/test_plan.py checks the count on the tiny policy, both ways.
 ACTIVATIONS_PER_TOKEN_LAYER = lambda D: 6 * D  # noqa: E731
@@ -73,7 +73,7 @@ def model_config(spec):
     if spec.startswith("tiny:"):
         return tiny_models.load(spec[5:])[0].config  # a few thousand weights: built for real
     if spec.startswith("pocket:"):
-        from support.lib import pocket_models
+        from lib import pocket_models
         folder = pocket_models.converted_dir(spec[7:])
         if (folder / "config.json").exists():
             return AutoConfig.from_pretrained(folder)
@@ -130,7 +130,7 @@ def prompt_tokens(args, team):
         elif spec.startswith("shape:"):  # the stand-in: one token per byte, ~4x a real tokenizer's count
             tok = shape_models.tokenizer(shape_models.config(spec[6:]).vocab_size)
         elif spec.startswith("pocket:"):
-            from support.lib import pocket_models
+            from lib import pocket_models
             from transformers import AutoTokenizer
             tok = AutoTokenizer.from_pretrained(pocket_models.converted_dir(spec[7:]))
         else:
@@ -205,7 +205,7 @@ def estimate(args, world_size=1):
     rollout_parts = {"merged LoRA weights": merged * nbytes,
                      "KV cache": cache,
                      "logits of a step": 3 * R * V * 4}                 # float32 logits, softmax, cdf
-    # the decode step captured once per run (CUDA's rollout.DECODE, support/lib/static_decode.py) reads its KV cache
+    # the decode step captured once per run (CUDA's rollout.DECODE, lib/static_decode.py) reads its KV cache
     # and the merged weights (lora_merged(keep=True)) at fixed addresses: they stay allocated between steps, beside
     # the loss pass; only the prefill's one layer stays a transient
     # (rollout.GRAPH_MERGED False: LoRA unmerged inside the graph, no merged copy at all)
@@ -229,7 +229,7 @@ def estimate(args, world_size=1):
     else:  # the head's [N, T, V] output, a copy, the float32 rows kept for the backward pass
         logits = B * G * T * V * (2 * nbytes + 4)
     # --attention grouped: each forward's mask, its rows stacked per query head of a group, additive, kept once for
-    # every layer (support/lib/attention.grouped_mask): the prefill's (whole prompts; a shared beginning runs at batch 1)
+    # every layer (lib/attention.grouped_mask): the prefill's (whole prompts; a shared beginning runs at batch 1)
     # and the scoring forward's. SDPA's bool masks are converted inside each layer's call instead (not counted).
     n_rep = H // KV
     masks = n_rep * (B * Pc * Pc + B * G * T * (Pc + T)) * nbytes if grouped else 0

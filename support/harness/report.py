@@ -29,11 +29,11 @@ import sys
 import numpy as np
 
 from support.harness.checkpoint import read_log
-from support.lib.stats import (MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci, mean_std,
+from lib.stats import (MIN_SEEDS_FOR_BOOTSTRAP, hierarchical_bootstrap_ci, mean_std,
                                partial_spearman, permutation_p, spearman)
 
 # ----------------------------------------------------------------------------------------------------------
-# Reading runs (the statistics are in support/lib/stats.py)
+# Reading runs (the statistics are in lib/stats.py)
 
 
 def read_json(path):

@@ -21,7 +21,7 @@ checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (14
 the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/harness/stop.py);
 --resume continues to the very numbers and files of a run never killed (support/harness/checkpoint.py,
 tests/test_chaos.py); every file is written whole, never through a link, and a write the system refuses ends in
-one line with exit code 4, nothing half-written left (support/lib/files.py, tests/test_write_safety.py), the
+one line with exit code 4, nothing half-written left (lib/files.py, tests/test_write_safety.py), the
 expert cache's states too; a folder the user already had is refused, never written, and a failed first step's
 files are removed only when its config and their own form show the run wrote them (checks.user_files_problem);
 a closed or full stdout stops the run as a signal does (say, tests/test_user_files.py); every
@@ -44,19 +44,19 @@ import numpy as np
 
 import rewards
 from experts import pick_device
-from support.lib import distributed
+from lib import distributed
 from support.harness.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
 from support.harness.checkpoint import sigkill_hook, write_json
 from support.harness.checks import check_prompt_lengths, check_run, holds_a_run, user_files_problem
 from support.harness.config import create_folder, fail, remove_created
-from support.lib.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
-from support.lib.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
+from lib.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
+from lib.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
 from support.harness.export import export_run
 from support.harness.lock import LockHeld, release_lock, take_lock
 from support.harness.stop import SignalState, answer_signals, restore_signals
 from support.harness.track import open_tracker
 from support.harness.metrics import log_line
-from support.lib.runtime import hand_back_freed_memory
+from lib.runtime import hand_back_freed_memory
 from support.harness.validation import validation_scores
 
 
@@ -78,7 +78,7 @@ def open_run(args, world):
     """Check everything that reads only (bad input exits with code 2 and one line, before any model loads),
     take --out (support/harness/lock.py) and --expert-cache, handle Ctrl-C and SIGTERM, and pick the device. Returns the
     run's Life; release_folders(life) lets go of --out however the run ends."""
-    hand_back_freed_memory()  # support/lib/runtime.py
+    hand_back_freed_memory()  # lib/runtime.py
     replace_unencodable()
     life = Life(paths=run_paths(args.out), claim=claim_folders(args, world))
     stop_on_signals(life, args)
@@ -153,7 +153,7 @@ def resume_line(args, checkpoint, start, resuming, dropped):
 
 @contextlib.contextmanager
 def writes_or_fail(args):
-    """A write the system refuses (a full disk, a read-only folder, a permission: support/lib/files.WriteFailed,
+    """A write the system refuses (a full disk, a read-only folder, a permission: lib/files.WriteFailed,
     its temporary file already removed) ends the run in one line, exit code 4, saying what to free and how
     to continue; a link planted in --out while the run ran, in one line, exit code 2."""
     try:
@@ -222,7 +222,7 @@ def claim_expert_cache(path):
         PENDING.discard(probe)
     except WriteFailed as e:
         fail(f"--expert-cache {path} cannot be written ({type(e.error).__name__}: {e.error.strerror})")
-    from support.lib.state_store import cache_problem
+    from lib.state_store import cache_problem
     if msg := cache_problem(path, "--expert-cache"):
         fail(msg)
 
@@ -252,7 +252,7 @@ def stop_on_signals(life, args):
     code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. A step's log
     line, samples and checkpoint being written are finished first; nothing else is saved on the way out: what
     ran after the checkpoint is lost, and --resume runs it again. Within a few seconds even inside a forward
-    that does not return for minutes (answer_signals). Under torchrun support/lib/distributed.py turns SIGTERM
+    that does not return for minutes (answer_signals). Under torchrun lib/distributed.py turns SIGTERM
     (another rank failed) into its own line."""
     if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
         return

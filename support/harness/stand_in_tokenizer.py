@@ -1,7 +1,7 @@
 """
 A stand-in for Qwen2.5's tokenizer that travels with the repository: prompts of real length for the device check.
 
-The paper's models at real shapes (support/lib/shape_models.py) need a tokenizer, and a GPU machine of this project has
+The paper's models at real shapes (lib/shape_models.py) need a tokenizer, and a GPU machine of this project has
 no model hub. The byte-level stand-in makes one token per byte: a paper prompt (DeepSeekZero system prompt, an
 arithmetic question, the chat template) is ~4x longer in it than in Qwen2.5's tokenizer, so every figure measured
 with it is for a harder run than a user's. This one is Qwen2.5's own tokenizer with part of its merge table:
@@ -34,7 +34,7 @@ MERGES_FILE = os.path.join(os.path.dirname(os.path.abspath(__file__)), "stand_in
 # Qwen2.5's pre-tokenizer: contractions, letters (one leading non-letter), ONE digit, punctuation runs, spaces
 SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|"
          r"\s+(?!\S)|\s+")
-SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]  # as support/lib/shape_models.SPECIALS
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>", "<pad>"]  # as lib/shape_models.SPECIALS
 FIRST = 8000  # merges kept by rank alone
 CHATML = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
           "{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}")
@@ -121,5 +121,5 @@ def write_merges(folder, path=MERGES_FILE, first=FIRST):
 if __name__ == "__main__":
     import sys
     sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
-    from support.lib import pocket_models
+    from lib import pocket_models
     print(write_merges(pocket_models.converted_dir("qwen2.5-coder-1.5b-instruct")), "merges ->", MERGES_FILE)

@@ -23,7 +23,7 @@ from dataclasses import dataclass
 from typing import Optional
 
 from support.harness.config import fail
-from support.lib.files import PENDING, remove_quietly
+from lib.files import PENDING, remove_quietly
 
 STOP_GRACE_S = 2.0  # how long the main thread has to answer a signal before the watchdog ends the process
 _FORK_HOOK = []  # registered once per process (os.register_at_fork cannot be undone)
@@ -47,7 +47,7 @@ def answer_signals(state, message, cleanup=lambda: None):
     native call that may not return for minutes, and the handler waits for it: so a watchdog thread, woken by
     the signal itself (signal.set_wakeup_fd), ends the process when the main thread has not answered within
     STOP_GRACE_S seconds (after any write in progress): it removes the temporary files being written
-    (support/lib/files.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
+    (lib/files.PENDING), calls `cleanup` (the lock), writes the line and leaves with os._exit."""
     def stop(signum, frame):
         if state.writing:  # a step's log line and checkpoint are written first (after_step)
             state.signal = signum
@@ -70,7 +70,7 @@ def answer_signals(state, message, cleanup=lambda: None):
 
     def watch():
         while (data := os.read(read, 64)) and 0 not in data:  # 0: restore_signals ends the watch
-            # ours only: under torchrun support/lib/distributed.py answers SIGTERM with a handler of its own
+            # ours only: under torchrun lib/distributed.py answers SIGTERM with a handler of its own
             signums = [n for n in data if n in handlers and signal.getsignal(n) is stop]
             if not signums or state.stopping:
                 continue

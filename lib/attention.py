@@ -108,7 +108,7 @@ def grouped_attention(module, query, key, value, attention_mask, dropout=0.0, sc
                       **kwargs):
     """softmax(q K^T * s + M) V per head, each group of n_rep query heads against its one key/value head:
     query [B, H, q, d], key [B, H_kv, k, d], value [B, H_kv, k, d_v], attention_mask [B, 1, n_rep * q, k]
-    (grouped_mask's), [B, 1, q, k] (a 4-D mask built elsewhere, e.g. support/lib/static_decode.py's: stacked here
+    (grouped_mask's), [B, 1, q, k] (a 4-D mask built elsewhere, e.g. lib/static_decode.py's: stacked here
     where q > 1), [B, 1, 1, k] (one query) or None. Returns ([B, q, H, d_v], None),
     as transformers' attention functions do."""
     for name in ("softcap", "s_aux", "position_bias"):

@@ -33,7 +33,7 @@ Deviations from the paper (which only names the datasets and their scorers):
    a correct answer written in an unusual form (e.g. "1e3" in a sympy task).
 
 Try it on CPU (about 5 s, no network): a right answer and four hostile ones on three dangerous scorers
-    python -m support.lib.safe_scoring
+    python -m lib.safe_scoring
 """
 
 import math
@@ -328,7 +328,7 @@ if __name__ == "__main__":
     import reasoning_gym
 
     # the importable module: the worker finds its code by name
-    from support.lib.safe_scoring import SCORERS, score_answers
+    from lib.safe_scoring import SCORERS, score_answers
 
     dataset_config = {"binary_matrix": {"min_n": 2, "max_n": 6}}.get  # rewards.dataset_config, for these three
 

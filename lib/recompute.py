@@ -26,7 +26,7 @@ def mlps_recomputed(model):
     if not torch.is_grad_enabled() or not getattr(model, "recompute_mlps", True):
         mlps = []  # nothing is kept for a backward pass, or the caller keeps the activations
     for m in mlps:
-        # an instance attribute, as in support.lib.low_precision
+        # an instance attribute, as in lib.low_precision
         m.forward = lambda x, f=m.forward: checkpoint(f, x, use_reentrant=False)
     try:
         yield model

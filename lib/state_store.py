@@ -7,7 +7,7 @@ support/harness/plan.py asks here what a run will not load).
 A shared cache is untrusted input, as a shared run folder is: a state file that cannot be read as one finite
 [d] tensor of the recorded width (truncated, foreign, a link, a crafted pickle: weights_only builds nothing else)
 counts as missing and is computed again, its file replaced; a width file that is not a number is refused in one
-line before any model loads (cache_problem). Writes are support/lib/files.replaced's: exclusive, never through a
+line before any model loads (cache_problem). Writes are lib/files.replaced's: exclusive, never through a
 link, nothing left behind on a full disk.
 
 Try it on CPU:  python -m pytest tests/test_experts.py -q -k store
@@ -19,7 +19,7 @@ import stat
 
 import torch
 
-from support.lib.files import replaced
+from lib.files import replaced
 
 
 def store_identity(name, device, dtype, pooling, depth, max_length):

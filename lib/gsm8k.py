@@ -2,7 +2,7 @@
 GSM8K for rewards.TASKS: the rows {"question", "answer", "metadata"} of a split, from a local jsonl (--data-path)
 or the hub's openai/gsm8k. Validation is the 1,319 test items in file order (the paper validates on the test
 set); training is the train split shuffled with the seed. Both splits are fixed, so a larger size gets the whole
-split. The answer is the number after "####"; the scorer is support/lib/safe_scoring.score_gsm8k.
+split. The answer is the number after "####"; the scorer is lib/safe_scoring.score_gsm8k.
 
 Try it on CPU:  python -m pytest tests/test_rewards.py -q -k gsm8k
 """

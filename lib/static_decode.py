@@ -58,7 +58,7 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from support.lib.kv_cache import cache_kwargs
+from lib.kv_cache import cache_kwargs
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # RoPE decoders whose forward takes a 4-D mask as it is
 WARMUP = 2      # eager steps before the capture (cuBLAS handles, kernel choices); they are real steps

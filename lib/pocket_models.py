@@ -227,7 +227,7 @@ def _convert_apart(final: Path, folder: Path, gguf_file: str, source: dict) -> P
     import subprocess
     root = str(Path(__file__).resolve().parent.parent.parent)  # the repository: `support` is importable
     code = ("import json, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
-            "from support.lib.pocket_models import _convert; "
+            "from lib.pocket_models import _convert; "
             "_convert(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))")
     child = subprocess.run([sys.executable, "-c", code, root, os.path.abspath(final),
                             os.path.abspath(folder), gguf_file, json.dumps(source)])
