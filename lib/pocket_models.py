@@ -225,7 +225,7 @@ def _convert_apart(final: Path, folder: Path, gguf_file: str, source: dict) -> P
     script without an `if __name__ == "__main__"` guard.
     """
     import subprocess
-    root = str(Path(__file__).resolve().parent.parent.parent)  # the repository: `support` is importable
+    root = str(Path(__file__).resolve().parent.parent)  # the repository: `lib` is importable from it
     code = ("import json, sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
             "from lib.pocket_models import _convert; "
             "_convert(Path(sys.argv[2]), Path(sys.argv[3]), sys.argv[4], json.loads(sys.argv[5]))")

@@ -73,6 +73,7 @@ def test_seed_table_pairs_each_method_with_single_on_the_same_seed(tmp_path):
         d.mkdir()
         (d / "config.json").write_text(json.dumps({"method": method, "team": "pocket", "seed": seed, "task": "t"}))
         (d / "eval.json").write_text(json.dumps({"score": score}))
+        (d / "metrics.jsonl").write_text('{"step": 1}\n')  # a run folder holds its config and its log together
     extra = tmp_path / "old.json"
     extra.write_text(json.dumps({"score": {"single": {"0": 50.0}, "ours": {"0": 39.0}}}))
     rows = scores_by_row([str(tmp_path)], [str(extra)])
@@ -102,6 +103,7 @@ def test_seed_table_splits_rows_by_a_config_key_and_refuses_two_runs_of_one_row_
         (d / "config.json").write_text(json.dumps({"method": "single", "team": "pocket", "seed": 0, "task": "t",
                                                    "rollout_dtype": dtype}))
         (d / "eval.json").write_text(json.dumps({"score": score}))
+        (d / "metrics.jsonl").write_text('{"step": 1}\n')
     rows = scores_by_row([str(tmp_path)], [], split_by=["rollout_dtype"])
     assert rows == {"single [rollout_dtype float32]": {0: 20.0}, "single [rollout_dtype int8]": {0: 25.0}}
     with pytest.raises(SystemExit, match="two runs of 'single' with seed 0"):
