@@ -182,7 +182,7 @@ def trl_worker(kind, o, reply, read):
     Options beyond this file's CPU benchmark (experiments/gpu_check.py's trl phase, on a GPU): policy, task,
     dataset_size, device, bf16, grad_accum (micro-batches per optimiser step: TRL then generates the whole
     step's completions at once, as train.py's one decode loop does), stand_in (shape: models tokenise with
-    support/harness/stand_in_tokenizer.py: real prompt lengths), memory_cap_gib (the process capped, as gpu_check is)."""
+    experiments/stand_in_tokenizer.py: real prompt lengths), memory_cap_gib (the process capped, as gpu_check is)."""
     import torch
     from datasets import Dataset
     from peft import LoraConfig
@@ -196,7 +196,7 @@ def trl_worker(kind, o, reply, read):
         torch.cuda.set_per_process_memory_fraction(min(1.0, o["memory_cap_gib"] * 2 ** 30 / total))
     if o.get("stand_in"):
         from lib import shape_models
-        from support.harness import stand_in_tokenizer
+        import stand_in_tokenizer  # experiments/, beside this script
         shape_models.tokenizer = stand_in_tokenizer.tokenizer
     policy, tok = load_model(o.get("policy", POLICY), device, torch.bfloat16 if o.get("bf16") else torch.float32)
     generation = timed(policy, "generate")  # PEFT's generate calls the wrapped model's

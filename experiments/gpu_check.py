@@ -32,7 +32,7 @@ tokenizer, TRL on that policy; ~25 min on one core, a dry run for what --tiny do
 Settings of the whole process: the card capped at --memory-cap-gib 76 (torch.cuda.set_per_process_memory_fraction:
 any larger card answers for an 80 GB one, the flag's comment says why 76; every phase records the allocator's
 retries and out-of-memory events), CUDA's allocator with expandable segments (as train.py sets it; --allocator
-default for the old one), prompts of real length (--prompt-lengths real: support/harness/stand_in_tokenizer.py,
+default for the old one), prompts of real length (--prompt-lengths real: experiments/stand_in_tokenizer.py,
 within 1 % of Qwen2.5's token counts; the byte-level stand-in made them ~4.1x longer and stays as the stress case),
 torch's choice of SDPA kernel (--sdpa-backend forces one: flash, efficient, cudnn or math), LoRA merged into buffers
 the captured decode step reads (--graph-lora unmerged: read inside the graph, no merged copy kept).
@@ -254,10 +254,10 @@ def goals(report):
 
 @contextlib.contextmanager
 def prompt_lengths(kind):
-    """real: `shape:` models tokenise with support/harness/stand_in_tokenizer.py (Qwen2.5's counts within 1 %); bytes:
+    """real: `shape:` models tokenise with experiments/stand_in_tokenizer.py (Qwen2.5's counts within 1 %); bytes:
     shape_models' own one-token-per-byte stand-in (~4.1x as many tokens: the stress case)."""
     from lib import shape_models
-    from support.harness import stand_in_tokenizer
+    import stand_in_tokenizer  # experiments/, beside this script
     own = shape_models.tokenizer
 
     def real(vocab_size, chat=True):

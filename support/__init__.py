@@ -18,7 +18,6 @@ harness/ (above the core)
   plot.py            the plot train.py writes into a run's folder at the end
   report.py          tables and figures over folders of runs (evaluate.py --summarize)
   run.py             a run's life around the loop's steps: open, resume, log and save each step, finish
-  stand_in_tokenizer.py  Qwen2.5's tokenizer with part of its merges: real prompt lengths on a GPU machine
   stop.py            Ctrl-C and SIGTERM: one line, exit code 130 / 143, within seconds even in a long forward
   track.py           --track: each step's record, live, to TensorBoard, Trackio or Weights & Biases
   validation.py      greedy validation of a live policy (--eval-items) and of a saved run

@@ -1,12 +1,16 @@
-"""The device check's stand-in tokenizer (support/harness/stand_in_tokenizer.py): Qwen2.5's pre-tokenizer with a subset of
+"""The device check's stand-in tokenizer (experiments/stand_in_tokenizer.py): Qwen2.5's pre-tokenizer with a subset of
 its merges, so the paper's prompts have their real length on a GPU machine without a hub (the byte-level stand-in
 made them ~4x longer). Hermetic checks of the file as it travels, and the ratio to a real Qwen2.5 tokenizer where
 one is installed (the pocket Qwen2.5-Coder-1.5B, lib/pocket_models.py)."""
+import os
+import sys
+
 import pytest
 
 import rewards
 from lib import shape_models
-from support.harness import stand_in_tokenizer as stand_in
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "experiments"))
+import stand_in_tokenizer as stand_in  # noqa: E402
 
 # Qwen2.5's tokens for TEXT, written by Qwen2.5-Coder-1.5B-Instruct's tokenizer (transformers 5.24, 2026-11-28)
 TEXT = "Calculate -871 * 12.5 + (3 - 7)? <think> ok </think>\n<answer>-10891.5</answer> numbers"

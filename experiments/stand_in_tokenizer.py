@@ -24,8 +24,8 @@ tokenizer (Apache-2.0, Alibaba Cloud).
   tokenizer(vocab_size, chat)   a PreTrainedTokenizerFast of exactly vocab_size ids (ChatML template when chat)
   write_merges(folder)          regenerate stand_in_merges.txt from a Qwen2.5 tokenizer folder (needs reasoning-gym)
 
-Regenerate (where the pocket Qwen is converted):  python -m support.harness.stand_in_tokenizer
-Try it on CPU:  python -c "from support import stand_in_tokenizer as s; print(s.tokenizer(151936)('What is 17 + 25?'))"
+Regenerate (where the pocket Qwen is converted):  python experiments/stand_in_tokenizer.py
+Try it on CPU:  python -c "import sys; sys.path.insert(0, 'experiments'); import stand_in_tokenizer as s; print(s.tokenizer(151936)('What is 17 + 25?'))"
 """
 import functools
 import os
@@ -111,7 +111,7 @@ def write_merges(folder, path=MERGES_FILE, first=FIRST):
     made = set(pre_tokenizers.ByteLevel.alphabet()) | {a + b for k, (a, b) in enumerate(merges) if k in keep}
     assert all(a in made and b in made for k, (a, b) in enumerate(merges) if k in keep), "a merge lacks a part"
     with open(path, "w", encoding="utf-8") as f:
-        f.write(f"# Qwen2.5's byte-level BPE merges, a subset in rank order (support/harness/stand_in_tokenizer.py; "
+        f.write(f"# Qwen2.5's byte-level BPE merges, a subset in rank order (experiments/stand_in_tokenizer.py; "
                 f"Apache-2.0, Alibaba Cloud): the first {first} and {len(keep) - first} more\n")
         f.writelines(f"{a} {b}\n" for k, (a, b) in enumerate(merges) if k in keep)
     tokenizer.cache_clear()
