@@ -22,9 +22,7 @@ import argparse
 import json
 import os
 import shutil
-import subprocess
 import sys
-import time
 
 import numpy as np
 
@@ -36,7 +34,7 @@ from support.harness.checks import finished_run  # noqa: E402
 from verdict import cpu_capability, read_timing  # noqa: E402
 from pocket import run  # noqa: E402
 from verdict2 import (TASK, VERDICT_HYPER, VERDICT_PROMPT, alive, claim, claim_pid, commit_record,  # noqa: E402
-                      frozen_clone_problem, verdict_arms, worker_problem)
+                      start_workers, verdict_arms, worker_problem)
 
 RESULTS = os.path.join(ROOT, "results", "diagnostic")
 TWINS = os.path.join(ROOT, "results", "verdict2", "runs")
@@ -133,21 +131,7 @@ def worker(a, records):
 
 
 def campaign(a, records):
-    problem = frozen_clone_problem()
-    if problem:
-        sys.exit(f"error: {problem}")
-    os.makedirs(a.out, exist_ok=True)
-    os.makedirs(records, exist_ok=True)
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=ROOT, capture_output=True, text=True).stdout.strip()
-    with open(os.path.join(os.path.dirname(records), "provenance.txt"), "a") as f:
-        f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: campaign started at commit {commit} on "
-                f"cores {a.cores} ({cpu_capability()}), runs in {a.out}\n")
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen(["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--worker",
-                               "--core", str(core), "--out", a.out, "--records", records,
-                               *(["--commit-into", a.commit_into] if a.commit_into else [])], env=env)
-             for core in a.cores]
-    return max(p.wait() for p in procs)
+    return max(start_workers(__file__, a, records, []))
 
 
 def status(records, out):

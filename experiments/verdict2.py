@@ -541,6 +541,14 @@ def frozen_clone_problem():
 
 def campaign(a, records):
     """Start one pinned worker per --cores entry, wait for them, then write the table."""
+    codes = start_workers(__file__, a, records, ["--verdict", "--n-eval", str(a.n_eval)])
+    print(status(records, a.out))
+    return max(codes)
+
+
+def start_workers(script, a, records, flags):
+    """From a frozen clone (refused otherwise): one `script --worker` per core of a.cores, pinned there with one
+    thread, the start logged in records' provenance.txt; returns their exit codes once all have ended."""
     problem = frozen_clone_problem()
     if problem:
         sys.exit(f"error: {problem}")
@@ -551,14 +559,11 @@ def campaign(a, records):
         f.write(f"{time.strftime('%Y-%m-%d %H:%M UTC', time.gmtime())}: campaign started at commit {commit} on "
                 f"cores {a.cores} ({cpu_capability()}), runs in {a.out}\n")
     env = {**os.environ, "OMP_NUM_THREADS": "1", "HF_HUB_OFFLINE": "1"}
-    procs = [subprocess.Popen(["taskset", "-c", str(core), sys.executable, os.path.abspath(__file__), "--verdict",
+    procs = [subprocess.Popen(["taskset", "-c", str(core), sys.executable, os.path.abspath(script), *flags,
                                "--worker", "--core", str(core), "--out", a.out, "--records", records,
-                               "--n-eval", str(a.n_eval), *(["--commit-into", a.commit_into] if a.commit_into else [])],
-                              env=env)
+                               *(["--commit-into", a.commit_into] if a.commit_into else [])], env=env)
              for core in a.cores]
-    codes = [p.wait() for p in procs]
-    print(status(records, a.out))
-    return max(codes)
+    return [p.wait() for p in procs]
 
 
 def status(records, out):
