@@ -50,3 +50,27 @@ def test_the_readmes_test_command_is_the_one_ci_runs_and_uses_every_core():
         dev = f.read()
     assert ci == [readme] and "-n auto" in readme and "--dist loadfile" in readme
     assert re.search(r"^pytest-xdist\b", dev, re.MULTILINE)
+
+
+def test_the_readmes_first_result_is_a_band_that_holds_every_machine_measured():
+    """The first command's last line differs by CPU and thread count (each sums in its own order), so the README
+    gives the band over the machines measured, not one machine's digits (before: one AVX2 line, presented as what a
+    user sees, which an Intel machine with AMX did not print). Checked: the example is in the very format
+    support/harness/run.validation_line writes, and the example and every measured row lie inside the band."""
+    import re
+    from support.harness.run import validation_line
+    with open(os.path.join(ROOT, "README.md")) as f:
+        readme = f.read()
+    line_form = re.sub(r"\d+(?:\\\.\d+)?", lambda m: r"[\d.]+", re.escape(validation_line([0.0, 1.0], [1.0, 1.0])))
+    example = re.search(r"^validation, 100 items, greedy, the task's scorer: .*$", readme, re.MULTILINE).group(0)
+    assert re.fullmatch(line_form, example), example
+    before, after, better, worse = (float(x) for x in re.search(
+        r"before training ([\d.]+) % -> after ([\d.]+) % \((\d+) items better, (\d+) worse\)", example).groups())
+    band = re.search(r"expect \*\*before ([\d.]+) %, after (\d+)–(\d+) %, (\d+)–(\d+) items better and at most "
+                     r"(\d+) worse\*\*", " ".join(readme.split()))
+    b0, lo, hi, n_lo, n_hi, w = (float(x) for x in band.groups())
+    rows = re.findall(r"^\| [^|]+, \d[^|]* \| ([\d.]+) % \| (\d+) / (\d+) \|", readme, re.MULTILINE)
+    assert len(rows) >= 3, rows                                   # several machines or thread counts measured
+    for a, n, bad in [(after, better, worse)] + [tuple(map(float, r)) for r in rows]:
+        assert lo <= a <= hi and n_lo <= n <= n_hi and bad <= w, (a, n, bad)
+    assert before == b0 and min(float(r[0]) for r in rows) == lo and max(float(r[0]) for r in rows) == hi
