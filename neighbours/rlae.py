@@ -59,7 +59,7 @@ import rewards  # noqa: E402
 import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
-from experts import ExpertPool, is_encoder, load_model, pick_device  # noqa: E402
+from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, eos_token_ids, prefill_shared  # noqa: E402
 from lib.kv_cache import cache_kwargs  # noqa: E402
 from support.harness.build import load_policy_and_data  # noqa: E402
@@ -334,16 +334,9 @@ def main(argv=None, score_batch=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["evaluate"]:
         return train_run(parse_args(argv), score_batch or rewards.score_batch)
-    a, cfg, state, path, made = plumbing.evaluate_args(argv[1:], "neighbours/rlae.py")
-    with plumbing.evaluating(made):  # Ctrl-C, SIGTERM, bad input: one line, nothing half-written
-        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
-                              device=pick_device(a.device))
-    plumbing.save_eval(path, result, state)
-
-
-def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
-    """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    return plumbing.score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
+    with plumbing.evaluation(argv[1:], "neighbours/rlae.py") as ev:  # one line on failure, nothing half-written
+        loaded = load_trained(ev.cfg, ev.state["lora"], method_state=ev.state["method"], device=ev.device)
+        ev.result = plumbing.score_run(*loaded, ev.cfg, ev.n, ev.batch_size)  # greedy, evaluate.py's result
 
 
 if __name__ == "__main__":
