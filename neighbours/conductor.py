@@ -203,9 +203,9 @@ class Conductor(nn.Module):
                               eos_ids=eos_ids, pad_id=tok.pad_token_id, greedy=greedy, allowed=allowed)
         comp_mask = grpo.completion_mask(comp, eos_ids)
         texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
-        return SimpleNamespace(ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, texts=texts,
-                               allowed_mask=None if allowed is None else allowed.allowed_mask(comp.shape[1], comp.device),
-                               plans=[parse_workflow(CONDUCTOR_PREFIX + t, K, S) for t in texts])
+        allowed_mask = None if allowed is None else allowed.allowed_mask(comp.shape[1], comp.device)
+        return SimpleNamespace(ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, allowed_mask=allowed_mask,
+                               texts=texts, plans=[parse_workflow(CONDUCTOR_PREFIX + t, K, S) for t in texts])
 
     @torch.no_grad()
     def answer(self, policy, tok, questions, args):

@@ -95,9 +95,9 @@ def one_line_errors(made=()):
 def evaluation(argv, script):
     """The `evaluate` command of a neighbour script: --run, --n, --batch-size, --device, --out, as evaluate.py
     spells them. Yields `ev`, the run to score (ev.cfg: its config as a namespace, ev.state: its checkpoint, ev.n,
-    ev.batch_size, ev.device), for the script to set ev.result (its evaluate_run's); then writes eval.json. Bad
-    input, a loader's error, Ctrl-C and SIGTERM end it in one line (exit code 2, 130, 143; support/harness/stop.py)
-    with nothing half-written and the folders made for it removed again."""
+    ev.batch_size, ev.device), for the script to set ev.result (score_run of its own load_trained); then writes
+    eval.json. Bad input, a loader's error, Ctrl-C and SIGTERM end it in one line (exit code 2, 130, 143;
+    support/harness/stop.py) with nothing half-written and the folders made for it removed again."""
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
                        "validation split, greedy -> eval.json", formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, help=f"a run folder written by {script}")

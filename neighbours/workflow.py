@@ -1,10 +1,7 @@
 """
-The workflow a conductor writes (neighbours/conductor.py): three equal-length Python lists, read by a parser of
+The workflow a conductor writes (neighbours/conductor.py): three equal-length Python lists (model_id = [0, 1],
+subtasks = ["Solve the problem.", "Check the answer and give it."], access_list = [[], [0]]), read by a parser of
 its own, scored by workflow_reward, and, under --workflow-decoding constrained, sampled under its grammar.
-
-    model_id    = [0, 1]
-    subtasks    = ["Solve the problem.", "Check the answer and give it."]
-    access_list = [[], [0]]
 
 Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list, two
 regular expressions): brackets, commas, integers and quoted strings, nothing else, and nothing the model writes is
@@ -44,7 +41,8 @@ class ParseError(ValueError):
 
 S = "[ \t\r\n]*"                                   # the spaces the parser skips
 SEPARATOR = re.compile(S + "(,?)" + S + r"(\]?)")   # after '[' or an element: a comma?, then the end?
-# an element: a list, an integer, or a one-line string in "..." or '...' (a backslash escapes the next character)
+# an element: a list, an integer, or a one-line string in "..." or '...' (a backslash and the character after it
+# are one: \" does not end a string; ESCAPES decodes them after)
 ELEMENT = re.compile(r"""(\[)|(\d+)|"((?:[^"\\\n]|\\.)*)"|'((?:[^'\\\n]|\\.)*)'""")
 ESCAPES = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"'}   # any other backslash stays as it is
 
