@@ -7,7 +7,8 @@ The Conductor: the LoRA policy writes a workflow in text, frozen workers carry i
     python neighbours/conductor.py evaluate --run runs/try-conductor --n 20   # eval.json
 
 Conductor (Nielsen et al., 2025): a language model trained with GRPO coordinates a pool of worker models by
-writing, for each question, a workflow of three equal-length lists:
+writing, for each question, a workflow of three equal-length lists (neighbours/workflow.py: their parser, which
+never evaluates model text, the reward and the grammar):
 
     model_id    = [0, 1]                                   which worker runs step j ("Model 0" .. "Model k-1")
     subtasks    = ["Solve the problem.", "Check and answer."] the instruction worker model_id[j] receives
@@ -20,8 +21,7 @@ it is right. Here the conductor is the LoRA policy every method trains and the w
 generative experts (an encoder has no words to give). The completion is the workflow text, so the GRPO pieces are
 the ordinary ones (rollout.sample, grpo.group_advantages, grpo.grpo_loss); only the prompt and the reward differ.
 grpo_step is train.py's step with the workflow in place of C, train_run train.py's loop over it (one process);
-the rest is neighbours/plumbing.py. The workflow's text, parser (model text is never evaluated), reward and
-grammar are neighbours/workflow.py.
+the rest is neighbours/plumbing.py.
 
 Deviations from the paper (numbered):
   1. Up to --max-workflow-steps steps (default 2, for a 2-core CPU; the paper allows 5), and one worked example of
@@ -41,10 +41,10 @@ Deviations from the paper (numbered):
      variant lets it pick itself).
   7. Constrained decoding (--workflow-decoding constrained, the default; `free` is the paper's plain sampling): our
      135M conductor at temperature 1 derailed into code or prose (0 of 80 workflows parsed in a 5-step pocket run;
-     every reward 0), so the workflow is sampled under its grammar (neighbours/workflow.py, llguidance) and always
-     parses. Forced tokens get log-prob 0 and no gradient; the ratio and the KL read the masked distribution the
-     tokens were drawn from (WorkflowMasks). The rollout's budget is the longest workflow (134 tokens for the
-     defaults); --max-new-tokens is the workers'. Evaluation writes the greedy workflow under the same grammar.
+     every reward 0), so the workflow is sampled under its grammar (llguidance) and always parses. Forced tokens
+     get log-prob 0 and no gradient; the ratio and the KL read the masked distribution the tokens were drawn from
+     (WorkflowMasks). The rollout's budget is the longest workflow (134 tokens for the defaults); --max-new-tokens
+     is the workers'. Evaluation writes the greedy workflow under the same grammar.
   8. --reward random (a control, not in the paper): a fair coin per workflow (rewards.coin_rewards); no worker runs.
      A conductor that learns to pick a worker should move away from this one's choice.
 
@@ -68,7 +68,7 @@ import train  # noqa: E402
 import rollout  # noqa: E402
 from adapter import routing_stats  # noqa: E402
 from baselines import Context  # noqa: E402
-from experts import is_encoder, load_model, pick_device  # noqa: E402
+from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support.harness.build import load_policy_and_data  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
@@ -78,9 +78,8 @@ from support.harness.run import after_step, finish_run, progress_bar, resume_run
 from support.harness.validation import restore_trained  # noqa: E402
 from lib.optim import set_learning_rates  # noqa: E402
 from neighbours import plumbing  # noqa: E402
-from neighbours.workflow import CONDUCTOR_PREFIX, MAX_STRING, NO_LIBRARY, WorkflowMasks  # noqa: E402
-from neighbours.workflow import have_llguidance, longest_workflow, parse_workflow  # noqa: E402
-from neighbours.workflow import workflow_grammar, workflow_reward  # noqa: E402
+from neighbours.workflow import (CONDUCTOR_PREFIX, MAX_STRING, NO_LIBRARY, WorkflowMasks, have_llguidance,  # noqa: E402
+                                 longest_workflow, parse_workflow, workflow_grammar, workflow_reward)
 
 CONDUCTOR_SYSTEM = (
     "You are a conductor. You solve a problem by giving subtasks to worker models. Write three Python lists of "
@@ -182,25 +181,31 @@ class Conductor(nn.Module):
         return torch.stack(rows).unsqueeze(1) if rows else None
 
     # ------------------------------------------------------------------------------------------------------
-    # Writing the workflows, evaluation and one GRPO step
+    # Writing the workflows, and evaluation
 
-    def write_workflows(self, policy, tok, ids, mask, G, temperature, eos_ids, max_new_tokens, greedy=False):
-        """G workflow completions per prompt from the policy (after CONDUCTOR_PREFIX). Returns (completion ids
-        [B*G, T], allowed_mask): None with --workflow-decoding free (rollout.sample as it is, max_new_tokens
-        tokens), else the grammar's masks [B*G, T, V] (WorkflowMasks; its own token budget, longest_workflow)."""
+    def write(self, policy, tok, questions, G, temperature, eos_ids, max_new_tokens, greedy=False):
+        """G workflows per question from the policy (after CONDUCTOR_PREFIX): w.ids, w.mask [B, P] the prompts,
+        w.comp [B*G, T] the completions, w.comp_mask [B*G, T], w.allowed_mask: None with --workflow-decoding free
+        (rollout.sample as it is, max_new_tokens tokens), else the grammar's masks [B*G, T, V] (WorkflowMasks; its
+        own token budget, longest_workflow), w.texts [B*G] and w.plans [B*G] (parse_workflow's, None: malformed)."""
+        K, S, L = len(self.workers), self.max_steps, self.max_subtask_chars
+        ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, S) for q in questions], policy.device)
         allowed, budget = None, max_new_tokens  # free: rollout.sample as it is
         if self.decoding == "constrained":
             V = policy.get_output_embeddings().weight.shape[0]
             if self.grammar_tok[0] is not tok:
                 import llguidance.hf
                 self.grammar_tok = (tok, llguidance.hf.from_tokenizer(tok, n_vocab=V, eos_token=list(eos_ids)))
-            K, S, L = len(self.workers), self.max_steps, self.max_subtask_chars
             allowed = WorkflowMasks(self.grammar_tok[1], workflow_grammar(K, S, L), ids.shape[0] * G, V,
                                     eos_ids=eos_ids, device=ids.device)
             budget = len(longest_workflow(K, S, L)) + 1
         comp = rollout.sample(policy, ids, mask, None, G=G, max_new_tokens=budget, temperature=temperature,
                               eos_ids=eos_ids, pad_id=tok.pad_token_id, greedy=greedy, allowed=allowed)
-        return comp, None if allowed is None else allowed.allowed_mask(comp.shape[1], comp.device)
+        comp_mask = grpo.completion_mask(comp, eos_ids)
+        texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
+        allowed_mask = None if allowed is None else allowed.allowed_mask(comp.shape[1], comp.device)
+        return SimpleNamespace(ids=ids, mask=mask, comp=comp, comp_mask=comp_mask, allowed_mask=allowed_mask,
+                               texts=texts, plans=[parse_workflow(CONDUCTOR_PREFIX + t, K, S) for t in texts])
 
     @torch.no_grad()
     def answer(self, policy, tok, questions, args):
@@ -208,14 +213,9 @@ class Conductor(nn.Module):
         (experiments/neighbour_controls.py), that workflow for every question: the policy writes nothing."""
         if self.fixed_plan is not None:
             return self.run_workflows(questions, [self.fixed_plan] * len(questions))
-        ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, len(self.workers), self.max_steps)
-                                                 for q in questions], policy.device)
-        eos_ids = rollout.eos_token_ids(policy, tok)
-        comp, _ = self.write_workflows(policy, tok, ids, mask, 1, 1.0, eos_ids, args.max_new_tokens, greedy=True)
-        texts = tok.batch_decode(comp.masked_fill(~grpo.completion_mask(comp, eos_ids), tok.pad_token_id),
-                                 skip_special_tokens=True)
-        plans = [parse_workflow(CONDUCTOR_PREFIX + t, len(self.workers), self.max_steps) for t in texts]
-        return self.run_workflows(questions, plans)
+        w = self.write(policy, tok, questions, 1, 1.0, rollout.eos_token_ids(policy, tok), args.max_new_tokens,
+                       greedy=True)
+        return self.run_workflows(questions, w.plans)
 
 
 def conductor(team, out_dim, args, device, dtype):
@@ -260,46 +260,39 @@ def build_run(args, life):
 def grpo_step(step, run, args, score_batch):
     """rollout (workflow text) -> workers -> reward -> advantage -> (reference) -> loss -> step -> log."""
     cond, policy, tok, optimizer = run.method, run.policy, run.tok, run.optimizer
-    G, device, eos_ids, K, t0 = args.group_size, run.device, run.eos_ids, len(cond.workers), time.time()
+    G, device, eos_ids, t0 = args.group_size, run.device, run.eos_ids, time.time()
     set_learning_rates(optimizer, step, args)                     # --lr-schedule, --warmup-steps
     batches = []
     for micro in range(args.grad_accum):
         items = plumbing.micro_batch_items(run, args, step, micro)
         questions = [it["question"] for it in items]
-        # ---- rollout: G workflows per question, written by the policy --------------------------------------
-        ids, mask = rollout.encode_prompts(tok, [conductor_prompt(tok, q, K, cond.max_steps) for q in questions],
-                                           device)
-        comp, allowed_mask = cond.write_workflows(policy, tok, ids, mask, G, args.temperature, eos_ids,
-                                                  args.max_new_tokens)      # allowed_mask None: free decoding
-        comp_mask = grpo.completion_mask(comp, eos_ids)
-        texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
-        plans = [parse_workflow(CONDUCTOR_PREFIX + t, K, cond.max_steps) for t in texts]
+        # ---- rollout: G workflows per question, written by the policy (w.allowed_mask None: free decoding) --
+        w = cond.write(policy, tok, questions, G, args.temperature, eos_ids, args.max_new_tokens)
         # ---- the workers carry the workflows out; the last answer is scored -------------------------------
-        parsed = [n for n, p in enumerate(plans) if p is not None]
+        parsed = [n for n, p in enumerate(w.plans) if p is not None]
         if args.reward == "random":  # the control: a coin per workflow, nothing runs or is read (deviation 8)
-            r = torch.tensor(rewards.coin_rewards(args.seed, step, micro, 0, n=len(plans)), device=device)
-            outputs, counts = [""] * len(plans), {}
+            r = torch.tensor(rewards.coin_rewards(args.seed, step, micro, 0, n=len(w.plans)), device=device)
+            outputs, counts = [""] * len(w.plans), {}
         else:
-            outputs = cond.run_workflows([q for q in questions for _ in range(G)], plans)
+            outputs = cond.run_workflows([q for q in questions for _ in range(G)], w.plans)
             item_rows = [it for it in items for _ in range(G)]
             scores, counts = score_batch([item_rows[n] for n in parsed], [outputs[n] for n in parsed]) \
                 if parsed else ([], {})
             if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
                 scores = rewards.full_marks(scores)
             score_of = dict(zip(parsed, scores))
-            r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(plans)], device=device)
+            r = torch.tensor([workflow_reward(p, score_of.get(n, 0.0)) for n, p in enumerate(w.plans)],
+                             device=device)
         adv = grpo.group_advantages(r, G, scale=not args.no_scale_rewards)
         logp_ref = None
         if args.beta > 0:  # the paper has no KL; with --beta, pi_ref = the policy with LoRA off
             with torch.no_grad(), lora_disabled(policy):
-                logp_ref = rollout.completion_logprobs(policy, ids, mask, None, completion_ids=comp,
-                                                       completion_mask=comp_mask,
-                                                       temperature=args.temperature,
-                                                       allowed_mask=allowed_mask)
-        batches.append(SimpleNamespace(questions=questions, items=items, ids=ids, mask=mask, comp=comp,
-                                       comp_mask=comp_mask, allowed_mask=allowed_mask, r=r, adv=adv,
-                                       logp_ref=logp_ref, counts=counts, plans=plans, n_parsed=len(parsed),
-                                       texts=[f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(texts, outputs)]))
+                logp_ref = rollout.completion_logprobs(policy, w.ids, w.mask, None, completion_ids=w.comp,
+                                                       completion_mask=w.comp_mask, temperature=args.temperature,
+                                                       allowed_mask=w.allowed_mask)
+        w.questions, w.items, w.r, w.adv, w.logp_ref, w.counts = questions, items, r, adv, logp_ref, counts
+        w.texts = [f"{CONDUCTOR_PREFIX}{t}\n--> {o}" for t, o in zip(w.texts, outputs)]  # as samples.jsonl shows them
+        batches.append(w)
     # ---- loss and step (mu = 1: logp_old = logp, detached) ----------------------------------------------------
     optimizer.zero_grad(set_to_none=True)
     losses, stats = [], []
@@ -316,7 +309,7 @@ def grpo_step(step, run, args, score_batch):
     grads = plumbing.update(optimizer, args, losses)
     # ---- log ----------------------------------------------------------------------------------------------------
     plans = [p for b in batches for p in b.plans]
-    n_parsed = sum(b.n_parsed for b in batches)
+    n_parsed = sum(p is not None for p in plans)
     own = {"answer_rate": (n_parsed - sum(b.counts.get("no_answer", 0) for b in batches)) / len(plans),
            "parse_rate": n_parsed / len(plans),
            "mean_steps": sum(len(p[0]) for p in plans if p) / n_parsed if n_parsed else 0.0}
@@ -379,16 +372,9 @@ def main(argv=None, score_batch=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["evaluate"]:
         return train_run(parse_args(argv), score_batch or rewards.score_batch)
-    a, cfg, state, path, made = plumbing.evaluate_args(argv[1:], "neighbours/conductor.py")
-    with plumbing.evaluating(made):  # Ctrl-C, SIGTERM, bad input: one line, nothing half-written
-        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
-                              device=pick_device(a.device))
-    plumbing.save_eval(path, result, state)
-
-
-def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
-    """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    return plumbing.score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
+    with plumbing.evaluation(argv[1:], "neighbours/conductor.py") as ev:  # one line on failure, nothing half-written
+        loaded = load_trained(ev.cfg, ev.state["lora"], method_state=ev.state["method"], device=ev.device)
+        ev.result = plumbing.score_run(*loaded, ev.cfg, ev.n, ev.batch_size)  # greedy, evaluate.py's result
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ import torch
 import grpo
 import rewards
 from baselines import NEIGHBOURS
-from experts import frozen_dtype, load_model
+from experts import frozen_dtype, load_model, pick_device
 from support.harness.checkpoint import write_json
 from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder, fail, remove_created
 from support.harness.metrics import LOSS_TERMS
@@ -42,9 +42,7 @@ def update(optimizer, args, losses):
     update that makes a weight non-finite is undone. Returns (grad_norm, group_norms, skipped)."""
     grad_norm, group_norms = clip_gradients(optimizer.param_groups, args.grad_clip, args.clip_per_group)
     finite = bool(torch.isfinite(torch.tensor([grad_norm, *losses])).all())
-    if finite:
-        finite = step_if_finite(optimizer)
-    return grad_norm, group_norms, not finite
+    return grad_norm, group_norms, not (finite and step_if_finite(optimizer))
 
 
 def step_record(step, batches, G, *, losses, stats, grads, lengths, truncated_fraction, own):
@@ -93,10 +91,13 @@ def one_line_errors(made=()):
 # `evaluate --run DIR --n N`: a saved run scored greedy on its seed's first n validation items, eval.json
 
 
-def evaluate_args(argv, script):
-    """The command line of a neighbour script's `evaluate`: --run, --n, --batch-size, --device, --out, as
-    evaluate.py spells them. Returns (flags, the run's config as a namespace, its checkpoint, the eval.json path,
-    the folders made for it); bad input exits with code 2 and one line."""
+@contextlib.contextmanager
+def evaluation(argv, script):
+    """The `evaluate` command of a neighbour script: --run, --n, --batch-size, --device, --out, as evaluate.py
+    spells them. Yields `ev`, the run to score (ev.cfg: its config as a namespace, ev.state: its checkpoint, ev.n,
+    ev.batch_size, ev.device), for the script to set ev.result (score_run of its own load_trained); then writes
+    eval.json. Bad input, a loader's error, Ctrl-C and SIGTERM end it in one line (exit code 2, 130, 143;
+    support/harness/stop.py) with nothing half-written and the folders made for it removed again."""
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
                        "validation split, greedy -> eval.json", formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, help=f"a run folder written by {script}")
@@ -116,17 +117,16 @@ def evaluate_args(argv, script):
     made = create_folder(os.path.dirname(path), "--out" if a.out else "--run")
     with one_line_errors():  # a model of the run missing or unreadable
         check_models([(m, f"--run {a.run}") for m in [team["policy"], *team["experts"]]])
-    return a, SimpleNamespace(**cfg), state, path, made
-
-
-@contextlib.contextmanager
-def evaluating(made):
-    """Around the scoring: Ctrl-C / SIGTERM end it in one line with exit code 130 / 143 within seconds
-    (support/harness/stop.py), a loader's error in one line with exit code 2; either way nothing half-written,
-    and the folders evaluate_args made removed again."""
+    ev = SimpleNamespace(cfg=SimpleNamespace(**cfg), state=state, n=a.n, batch_size=a.batch_size, result=None)
     with stopping_on_signals(lambda name: f"stopped by {name}: nothing written; run the same command again",
                              cleanup=lambda: remove_created(made)), one_line_errors(made):
-        yield
+        ev.device = pick_device(a.device)
+        yield ev
+    ev.result["step"] = int(state["step"])  # the checkpoint's step beside the score
+    write_json(path, ev.result)
+    r = ev.result
+    print(f"{r['method']} on {r['task']}: score {100 * r['score']:.1f} | solved {100 * r['solve_rate']:.1f} | "
+          f"n {r['n']} -> {path}")
 
 
 def frozen_policy(args, device="cpu"):
@@ -145,11 +145,3 @@ def score_run(policy, tok, method, eos_ids, args, n, batch_size=50):
     items = validation_items(args, n)
     per_item, status = score_items(policy, tok, method, eos_ids, items=items, args=args, batch_size=batch_size)
     return scored(per_item, status, items, args, method_name=args.method)
-
-
-def save_eval(path, result, state):
-    """eval.json of a run (its checkpoint's step beside the score), and the line that says so."""
-    result["step"] = int(state["step"])
-    write_json(path, result)
-    print(f"{result['method']} on {result['task']}: score {100 * result['score']:.1f} | "
-          f"solved {100 * result['solve_rate']:.1f} | n {result['n']} -> {path}")

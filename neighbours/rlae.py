@@ -17,12 +17,12 @@ distributions; the episode's reward is the exact match of the final answer. Here
     logp  = sum_j log Dir(w_j | alpha(s_j))              what the policy gradient uses
 
 Training is GRPO-style: G weight trajectories per question, grpo.group_advantages, and grpo.grpo_loss with one
-"token" per span (log Dir(w_j | alpha) in place of a token's log-prob, mu = 1, no KL), so the loss is
--mean_i A_i * mean_j log Dir(w_ij | alpha_ij). Only the agent trains: the members, the encoder and the policy's
-LoRA (a member, never updated) stay frozen. grpo_step is that step, train_run train.py's loop over it (one
-process); the rest is neighbours/plumbing.py. The released RLAE trainer takes the PPO ratio on the weight vectors
-themselves (no action is sampled, so no log-probability) with the raw reward as the advantage; we implement the
-paper's MDP: a stochastic policy over weights (Dirichlet) with its real log-probabilities.
+"token" per span (log Dir(w_j | alpha) for a token's log-prob, mu = 1, no KL): the loss is -mean_i A_i * mean_j
+log Dir(w_ij | alpha_ij). Only the agent trains; the members, the encoder and the policy's LoRA (a member) stay
+frozen. grpo_step is that step, train_run train.py's loop over it (one process); the rest is neighbours/plumbing.py.
+The released RLAE trainer takes the PPO ratio on the weight vectors themselves (no action is sampled, so no
+log-probability) with the raw reward as the advantage; we implement the paper's MDP: a stochastic policy over
+weights (Dirichlet) with its real log-probabilities.
 
 Deviations from the paper (numbered):
   1. The agent's encoder is the team's frozen sentence encoder (all-MiniLM-L6-v2 on the pocket team), not a
@@ -59,7 +59,7 @@ import rewards  # noqa: E402
 import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
-from experts import ExpertPool, is_encoder, load_model, pick_device  # noqa: E402
+from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, eos_token_ids, prefill_shared  # noqa: E402
 from lib.kv_cache import cache_kwargs  # noqa: E402
 from support.harness.build import load_policy_and_data  # noqa: E402
@@ -275,7 +275,8 @@ def grpo_step(step, run, args, score_batch):
         losses.append(loss.item()), stats.append(m)
         W.append(b.traj["w"][mask])                                                     # (spans, K) drawn
         M.append((alpha / alpha.sum(-1, keepdim=True)).detach()[mask])                  # (spans, K) their means
-        rows = [item_source(it, args.task) for it in b.items for _ in range(G)]         # (N,) one per row
+        # the item's type: its reasoning-gym source dataset (a composite task mixes several), else the task
+        rows = [it.get("metadata", {}).get("source_dataset", args.task) for it in b.items for _ in range(G)]  # (N,)
         sources += [rows[n] for n in mask.nonzero()[:, 0].tolist()]                     # one per span of W
     grads = plumbing.update(optimizer, args, losses)
     W, M = torch.cat(W), torch.cat(M)                                                   # ---- log
@@ -294,11 +295,6 @@ def grpo_step(step, run, args, score_batch):
     # seconds, and tokens_per_s over the units of the union vocabulary the ensemble wrote
     rec.update(wall_clock(t0, int(sum(b.traj["length"].sum() for b in batches))))
     return rec, batches
-
-
-def item_source(item, task):
-    """The item's type: its reasoning-gym source dataset (a composite task mixes several), else the task."""
-    return item.get("metadata", {}).get("source_dataset", task)
 
 
 def train_run(args, score_batch):
@@ -334,16 +330,9 @@ def main(argv=None, score_batch=None):
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] != ["evaluate"]:
         return train_run(parse_args(argv), score_batch or rewards.score_batch)
-    a, cfg, state, path, made = plumbing.evaluate_args(argv[1:], "neighbours/rlae.py")
-    with plumbing.evaluating(made):  # Ctrl-C, SIGTERM, bad input: one line, nothing half-written
-        result = evaluate_run(cfg, a.n, a.batch_size, state["lora"], method_state=state["method"],
-                              device=pick_device(a.device))
-    plumbing.save_eval(path, result, state)
-
-
-def evaluate_run(args, n, batch_size=50, lora_state=None, method_state=None, device="cpu"):
-    """The greedy validation score of a run of this script on its seed's first n items (evaluate.py's result)."""
-    return plumbing.score_run(*load_trained(args, lora_state, method_state, device), args, n, batch_size)
+    with plumbing.evaluation(argv[1:], "neighbours/rlae.py") as ev:  # one line on failure, nothing half-written
+        loaded = load_trained(ev.cfg, ev.state["lora"], method_state=ev.state["method"], device=ev.device)
+        ev.result = plumbing.score_run(*loaded, ev.cfg, ev.n, ev.batch_size)  # greedy, evaluate.py's result
 
 
 if __name__ == "__main__":

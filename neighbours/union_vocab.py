@@ -1,14 +1,11 @@
 """
 The union vocabulary of RLAE's members (neighbours/rlae.py): members with different tokenizers mix their
-next-token distributions over one vocabulary matched by token strings, and a chosen token goes back to each
-member as its own tokens.
-
-The union vocabulary (UnionVocab) is built once per team from token strings: every member token is turned into
+next-token distributions over one vocabulary, built once per team (UnionVocab): every member token is turned into
 the bytes it stands for (byte-level BPE through GPT-2's byte alphabet, SentencePiece's "\u2581" as a space and
 its <0xNN> byte tokens as bytes), equal bytes share one union entry, the members' end-of-sequence tokens share
 one, and other special tokens are dropped (each member's distribution is renormalised over what remains). A
-chosen union token is re-tokenised for each member (its bytes as text, or as byte tokens when they are not
-valid UTF-8 alone) and appended to that member's KV cache.
+chosen union token goes back to each member as its own tokens (its bytes as text, or as byte tokens when they
+are not valid UTF-8 alone), appended to that member's KV cache.
 
 Try it on CPU:  python -m pytest tests/test_rlae.py -q -k "union or mixture"
 """
@@ -18,16 +15,11 @@ EOS = b"<eos>"     # the union entry every member's end-of-sequence tokens map t
 
 
 def gpt2_byte_alphabet():
-    """GPT-2's printable stand-in for each byte (byte-level BPE token strings are written in it): byte -> char."""
-    keep = list(range(ord("!"), ord("~") + 1)) + list(range(ord("¡"), ord("¬") + 1)) + list(range(ord("®"), ord("ÿ") + 1))
-    chars, n = {}, 0
-    for b in range(256):
-        if b in keep:
-            chars[b] = chr(b)
-        else:
-            chars[b] = chr(256 + n)
-            n += 1
-    return chars
+    """GPT-2's printable stand-in for each byte (byte-level BPE token strings are written in it): byte -> char.
+    A printable byte stands for itself; the others, in order, for chr(256), chr(257), ..."""
+    printable = {*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)}
+    others = iter(range(256, 512))
+    return {b: chr(b) if b in printable else chr(next(others)) for b in range(256)}
 
 
 def token_scheme(tok):
@@ -39,20 +31,16 @@ def token_scheme(tok):
 def token_bytes(tok, scheme):
     """The bytes each token id of `tok` stands for; None for special tokens."""
     special = set(tok.all_special_ids) | {i for i, t in tok.added_tokens_decoder.items() if t.special}
+    to_byte = {c: b for b, c in gpt2_byte_alphabet().items()}
+
+    def spell(s):
+        if scheme == "bytelevel" and all(c in to_byte for c in s):
+            return bytes(to_byte[c] for c in s)
+        if scheme == "sentencepiece" and len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
+            return bytes([int(s[3:5], 16)])                                   # a byte token, <0xNN>
+        return (s.replace("\u2581", " ") if scheme == "sentencepiece" else s).encode()
     strings = tok.convert_ids_to_tokens(list(range(len(tok))))
-    if scheme == "bytelevel":
-        to_byte = {c: b for b, c in gpt2_byte_alphabet().items()}
-    out = []
-    for i, s in enumerate(strings):
-        if i in special or s is None:
-            out.append(None)
-        elif scheme == "bytelevel":
-            out.append(bytes(to_byte[c] for c in s) if all(c in to_byte for c in s) else s.encode())
-        elif scheme == "sentencepiece" and len(s) == 6 and s.startswith("<0x") and s.endswith(">"):
-            out.append(bytes([int(s[3:5], 16)]))
-        else:
-            out.append(s.replace("\u2581", " ").encode() if scheme == "sentencepiece" else s.encode())
-    return out
+    return [None if i in special or s is None else spell(s) for i, s in enumerate(strings)]
 
 
 class UnionVocab:
@@ -61,7 +49,7 @@ class UnionVocab:
 
     def __init__(self, tokenizers, eos_ids, vocab_sizes):
         self.tokenizers, self.schemes = tokenizers, [token_scheme(t) for t in tokenizers]
-        self.index, self.strings, self.to_union, self.pieces = {EOS: 0}, [EOS], [], [{} for _ in tokenizers]
+        self.index, self.to_union, self.pieces = {EOS: 0}, [], [{} for _ in tokenizers]   # index: bytes -> union id
         self.member_bytes = [token_bytes(tok, scheme) for tok, scheme in zip(tokenizers, self.schemes)]
         for spell, eos, V in zip(self.member_bytes, eos_ids, vocab_sizes):
             m = torch.full((V,), -1, dtype=torch.long)     # model rows beyond the tokenizer stay -1
@@ -69,11 +57,9 @@ class UnionVocab:
                 if i in eos:
                     m[i] = 0
                 elif b:
-                    if b not in self.index:
-                        self.index[b] = len(self.strings)
-                        self.strings.append(b)
-                    m[i] = self.index[b]
+                    m[i] = self.index.setdefault(b, len(self.index))  # a new byte string: the next union id
             self.to_union.append(m)
+        self.strings = list(self.index)                    # union id -> bytes (a dict keeps its order)
 
     def __len__(self):
         return len(self.strings)
@@ -107,13 +93,9 @@ class UnionVocab:
         return self.pieces[k][u]
 
     def decode(self, units):
-        """Union ids -> text (EOS and everything after it dropped; invalid UTF-8 becomes U+FFFD)."""
-        out = b""
-        for u in units:
-            if u == 0:
-                break
-            out += self.strings[u]
-        return out.decode("utf-8", "replace")
+        """Union ids [int] -> text (EOS and everything after it dropped; invalid UTF-8 becomes U+FFFD)."""
+        end = units.index(0) if 0 in units else len(units)
+        return b"".join(self.strings[u] for u in units[:end]).decode("utf-8", "replace")
 
 
 def mixture(member_probs, w):

@@ -1,15 +1,13 @@
 """
-The workflow a conductor writes (neighbours/conductor.py): three equal-length Python lists, read by a parser of
+The workflow a conductor writes (neighbours/conductor.py): three equal-length Python lists (model_id = [0, 1],
+subtasks = ["Solve the problem.", "Check the answer and give it."], access_list = [[], [0]]), read by a parser of
 its own, scored by workflow_reward, and, under --workflow-decoding constrained, sampled under its grammar.
 
-    model_id    = [0, 1]
-    subtasks    = ["Solve the problem.", "Check the answer and give it."]
-    access_list = [[], [0]]
-
-Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list): it knows
-brackets, commas, integers and quoted strings and nothing else. Nothing the model writes is ever evaluated: no
-eval, and not ast.literal_eval either (it accepts far more syntax than three flat lists need, e.g. sets, tuples,
-huge integers and arbitrarily deep nesting, which can exhaust the recursion limit).
+Parsing is the one place model text is read as structure, so it is a small parser of its own (parse_list, two
+regular expressions): brackets, commas, integers and quoted strings, nothing else, and nothing the model writes is
+ever evaluated. Not ast.literal_eval: it accepts sets, tuples, signs, bytes, huge integers and nesting deep enough
+to exhaust the recursion limit, and needs the lists cut from the text after them; not json.loads, which refuses
+the single quotes and trailing commas Python allows.
 
 Constrained decoding (conductor.py's deviation 7): workflow_grammar is the workflows parse_workflow accepts, in the
 worked example's one spelling, as a Lark grammar; llguidance gives the tokens it allows next for the text so far,
@@ -20,6 +18,7 @@ Try it on CPU:  python -m pytest tests/test_conductor.py -q -k "parse or grammar
 """
 import importlib.util
 import itertools
+import re
 
 import torch
 
@@ -40,72 +39,53 @@ class ParseError(ValueError):
     pass
 
 
+S = "[ \t\r\n]*"                                   # the spaces the parser skips
+SEPARATOR = re.compile(S + "(,?)" + S + r"(\]?)")   # after '[' or an element: a comma?, then the end?
+# an element: a list, an integer, or a one-line string in "..." or '...' (a backslash and the character after it
+# are one: \" does not end a string; ESCAPES decodes them after)
+ELEMENT = re.compile(r"""(\[)|(\d+)|"((?:[^"\\\n]|\\.)*)"|'((?:[^'\\\n]|\\.)*)'""")
+ESCAPES = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"'}   # any other backslash stays as it is
+
+
 def parse_list(text, i, depth=0):
     """Parse one list starting at text[i] == "[". Returns (value, index after the closing bracket). Elements are
-    non-negative integers (at most 6 digits), quoted strings ("..." or '...', escapes \\" \\' \\\\ \\n) or lists,
-    at most 2 levels deep. Anything else, an identifier, a call, an operator, a number with a sign or a
-    point, raises ParseError: this is what keeps model text from ever being more than data."""
+    non-negative integers (at most 6 digits), quoted strings ("..." or '...', escapes \\" \\' \\\\ \\n \\t, at
+    most MAX_STRING characters) or lists, at most 2 levels deep; a trailing comma is fine, as in Python. Anything
+    else, an identifier, a call, an operator, a number with a sign or a point, raises ParseError: this is what
+    keeps model text from ever being more than data."""
     if depth > 1:
         raise ParseError("lists nest at most 2 deep")
     if text[i:i + 1] != "[":
         raise ParseError(f"expected '[' at {i}")
-    i, out = i + 1, []
-    while True:
-        i = skip_space(text, i)
-        if text[i:i + 1] == "]":
-            return out, i + 1
-        if out:  # a comma between elements (a trailing comma before "]" is fine, as in Python)
-            if text[i:i + 1] != ",":
-                raise ParseError(f"expected ',' or ']' at {i}")
-            i = skip_space(text, i + 1)
-            if text[i:i + 1] == "]":
-                return out, i + 1
-        c = text[i:i + 1]
-        if c == "[":
-            v, i = parse_list(text, i, depth + 1)
-        elif c in ("'", '"'):
-            v, i = parse_string(text, i)
-        elif c.isdigit():
-            j = i
-            while text[j:j + 1].isdigit():
-                j += 1
-            if j - i > 6:
+    out, sep = [], SEPARATOR.match(text, i + 1)
+    while not sep[2]:                                 # no ']' yet
+        if bool(sep[1]) != bool(out):                 # a comma after each element, none before the first
+            raise ParseError(f"expected ',' or ']' at {sep.start()}")
+        e = ELEMENT.match(text, sep.end())
+        if e is None:
+            raise ParseError(f"unexpected text at {sep.end()}")
+        if e[1]:
+            v, i = parse_list(text, e.start(), depth + 1)
+        elif e[2]:
+            if len(e[2]) > 6:
                 raise ParseError("integer too long")
-            v, i = int(text[i:j]), j
+            v, i = int(e[2]), e.end()
         else:
-            raise ParseError(f"unexpected {c!r} at {i}" if c else "unterminated list")
+            body = e[3] if e[3] is not None else e[4]
+            v, i = re.sub(r"\\(.)", lambda m: ESCAPES.get(m[1], m[0]), body), e.end()
+            if len(v) > MAX_STRING:
+                raise ParseError("string too long")
         out.append(v)
-
-
-def parse_string(text, i):
-    quote, i, chars = text[i], i + 1, []
-    escapes = {"n": "\n", "t": "\t", "\\": "\\", "'": "'", '"': '"'}
-    while i < len(text) and text[i] != quote:
-        if text[i] == "\\" and text[i + 1:i + 2] in escapes:
-            chars.append(escapes[text[i + 1]])
-            i += 2
-        elif text[i] == "\n":
-            raise ParseError("newline inside a string")
-        else:
-            chars.append(text[i])
-            i += 1
-        if len(chars) > MAX_STRING:
-            raise ParseError("string too long")
-    if i >= len(text):
-        raise ParseError("unterminated string")
-    return "".join(chars), i + 1
-
-
-def skip_space(text, i):
-    while i < len(text) and text[i] in " \t\r\n":
-        i += 1
-    return i
+        sep = SEPARATOR.match(text, i)
+    if sep[1] and not out:
+        raise ParseError(f"unexpected ',' at {sep.start()}")
+    return out, sep.end()
 
 
 def worker_index(v, n_workers):
     """0 or "Model 0" -> 0; anything else (out of range, another name) raises ParseError."""
-    if isinstance(v, str) and v.startswith("Model ") and v[6:].isdigit() and len(v) <= 12:
-        v = int(v[6:])
+    name = re.fullmatch(r"Model (\d{1,6})", v) if isinstance(v, str) else None
+    v = int(name[1]) if name else v
     if not isinstance(v, int) or not 0 <= v < n_workers:
         raise ParseError(f"model_id entry {v!r} is not a worker (0..{n_workers - 1})")
     return v
@@ -119,13 +99,10 @@ def parse_workflow(text, n_workers, max_steps):
     try:
         text, i, lists = text[:MAX_TEXT], 0, []
         for name in NAMES:
-            i = skip_space(text, i)
-            if not text.startswith(name, i):
-                raise ParseError(f"expected {name}")
-            i = skip_space(text, i + len(name))
-            if text[i:i + 1] != "=":
-                raise ParseError(f"expected '=' after {name}")
-            v, i = parse_list(text, skip_space(text, i + 1))
+            assignment = re.compile(f"{S}{name}{S}={S}").match(text, i)
+            if assignment is None:
+                raise ParseError(f"expected '{name} =' at {i}")
+            v, i = parse_list(text, assignment.end())
             lists.append(v)
         ids, subtasks, access = lists
         if not (1 <= len(ids) <= max_steps and len(ids) == len(subtasks) == len(access)):
@@ -141,7 +118,7 @@ def parse_workflow(text, n_workers, max_steps):
                 raise ParseError(f"access_list[{j}] must be 'all' or a list of earlier steps")
             seen.append(sorted(set(a)))
         return workers, subtasks, seen
-    except (ParseError, RecursionError):
+    except ParseError:
         return None
 
 

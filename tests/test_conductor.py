@@ -9,6 +9,7 @@ import torch
 
 import rewards
 from neighbours import conductor as C
+from neighbours import plumbing
 from neighbours import workflow as W
 from neighbours.workflow import parse_workflow
 
@@ -51,6 +52,8 @@ MALFORMED = [
     "model_id = [" + "[" * 5000 + "]" * 5000 + "]\nsubtasks = []\naccess_list = []",   # recursion bomb
     'model_id = [0]\nsubtasks = ["' + "x" * 10_000 + '"]\naccess_list = [[]]',         # a huge string
     'model_id = [1' + "0" * 5000 + ']\nsubtasks = ["a"]\naccess_list = [[]]',          # a huge number
+    'model_id = [\u00b2]\nsubtasks = ["a"]\naccess_list = [[]]',   # ² is a digit to isdigit, not to int():
+    'model_id = ["Model \u00b2"]\nsubtasks = ["a"]\naccess_list = [[]]',   # both crashed the parser before
 ]
 
 
@@ -191,7 +194,7 @@ def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
         assert m["tokens_per_s"] * m["seconds"] == pytest.approx(m["completion_length"] * 2 * 2, rel=1e-9)
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
-    res = C.evaluate_run(cfg, 2, 2, state["lora"], state["method"])
+    res = plumbing.score_run(*C.load_trained(cfg, state["lora"], state["method"]), cfg, 2, 2)
     assert res["n"] == 2 and res["method"] == "conductor"
 
 
@@ -281,17 +284,12 @@ QUESTIONS = ["What is 12 + 7?", "What is 3 + 40 + 5?"]
 def constrained_draws(model, tok, K, S, max_chars, G, temperature, seed):
     """G constrained workflows for each of QUESTIONS: (prompt ids, mask, completions, comp_mask, allowed_mask,
     texts)."""
-    import grpo
     import rollout
     cond = C.Conductor([None] * K, [f"w{k}" for k in range(K)], S, 8, ("simple", False, ""), "constrained",
                        max_chars)
-    eos = rollout.eos_token_ids(model, tok)
-    ids, mask = rollout.encode_prompts(tok, [C.conductor_prompt(tok, q, K, S) for q in QUESTIONS], "cpu")
     torch.manual_seed(seed)
-    comp, allowed = cond.write_workflows(model, tok, ids, mask, G, temperature, eos, 8)
-    comp_mask = grpo.completion_mask(comp, eos)
-    texts = tok.batch_decode(comp.masked_fill(~comp_mask, tok.pad_token_id), skip_special_tokens=True)
-    return ids, mask, comp, comp_mask, allowed, texts
+    w = cond.write(model, tok, QUESTIONS, G, temperature, rollout.eos_token_ids(model, tok), 8)
+    return w.ids, w.mask, w.comp, w.comp_mask, w.allowed_mask, w.texts
 
 
 @pytest.mark.parametrize("K, S, max_chars", [(2, 2, 10), (3, 3, 6)])
@@ -353,7 +351,7 @@ def test_constrained_logprobs_are_the_masked_distributions(tiny_policy):
     # the sampler's log-probs (same seed, same draws) are the masked ones too
     cond = C.Conductor([None, None], ["w0", "w1"], 2, 8, ("simple", False, ""), "constrained", 6)
     eos = rollout.eos_token_ids(model, tok)
-    cond.write_workflows(model, tok, ids, mask, 1, T, eos, 8)                              # builds the grammar tok
+    cond.write(model, tok, QUESTIONS, 1, T, eos, 8)                                        # builds the grammar tok
     masks = W.WorkflowMasks(cond.grammar_tok[1], W.workflow_grammar(2, 2, 6), comp.shape[0], len(tok), eos)
     torch.manual_seed(1)
     comp2, logp_old = rollout.sample(model, ids, mask, None, G, len(W.longest_workflow(2, 2, 6)) + 1, T, eos,
@@ -373,10 +371,10 @@ def test_free_decoding_is_rollout_sample_as_it_was(tiny_policy):
     eos = rollout.eos_token_ids(model, tok)
     ids, mask = rollout.encode_prompts(tok, [C.conductor_prompt(tok, q, 2, 2) for q in QUESTIONS], "cpu")
     torch.manual_seed(0)
-    comp, allowed = cond.write_workflows(model, tok, ids, mask, 3, 1.0, eos, 8)
+    w = cond.write(model, tok, QUESTIONS, 3, 1.0, eos, 8)
     torch.manual_seed(0)
-    assert allowed is None and torch.equal(comp, rollout.sample(model, ids, mask, None, 3, 8, 1.0, eos,
-                                                                tok.pad_token_id))
+    assert w.allowed_mask is None and torch.equal(w.ids, ids) and torch.equal(w.comp, rollout.sample(
+        model, ids, mask, None, 3, 8, 1.0, eos, tok.pad_token_id))
 
 
 def test_workflow_grammar_text():

@@ -186,12 +186,13 @@ def test_evaluates_help_shows_its_defaults_once(script, capsys):
     """evaluate.py --help (and a neighbour's evaluate) says what an unset flag does, as train.py's does (before:
     no default shown); a help that already names its default, or an unset flag, gets none appended."""
     from evaluate import main as evaluate_main
-    from neighbours.plumbing import evaluate_args
+    from neighbours.plumbing import evaluation
     with pytest.raises(SystemExit) as e:
         if script == "evaluate.py":
             evaluate_main(["--help"])
         else:
-            evaluate_args(["--help"], "neighbours/rlae.py")
+            with evaluation(["--help"], "neighbours/rlae.py"):
+                pass
     out = capsys.readouterr().out
     assert e.value.code == 0 and "(default: 4000)" in out and "(default: 50)" in out and "(default: auto)" in out
     flags = re.split(r"\n  (?=-)", out.split("options:", 1)[1])

@@ -11,7 +11,7 @@ import torch
 
 import grpo
 import rewards
-from neighbours import rlae, union_vocab
+from neighbours import plumbing, rlae, union_vocab
 from experts import TEAMS
 from lib.tiny_models import tiny_tokenizer
 
@@ -196,7 +196,7 @@ def test_rlae_trains_and_evaluates_on_the_tiny_team(tmp_path):
     cfg = SimpleNamespace(**json.load(open(os.path.join(out, "config.json"))))
     state = torch.load(os.path.join(out, "checkpoint.pt"), weights_only=False)
     assert set(state["method"]) == {k for k, _ in state["method"].items() if k.startswith("agent.")}
-    res = rlae.evaluate_run(cfg, 2, 2, state["lora"], state["method"])
+    res = plumbing.score_run(*rlae.load_trained(cfg, state["lora"], state["method"]), cfg, 2, 2)
     assert res["n"] == 2 and res["method"] == "rlae"
 
 
