@@ -60,7 +60,7 @@ import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, is_encoder, load_model  # noqa: E402
-from rollout import draw, encode_prompts, eos_token_ids, prefill_shared  # noqa: E402
+from rollout import draw, encode_prompts, eos_token_ids, prefill  # noqa: E402
 from lib.kv_cache import cache_kwargs  # noqa: E402
 from support.harness.build import load_policy_and_data  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
@@ -108,9 +108,9 @@ class Member:
     @torch.no_grad()
     def start(self, prompts, G):
         """Prefill the prompts (padding behind each first token, rollout.encode_prompts, so no attention row is
-        all masked; their common beginning run once, rollout.prefill_shared) and repeat each row's cache G times."""
+        all masked; their common beginning run once, rollout.prefill's share) and repeat each row's cache G times."""
         ids, mask = encode_prompts(self.tok, prompts, self.model.device)
-        self.cache, logits, mask, _ = prefill_shared(self.model, ids, mask, None, position="after")
+        self.cache, logits, mask, _ = prefill(self.model, ids, mask, None, G=1, position="after")
         self.cache.batch_repeat_interleave(G)                                   # (B, ...) -> (B*G, ...)
         self.mask, self.logits = mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
 

@@ -240,14 +240,14 @@ def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, wi
 @pytest.mark.parametrize("position, C_kind", [("before", None), ("before", "same"), ("after", "same"),
                                               ("after", "own"), ("before", "own")])
 def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt(position, C_kind):
-    """rollout.prefill_shared runs the items' common beginning (here a long system prompt) once: the
+    """rollout.prefill (its share, G = 1) runs the items' common beginning (here a long system prompt) once: the
     greedy answers equal the whole-prompt prefill's token for token and the gold log-probs to float
     rounding, with no C, a C the same for every item (in front or behind), a C of each item's own behind
     the prompt (the prompt's beginning is still shared), and two identical items. With each item's own C
     in front nothing is shared and it is the whole-prompt prefill, bit for bit."""
     from types import SimpleNamespace
     from support.harness.gold import greedy_and_gold
-    from rollout import encode_prompts, prefill, prefill_shared
+    from rollout import encode_prompts, prefill
     tok, policy = merging_policy(seed=2)
     args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=8)
     system = "Answer with a number. Example: What is 3 + 4? <answer>7</answer> Now the question."
@@ -259,7 +259,7 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
     torch.manual_seed(3)
     C = {None: None, "same": torch.randn(1, 4, 64).expand(4, 4, 64), "own": torch.randn(4, 4, 64)}[C_kind]
     with torch.no_grad():
-        shared = prefill_shared(policy, ids, mask, C, position)
+        shared = prefill(policy, ids, mask, C, 1, position)
         comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos, share_prefix=True)
         want, want_gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos)
     in_common = int(shared[2].all(0).long().cumprod(0).sum())  # leading columns real in every row

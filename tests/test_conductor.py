@@ -165,7 +165,7 @@ def plain_greedy(model, tok, questions, n, prefix=""):
 
 
 def test_a_batch_of_workers_prompts_shares_its_beginning_and_answers_as_each_alone(tiny_policy):
-    """generate() runs a batch's common beginning once (rollout.prefill_shared) and decodes greedily: the
+    """generate() runs a batch's common beginning once (rollout.prefill's share) and decodes greedily: the
     answers equal each prompt decoded by itself, and a prompt seen before is served from the cache."""
     model, tok = tiny_policy
     questions = ["What is 2 + 3?", "What is 10 + 1 + 7?", "What is 4?"]
