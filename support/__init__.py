@@ -5,7 +5,7 @@ skip it. What the core itself leans on (kernels, caches, loaders, the scoring sa
 which imports nothing of it. Importing a shelf does nothing.
 
 harness/ (above the core)
-  build.py           a run's two halves around g: the policy and data, then LoRA and the optimiser
+  build.py           the Run every step reads, built around g: the policy and data, then LoRA and the optimiser
   checkpoint.py      save / load / --resume a run, atomic JSON writes
   checks.py          the flags parsed and checked between themselves, the run before anything loads, its prompts
   config.py          every train.py flag in its group, its default and type, the presets; the one-line error

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from baselines import METHODS
+from baselines import METHODS, fit_state_norm
 from support.harness.validation import derangement
 from evaluate import paired_table
 from support.harness.validation import SHUFFLE_NA
@@ -19,7 +19,7 @@ from adapter import varying_fraction
 import rewards
 from rewards import coin_rewards
 from lib.optim import clip_gradients
-from train import fit_state_norm, main, parse_args
+from train import main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
@@ -378,7 +378,7 @@ def test_state_norm_standardises_the_calibration_states_and_travels_in_the_state
     h = g.pool.encode(QUESTIONS * 4)
     assert all(torch.equal(a, b) for a, b in zip(g.norm(h), [x.float() for x in h]))  # identity before fit
     calibration = [{"question": q, "answer": None} for q in QUESTIONS * 4 + ["Another question?"] * 2]
-    fit_state_norm(g, calibration, SimpleNamespace(state_norm_prompts=len(calibration)))  # train.py's, for every method
+    fit_state_norm(g, calibration, SimpleNamespace(state_norm_prompts=len(calibration)))  # build_run's, for every method
     z = g.norm(g.pool.encode(QUESTIONS * 4 + ["Another question?"] * 2))
     for x in z:
         torch.testing.assert_close(x.mean(0), torch.zeros(x.shape[1]), atol=1e-4, rtol=0)
