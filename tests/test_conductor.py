@@ -199,10 +199,11 @@ def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
 
 
 def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
-    """support/harness/report.py: both methods get a table row and a Fig. 4 of their own (workers / members by name); a conductor
-    step where nothing parsed has no utilisation and is a gap, not a crash."""
+    """support/harness/report.py and plot.py: both methods get a table row and a Fig. 4 of their own (workers /
+    members by name); a conductor step where nothing parsed has no utilisation and is a gap, not a crash."""
     pytest.importorskip("matplotlib")
-    from support.harness.report import plot_runs, summarize
+    from support.harness.plot import plot_runs
+    from support.harness.report import summarize
     for method in ("conductor", "rlae"):
         run = tmp_path / method
         os.makedirs(run)
@@ -470,7 +471,7 @@ def test_rlae_weight_curves_draw_the_task_trained_agent_beside_coins(reward):
     """rlae_weights_*.png: the agents trained on the task (its own reward or --reward exact: full marks only) are
     the solid lines, the coin-trained ones dashed. A run trained on exact was left out of the plot before."""
     plt = pytest.importorskip("matplotlib.pyplot")
-    from support.harness.report import rlae_weight_curves
+    from support.harness.plot import rlae_weight_curves
 
     def run(r, w):
         return {"cfg": {"method": "rlae", "task": "gcd", "team": "pocket", "reward": r}, "finished": True,
