@@ -43,8 +43,8 @@ output_collab uses only the team's decoders; (3) for hard routing, A is the rout
 over experts [B, 1, n], so its entropy and utilisation are logged like ours; (4) the reference
 policy of output_collab sees the same hints (they are part of its input, not trainable context); (5)
 `--state-norm standardize` (ours, identical, no_xattn) standardises the pooled states before W_i
-(adapter.StateNorm); hard routing's states are used as they are; (6) an oracle expert cannot write a
-hint from the answer: output_collab gives it the question only.
+(adapter.StateNorm, fitted by fit_state_norm); hard routing's states are used as they are; (6) an oracle expert
+cannot write a hint from the answer: output_collab gives it the question only.
 
 Try it on CPU:  python train.py --preset smoke --method hard_routing --out runs/try-hard
 """
@@ -84,7 +84,7 @@ class Kind:
     #                            experts, whose weights a run needs), "policy" (the policy's own base) or None
     router: bool = False       # its .encoder is the team's sentence encoder (hard routing's router)
     state_norm: bool = False   # its .norm (adapter.StateNorm) standardises .pool's states: --state-norm
-    #                            standardize fits it (train.fit_state_norm)
+    #                            standardize fits it (fit_state_norm)
     hints: bool = False        # it writes text hints into the prompt, up to --max-new-tokens per expert
     answers: bool = False      # it writes the answer itself (.answer(policy, tok, questions, args)), not the policy
 
@@ -107,6 +107,15 @@ def pooled_states(pool, questions, answers, reuse):
     return reuse.states if reuse else pool.encode(questions, answers=answers)
 
 
+def fit_state_norm(method, train_items, args):
+    """--state-norm standardize: per-dimension statistics of the experts' pooled states h_i on the first
+    --state-norm-prompts training prompts, into the method's adapter.StateNorm. Every method that declares
+    state_norm (Kind) has .pool and .norm, so a new one brings no fitting code; the flag checks refused the others."""
+    calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
+    method.norm.fit(method.pool.encode([it["question"] for it in calibration],
+                                       answers=[it["answer"] for it in calibration]))
+
+
 class ExpertContext(nn.Module):
     """g_phi of `ours`: frozen experts -> pooled states -> (standardised: StateNorm) ->
     PerceiverAdapter -> (C, A)."""
@@ -116,7 +125,7 @@ class ExpertContext(nn.Module):
         # pool is not an nn.Module: experts are never trained or saved
         self.pool, self.adapter = pool, adapter
         self.context_tokens = adapter.latents.shape[0]  # m = --num-latents
-        # the identity until train.fit_state_norm (--state-norm standardize)
+        # the identity until fit_state_norm (--state-norm standardize)
         self.norm = StateNorm(pool.dims)
 
     def forward(self, questions, answers=None, reuse=None):

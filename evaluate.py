@@ -6,7 +6,7 @@ Evaluate a policy on the validation split: one run, the untrained policy, or one
     python evaluate.py --run runs/pocket-first --no-context   # zero context (Fig. 5)
     python evaluate.py --run runs/pocket-first --paired       # with C, C = 0, shuffled C
     python evaluate.py --untrained --task chain_sum --team pocket   # before training
-    python evaluate.py --summarize runs/ --out results/       # table, rho, figures (report.py)
+    python evaluate.py --summarize runs/ --out results/       # table, rho (report.py), figures (plot.py)
 
 Paper: the validation accuracy of Table 1 and Fig. 5 (with vs without context tokens).
 
@@ -40,7 +40,8 @@ from support.harness.checks import parse_args, run_config
 from support.harness.config import (COUNT, HELP_WIDTH, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder,
                                     fail, remove_created)
 from support.harness.model_check import check_models
-from support.harness.report import load_runs, plot_runs, summarize
+from support.harness.plot import plot_runs
+from support.harness.report import load_runs, summarize
 from support.harness.run import claim_expert_cache, replace_unencodable
 from lib.stats import paired_comparison
 from support.harness.stop import stopping_on_signals

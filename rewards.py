@@ -30,8 +30,8 @@ Deviations from the paper (which only names the datasets):
 6. A single dataset name (`--task chain_sum`) uses the config of its paper family if it has one.
 7. Training helpers, each a pure function so that --resume needs no state: `batch_indices` (the data
    order of (seed, step, micro-batch)), `policy_prompts` (x for a batch, shared by training and
-   evaluation, so a fork's prompt change reaches both) and `coin_rewards` (the random-reward
-   control: a seeded coin per completion).
+   evaluation, so a fork's prompt change reaches both), `coin_rewards` (the random-reward
+   control: a seeded coin per completion) and `draw_rewards` (a draw's rewards as the flags ask).
 
 Try it on CPU (about 5 s, no network):
     python rewards.py --task arithmetic --n 3
@@ -299,6 +299,23 @@ def coin_rewards(seed, step, micro, draw, n):
     text is never read."""
     key = [seed, step, micro, 7] + ([draw] if draw else [])
     return np.random.default_rng(key).integers(0, 2, n).astype(float).tolist()
+
+
+def draw_rewards(items, completions, args, key, score_batch):
+    """The rewards of a draw of B items x G = --group-size completions (decoded, padding dropped), as train.py's
+    flags ask for them: (task_r [B*G], the task's scorer `score_batch` (--reward exact: full marks or nothing) or
+    the random-reward control's coins seeded by key = (step, micro-batch, draw); bonus [B*G], --format-bonus;
+    counts, the scorer's). The scorers read `responses`: the response prefix, then what the policy wrote."""
+    G, answered = args.group_size, responses(args.response_prefix, completions)
+    if args.reward == "random":  # the coin and nothing else (config refuses --format-bonus with it)
+        task_r = coin_rewards(args.seed, *key, len(answered))
+        counts = {"no_answer": sum(extract_answer(t) is None for t in answered)}
+    else:
+        task_r, counts = score_batch([it for it in items for _ in range(G)], answered)
+        if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
+            task_r = full_marks(task_r)
+    golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
+    return task_r, format_bonus(answered, args.format_bonus, golds), counts
 
 
 def score_batch(entries, completions, timeout=2.0):

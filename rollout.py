@@ -14,17 +14,16 @@ tests/test_adapter.py checks it token for token.
                             the rollout and the scoring pass in their plain form: read these first
   encode_prompts, policy_inputs, context_slot, same_width, cut_padding
                             the prompts as the policy reads them, [x || C]
-  prefill, prefill_shared   [x || C] once per prompt (their common beginning once) -> the KV cache
+  prefill                   [x || C] once per prompt (their common beginning once) -> the KV cache
                             of G completions
-  sample, decode, draw      the rollout: G completions per prompt, KV-cached, LoRA merged in (on CUDA the
-                            decode loop with fixed shapes, its step captured as a CUDA graph once per run:
-                            lib/static_decode.py; decode_loop, decode_path: which loop runs, which ran)
-  greedy_texts              a frozen writer's greedy answers (conductor workers, output_collab's hints)
+  sample, greedy_texts      the rollout: prefill, then `decode` with LoRA merged in (lib/static_decode.py, the
+                            engine: the KV-cached loop, on CUDA its step captured as a CUDA graph once per run);
+                            a frozen writer's greedy answers (conductor workers, output_collab's hints)
   completion_logprobs       the scoring pass: log pi(y_t | [x || C], y_<t) for every completion token
                             (grpo.token_logprobs, grpo.head_logprobs; lib/recompute.py: the MLPs'
                             activations recomputed in the backward pass)
   (lib/low_precision.py: --rollout-dtype, the rollout's matmuls on a bfloat16 / int8 copy of the
-  weights; lib/kv_cache.py: the KV cache's keyword, its room for new tokens reserved up front)
+  weights; lib/kv_cache.py: the KV cache's keyword)
 
 Deviations from the paper: sampling is plain temperature sampling (no top-p / top-k), with our own
 loop instead of HF generate (it needs no inputs_embeds special cases and lets rollout and scoring
@@ -38,10 +37,11 @@ import torch
 
 from grpo import head_logprobs, token_logprobs
 from lora import lora_merged
-from lib.kv_cache import cache_kwargs, cache_of, preallocate
+from lib.kv_cache import cache_kwargs, cache_of
 from lib.low_precision import low_precision_linears
 from lib.recompute import mlps_recomputed
-import lib.static_decode as static_decode
+from lib import static_decode
+from lib.static_decode import decode, draw  # the loop after prefill; the draw every sampler makes
 
 # --------------------------------------------------------------------------------------------------
 # How C reaches the policy: [x || C] (Eq. 3) or [x_0 || C || x_1..] (prefix tuning, behind the first
@@ -294,27 +294,8 @@ def shared_length(rows, keep=1):
     return P
 
 
-def prefill_shared(policy, prompt_ids, prompt_mask, C, position, keep=1, min_shared=16):
-    """`prefill` with G = 1 (evaluation, the neighbours' writers): the rows' common beginning once,
-    their own tails at batch B."""
-    return prefill(policy, prompt_ids, prompt_mask, C, G=1, position=position, keep=keep,
-                   min_shared=min_shared)
-
-
 # --------------------------------------------------------------------------------------------------
 # The rollout
-
-
-def draw(logits, temperature, u=None):
-    """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF
-    sampling: one uniform number per row (u [N, 1] in [0, 1), drawn here if not given), where
-    torch.multinomial draws one exponential per vocabulary entry (~9 ms a step for 8 x 49k on 2
-    CPU cores). A zero-probability token has an empty CDF interval and is never drawn."""
-    cdf = torch.softmax(logits.float() / temperature, -1).cumsum(-1)         # (N, V)
-    if u is None:
-        u = torch.rand(cdf.shape[0], 1, device=cdf.device)
-    u = u * cdf[:, -1:]                                               # (N, 1) uniform in [0, total)
-    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
 
 
 @torch.no_grad()
@@ -344,9 +325,9 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
         low = low_precision_linears(policy, dtype)
     # int8 keeps LoRA unmerged: its frozen copy is made once, the update added in float32. The captured decode
     # step reads the merged weights where it was captured: merged into the same buffers each step (keep), or
-    # unmerged (GRAPH_MERGED)
-    graph = decode_loop(prompt_ids.device) == "graph"
-    unmerged = dtype == torch.int8 or (graph and not GRAPH_MERGED)
+    # unmerged (static_decode.GRAPH_MERGED)
+    graph = static_decode.decode_loop(prompt_ids.device) == "graph"
+    unmerged = dtype == torch.int8 or (graph and not static_decode.GRAPH_MERGED)
     merge = contextlib.nullcontext() if unmerged else lora_merged(policy, keep=graph)
     with merge, low:
         start = prefill(policy, prompt_ids, prompt_mask, C, G=G, position=position, share=share)
@@ -354,96 +335,16 @@ def sample(policy, prompt_ids, prompt_mask, C, G, max_new_tokens, temperature, e
                       return_logprobs, allowed, uniforms)
 
 
-SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
-DECODE = "auto"  # decode's loop: "eager" (below), "static" or "graph" (lib/static_decode.py); auto: graph on CUDA
-# the captured step reads LoRA merged into buffers kept for the run (one matmul a layer; Qwen2.5-3B's 5.2 GiB copy
-# stays beside the loss pass: --plan 45.0 GiB for the default team) or, False, unmerged (its low-rank products inside
-# the graph, ~6 kernels more a wrapped layer, no copy: --plan 39.8 GiB); experiments/gpu_check.py measures both
-GRAPH_MERGED = True
-
-
-def decode_loop(device):
-    """The loop DECODE names on `device`: "eager", "static" or "graph" (auto: graph on CUDA, else eager)."""
-    path = DECODE if DECODE != "auto" else "graph" if torch.device(device).type == "cuda" else "eager"
-    if path == "graph" and torch.device(device).type != "cuda":
-        raise ValueError(f"rollout.DECODE = 'graph' needs a CUDA device, not {device}: on a CPU set 'static' "
-                         "(the same loop, not captured) or 'eager'")
-    return path
-
-
-def decode_path(policy):
-    """(the loop `policy`'s last decode ran: "eager", "static" or "graph"; why a captured graph failed, or None):
-    the run's metrics record both (a graph that fails goes on as "static", lib/static_decode.py)."""
-    held = static_decode.HELD.get(policy)
-    return (held.path, held.failed) if held else ("eager", None)
-
-
-def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
-           greedy=False, return_logprobs=False, allowed=None, uniforms=None):
-    """The token-by-token loop of `sample`, from what `prefill` returned: draw (or argmax) a
-    token per row, feed it, until every row has ended or max_new_tokens are written. Finished
-    rows emit pad_id. evaluate.py calls it directly to reuse one prefill for two things.
-
-    "Has every row ended?" needs the GPU's answer on the host (a synchronisation that stalls the
-    launch queue), so on a GPU it is asked every SYNC_EVERY tokens, and the tokens written after
-    the last row ended (all padding) are cut at the end: the same output as asking every token.
-    On CUDA the same loop runs with fixed shapes, its step captured as a CUDA graph (DECODE)."""
-    path = decode_loop(logits.device)
-    if path != "eager" and allowed is None and static_decode.supports(policy, cache):
-        return static_decode.decode(policy, cache, logits, mask, pos=pos,
-                                    max_new_tokens=max_new_tokens, temperature=temperature,
-                                    eos_ids=eos_ids, pad_id=pad_id, greedy=greedy,
-                                    return_logprobs=return_logprobs, uniforms=uniforms,
-                                    graph=path == "graph", sync_every=SYNC_EVERY)
-    if policy in static_decode.HELD:  # the metrics' record of the loop that ran
-        static_decode.HELD[policy].path = "eager"
-    sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
-    preallocate(cache, max_new_tokens)  # each token written in place (lib/kv_cache.py)
-    logits = logits.float()                                               # (B*G, vocab)
-    eos = torch.tensor(eos_ids, device=logits.device)
-    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
-    tokens, logps, ended = [], [], []
-    for t in range(max_new_tokens):
-        if allowed is not None:
-            ok = allowed(tokens[-1] if tokens else None)                      # (B*G, vocab) bool
-            logits = logits.masked_fill(~ok, -torch.inf)
-        u = None if uniforms is None else uniforms[:, t:t + 1]               # (B*G, 1)
-        nxt = logits.argmax(-1) if greedy else draw(logits, temperature, u)   # (B*G,)
-        if allowed is not None:  # draw clamps to the last token if u rounds up (p ~ 1e-7)
-            nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
-        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
-        tokens.append(nxt)
-        if return_logprobs:
-            logp_all = torch.log_softmax(logits / temperature, -1)         # (B*G, vocab)
-            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
-        done = done | torch.isin(nxt, eos)
-        ended.append(done)
-        if (t + 1) % sync_every == 0 and done.all():
-            break
-        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)      # (B*G, P' + t + 1)
-        pos = pos + 1
-        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
-                     use_cache=True, **cache_kwargs(policy, cache))
-        cache, logits = cache_of(out), out.logits[:, -1].float()
-    if sync_every > 1:  # cut the all-padding tokens written after every row had ended
-        all_ended = torch.stack(ended).all(1)                                  # (t,)
-        n = int(all_ended.int().argmax()) + 1 if bool(all_ended.any()) else len(tokens)
-        tokens, logps = tokens[:n], logps[:n]
-    if return_logprobs:
-        return torch.stack(tokens, 1), torch.stack(logps, 1)
-    return torch.stack(tokens, 1)
-
-
 @torch.no_grad()
 def greedy_texts(model, tok, prompts, max_new_tokens):
     """Greedy completions of `prompts`, as text, from a frozen model that writes (a conductor's
     worker, output_collab's experts): one batch, padded behind each first token (encode_prompts:
-    no attention row with every key masked), its common beginning run once (prefill_shared), then
+    no attention row with every key masked), its common beginning run once (prefill, G = 1), then
     decode's argmax loop. Unlike HF generate, no generation config adds a repetition penalty: the
     same answers evaluate.py's greedy decoding gives."""
     ids, mask = encode_prompts(tok, prompts, model.device)
     eos_ids = eos_token_ids(model, tok)
-    out = decode(model, *prefill_shared(model, ids, mask, None, position="after"), max_new_tokens, 1.0,
+    out = decode(model, *prefill(model, ids, mask, None, G=1, position="after"), max_new_tokens, 1.0,
                  eos_ids, tok.pad_token_id, greedy=True)              # (B, T): padding after each EOS
     return tok.batch_decode(out, skip_special_tokens=True)
 
@@ -460,7 +361,7 @@ def completion_logprobs(policy, prompt_ids, prompt_mask, C, completion_ids, comp
     completion_mask [N, T] hold G = N / B completions per prompt in consecutive blocks, as `sample`
     returns them (B = N, G = 1 is fine too).
 
-    Speed-ups, both exact up to float rounding (tests/test_adapter.py compares log-probs and
+    Speed-ups, each exact up to float rounding (tests/test_adapter.py compares log-probs and
     gradients with one plain forward over G copies of [x || C || y]):
       1. Shared prefix (`prefill`): P + G*T tokens per group instead of G*(P + T). The prompt is
          often longer than the completion (system prompt, worked example), so this roughly halves

@@ -12,8 +12,9 @@ zero context tokens at the same positions), GRPO with G = 8, beta = 0.04, 32 pro
 grad-accum), lr 1e-4 for LoRA and adapter, 128 new tokens (§4.1, Appendix Listing 1). Every default
 is the paper's (`--help`: support/harness/config.py; a --preset is a dict of flag values).
 
-The loop, train: for each step, grpo_step (rollout -> reward -> advantage -> reference -> loss -> step
--> its metrics), then its samples, log line, metrics.jsonl and checkpoint (support/harness/run.after_step).
+The loop, train: the run built once (support/harness/build.build_run), then for each step, grpo_step (rollout ->
+reward -> advantage -> reference -> loss -> step -> its metrics), then its samples, log line, metrics.jsonl and
+checkpoint (support/harness/run.after_step).
 A line marked `# lever:` is not the paper's (a flag, off by default): skip them to read the paper's.
 
 Deviations from the paper (and see grpo.py, rollout.py, adapter.py, experts.py, rewards.py):
@@ -34,7 +35,7 @@ full disk, a killed run): support/harness/run.py.
 """
 import time
 from dataclasses import dataclass
-from typing import Any, Optional
+from typing import Optional
 
 import numpy as np
 import torch
@@ -43,10 +44,9 @@ import grpo
 import rewards
 import rollout
 from adapter import empty_context
-from baselines import METHODS
 from experts import pick_device
 from lora import lora_disabled
-from support.harness.build import attach_lora, load_policy_and_data, precompute_states
+from support.harness.build import build_run, precompute_states
 from support.harness.checks import parse_args
 from support.harness.config import fail
 from support.harness.metrics import step_metrics, wall_clock
@@ -57,26 +57,7 @@ from lib.optim import clip_gradients, set_learning_rates, step_if_finite
 from lib.runtime import deterministic_kernels, expandable_segments
 
 # --------------------------------------------------------------------------------------------------
-# The run: what every step reads, built once (build_run, at the end of this file)
-
-
-@dataclass
-class Run:
-    """The trained system and its data: build_run makes it, each step trains the weights inside
-    `policy` and `method` in place (a neighbour's script builds one with a g of its own)."""
-    policy: torch.nn.Module             # pi_theta: the frozen policy with LoRA on its linear layers (lora.py)
-    tok: Any                            # the policy's tokenizer
-    method: torch.nn.Module             # g, --method's context builder (baselines.METHODS): C = g(x)
-    optimizer: torch.optim.Optimizer    # AdamW over LoRA's and g's trainable parameters (lib/optim.py)
-    train_items: list                   # the task's training items, {"question", "answer", ...}
-    eos_ids: list                       # the token ids that end a completion
-    device: torch.device
-    team: dict                          # the team's model names: policy, experts, router
-    position: Any = "after"             # where C goes in the policy's input (rollout.context_slot)
-    pool: Optional[Any] = None          # the frozen experts g reads (experts.ExpertPool); None without
-    embed_rms: float = 1.0              # RMS of the policy's input embeddings: the scale C is compared with
-    world: Any = distributed.ONE        # torchrun's processes (lib/distributed.py), or one
-    life: Optional[Any] = None          # its folder, lock, writes and signals (support/harness/run.Life); None in tests
+# What a step reads and makes: the Run (support/harness/build.py) and its micro-batches
 
 
 @dataclass
@@ -111,8 +92,7 @@ class MicroBatch:
 
 def grpo_step(step, run, args, score_batch):
     """One GRPO step: C = g(x) -> prompts -> G samples each -> rewards -> advantages -> reference -> loss ->
-    update -> metrics. Returns (the step's metrics, its micro-batches: MicroBatch). A line marked `# lever:` is
-    not the paper's (a flag, off by default); skipping them reads the paper's step."""
+    update -> metrics. Returns (the step's metrics, its micro-batches: MicroBatch)."""
     G, g, policy, t0 = args.group_size, run.method, run.policy, time.time()
     set_learning_rates(run.optimizer, step, args)  # lever: --lr-schedule, --warmup-steps (paper: constant)
     micros = list(distributed.my_micro_batches(run.world, args.grad_accum))  # torchrun: this rank's share
@@ -127,8 +107,7 @@ def grpo_step(step, run, args, score_batch):
         first = dict(task_r=drawn["task_r"].clone(), flat=grpo.flat_groups(drawn["r"], G),
                      first_counts=drawn["counts"])  # what the log reports: the first draw
         if args.dynamic_sampling:  # lever: DAPO, draw the groups whose rewards are all equal again
-            redraw_flat_groups(run, args, items, ids, mask=mask, ctx=ctx, drawn=drawn, key=key,
-                               score_batch=score_batch)
+            redraw_flat_groups(run, args, items, ids, mask=mask, ctx=ctx, drawn=drawn, key=key, score_batch=score_batch)
         comp = drawn["comp"]                                       # (B*G, T) every group's
         comp_mask = grpo.completion_mask(comp, run.eos_ids)        # (B*G, T) up to EOS, inclusive
         # ---- advantage: group-relative, one group per prompt -----------------------------------------
@@ -169,8 +148,7 @@ def grpo_step(step, run, args, score_batch):
     batches = distributed.gather(run.world, batches, run.device)  # every rank's, in order
     rec = step_metrics(step, batches, losses, stats, grad_norm=grad_norm, group_norms=group_norms,
                        skipped=skipped, run=run, args=args)
-    rec.update(wall_clock(t0, tokens=sum(int(b.comp_mask.sum()) for b in batches)))  # EOS counts, padding not
-    return rec, batches
+    return rec | wall_clock(t0, tokens=sum(int(b.comp_mask.sum()) for b in batches)), batches  # EOS counts, padding not
 
 
 def update(run, args, losses, stats):
@@ -205,10 +183,7 @@ def train(args, world, score_batch):
     life = open_run(args, world)  # checks (bad input: exit 2), --out locked, Ctrl-C / SIGTERM, the device
     try:  # however the run ends, the lock on --out goes with it
         with writes_or_fail(args):  # a write the system refuses, --expert-cache's too: one line, exit code 4
-            try:
-                run = build_run(args, life.device)
-            except (ValueError, FileNotFoundError) as e:  # loaders raise these with a one-line message
-                fail(str(e))
+            run = build_run(args, life.device)  # a bad input's one line: exit code 2
             run.life = life
             start = resume_run(run, args, world)  # --resume's checkpoint, config.json, validation before
             bar, bad_steps = progress_bar(start, args, life.writer), 0
@@ -300,26 +275,13 @@ def sample_rows(run, args, ids, mask, C, uniforms):
 
 
 def score_draw(run, args, items, comp, logp_mu, key, score_batch):
-    """The rewards of a draw of B prompts x G: {comp [B*G, T], logp_mu [B*G, T] or None, r [B*G]
-    (the task's scorer, or the random-reward control's coins seeded by key = (step, micro-batch,
-    draw), plus --format-bonus), task_r [B*G] (the task's part alone), counts (the scorer's),
-    texts}."""
-    tok, G = run.tok, args.group_size
-    texts = tok.batch_decode(comp, skip_special_tokens=True)  # the sampler writes padding after EOS
-    answered = rewards.responses(args.response_prefix, texts)  # what the scorers read
-    if args.reward == "random":  # the coin and nothing else (config refuses --format-bonus with it)
-        task_r = rewards.coin_rewards(args.seed, *key, len(texts))
-        counts = {"no_answer": sum(rewards.extract_answer(t) is None for t in answered)}
-    else:
-        task_r, counts = score_batch([it for it in items for _ in range(G)], answered)
-        if args.reward == "exact":  # full marks or nothing: partial credit pays no reward
-            task_r = rewards.full_marks(task_r)
-    task_r = torch.tensor(task_r, dtype=torch.float32, device=run.device)
-    golds = [it["answer"] for it in items for _ in range(G)] if args.format_bonus_strict else None
-    bonus = rewards.format_bonus(answered, args.format_bonus, golds)
-    bonus = torch.tensor(bonus, dtype=torch.float32, device=run.device)
-    return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts,
-                texts=texts)
+    """The rewards of a draw of B prompts x G (rewards.draw_rewards): {comp [B*G, T], logp_mu [B*G, T] or None,
+    r [B*G] (the task's scorer, or the random-reward control's coins seeded by key = (step, micro-batch, draw),
+    plus --format-bonus), task_r [B*G] (the task's part alone), counts (the scorer's), texts}."""
+    texts = run.tok.batch_decode(comp, skip_special_tokens=True)  # the sampler writes padding after EOS
+    task_r, bonus, counts = rewards.draw_rewards(items, texts, args, key=key, score_batch=score_batch)
+    task_r, bonus = (torch.tensor(x, dtype=torch.float32, device=run.device) for x in (task_r, bonus))
+    return dict(comp=comp, logp_mu=logp_mu, r=task_r + bonus, task_r=task_r, counts=counts, texts=texts)
 
 
 def draw_and_score(run, args, items, ids, mask, C, key, score_batch):
@@ -401,44 +363,6 @@ def add_channel_forcing(loss, metrics, logp, b, C, run, args):
     return loss + args.channel_weight * cf, {**metrics, **m}
 
 
-# --------------------------------------------------------------------------------------------------
-# Building the run: the policy, g, LoRA and the optimiser
-
-
-def build_run(args, device):
-    """The policy (frozen + LoRA), --method's context builder g (baselines.METHODS), the data and
-    the optimiser: a Run. The order is the seeded one (the policy, then g's initialisation, then
-    LoRA's A). Raises ValueError with a one-line message on bad input."""
-    parts = load_policy_and_data(args, device)  # team, items, the seeded frozen policy, tokenizer
-    g = METHODS[args.method](parts.team, parts.policy.config.hidden_size, args, device, parts.dtype)
-    if args.state_norm == "standardize":
-        fit_state_norm(g, parts.train_items, args)
-    return run_around(parts, g, args, device)
-
-
-def run_around(parts, g, args, device):
-    """The Run around a built g (build_run's, or a neighbour script's own): g's anchor, LoRA on the
-    policy, the optimiser over both (support/harness/build.attach_lora)."""
-    policy, tok = parts.policy, parts.tok
-    optimizer = attach_lora(policy, tok, g, args)
-    return Run(policy=policy, tok=tok, method=g, optimizer=optimizer, train_items=parts.train_items,
-               eos_ids=rollout.eos_token_ids(policy, tok), device=device, team=parts.team,
-               # --context-position, or in front of the --context-split tokens that end every prompt
-               position=rollout.context_slot(tok, args.context_position, args.context_split),
-               pool=getattr(g, "pool", None),
-               embed_rms=policy.get_input_embeddings().weight.float().pow(2).mean().sqrt().item())
-
-
-def fit_state_norm(method, train_items, args):
-    """--state-norm standardize: per-dimension statistics of the experts' pooled states h_i on the first
-    --state-norm-prompts training prompts, into the method's adapter.StateNorm. Every method that declares
-    state_norm (baselines.Kind) has .pool and .norm, so a new one brings no fitting code; the flag checks refused
-    the others."""
-    calibration = [train_items[i] for i in range(min(args.state_norm_prompts, len(train_items)))]
-    method.norm.fit(method.pool.encode([it["question"] for it in calibration],
-                                       answers=[it["answer"] for it in calibration]))
-
-
 def main(argv=None, score_batch=None):
     """Run training. `score_batch(items, completions) -> (rewards, counts)` replaces the task's
     scorer (a fork's own reward, or the tests' synthetic one); by default rewards.score_batch."""
@@ -454,11 +378,7 @@ def main(argv=None, score_batch=None):
     if args.precompute_states:  # --expert-cache filled for every prompt the run reads, then exit
         claim_expert_cache(args.expert_cache)  # checked before any model loads, as a run's
         with writes_or_fail(args):  # a full disk: one line, exit code 4
-            try:
-                run = build_run(args, pick_device(args.device))
-            except (ValueError, FileNotFoundError) as e:
-                fail(str(e))
-            return precompute_states(run, args)
+            return precompute_states(build_run(args, pick_device(args.device)), args)
     if args.plan:  # the memory plan: nothing is loaded, allocated or written
         from support.harness import plan
         return plan.main(args, world)

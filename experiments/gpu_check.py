@@ -38,7 +38,7 @@ torch's choice of SDPA kernel (--sdpa-backend forces one: flash, efficient, cudn
 the captured decode step reads (--graph-lora unmerged: read inside the graph, no merged copy kept).
 
 "before" is today's path as it was before issue 44, kept behind switches so that it re-runs on the same card in
-the same call: rollout.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph
+the same call: static_decode.DECODE "eager" (the token-by-token loop; "after": the static loop captured as a CUDA graph
 once per run, lib/static_decode.py), train.py --attention sdpa (transformers' SDPA, K/V repeated; "after":
 auto = grouped, lib/attention.py), rollout.PLAIN_HEADS () (the LM head over all completions at once;
 "after": one completion at a time, grpo.head_logprobs). A switch this checkout lacks is recorded as absent, not
@@ -101,6 +101,7 @@ sys.path.insert(0, ROOT)
 
 import rollout  # noqa: E402
 from experts import load_model  # noqa: E402
+from lib import static_decode  # noqa: E402
 from lora import apply_lora, lora_layers, lora_merged  # noqa: E402
 
 POLICY_3B = "shape:Qwen/Qwen2.5-3B-Instruct"
@@ -216,7 +217,7 @@ def next_commands(report):
         cmds.append(f"{head} --phases decode --sdpa-backend efficient --budget-s 240 "
                     "--out $OUT/gpu_check_efficient.json")
     step = report.record("default_step") or {}
-    if rollout.GRAPH_MERGED and (step.get("peak_allocated_gib") or 0) > GOALS["peak_gib_experts"]:
+    if static_decode.GRAPH_MERGED and (step.get("peak_allocated_gib") or 0) > GOALS["peak_gib_experts"]:
         cmds.append(f"{head} --phases default_step --graph-lora unmerged --budget-s 240 "
                     "--out $OUT/gpu_check_unmerged.json")  # the merged copy the graph keeps is 5.2 GiB of the peak
     return cmds
@@ -274,7 +275,7 @@ def prompt_lengths(kind):
 
 
 # today's path, module switches: (module, attribute, value before issue 44); absent ones are recorded as such
-SWITCHES = [(rollout, "DECODE", "eager"), (rollout, "PLAIN_HEADS", ())]
+SWITCHES = [(static_decode, "DECODE", "eager"), (rollout, "PLAIN_HEADS", ())]
 BEFORE_FLAGS = [["--attention", "sdpa"]]  # train.py flags of today's path, passed where train.py knows them
 
 
@@ -553,7 +554,7 @@ def _free(device):
 
 
 def loop_parity(device):
-    """The decode loops on the device from the same uniforms: the eager loop (rollout.decode's) vs the static one
+    """The decode loops on the device from the same uniforms: the eager loop (static_decode.decode's) vs the static one
     captured as a CUDA graph (on a CPU: the static loop run eagerly): the tiny policy with a LoRA that is not a
     no-op, float32, rows that run to the end (no EOS)."""
     torch.manual_seed(0)
@@ -569,7 +570,7 @@ def loop_parity(device):
     u = torch.rand(len(ids) * G, T, generator=torch.Generator().manual_seed(2)).to(device)
     out = {}
     for loop in ("eager", "graph" if device.type == "cuda" else "static"):
-        with switched(rollout, "DECODE", loop):
+        with switched(static_decode, "DECODE", loop):
             out[loop] = rollout.sample(model, ids, mask, None, G, T, 1.0, [-1], tok.pad_token_id,
                                        return_logprobs=True, uniforms=u)
     (a, la), (b, lb) = out.values()
@@ -600,11 +601,11 @@ def arithmetic_prompts(tok, n):
 
 @torch.no_grad()
 def sample_timed(model, device, *, ids, mask, u, G, T, loop, merged, pad_id):
-    """rollout.sample's work (LoRA merged or not, prefill, decode with rollout.DECODE = loop, no EOS) -> (completions,
-    prefill seconds, decode seconds), each synchronised. On the graph path LoRA is merged as rollout.sample merges it
+    """rollout.sample's work (LoRA merged or not, prefill, decode with static_decode.DECODE = loop, no EOS) ->
+    (completions, prefill seconds, decode seconds), each synchronised. On the graph path LoRA is merged as rollout.sample merges it
     there (into the same buffers each call), so a second call replays the step the first captured."""
     keep = loop == "graph"
-    with switched(rollout, "DECODE", loop), lora_merged(model, keep=keep) if merged else contextlib.nullcontext():
+    with switched(static_decode, "DECODE", loop), lora_merged(model, keep=keep) if merged else contextlib.nullcontext():
         sync(device)
         t0 = time.perf_counter()
         start = rollout.prefill(model, ids, mask, None, G, "after")
@@ -615,7 +616,7 @@ def sample_timed(model, device, *, ids, mask, u, G, T, loop, merged, pad_id):
     return comp, t1 - t0, time.perf_counter() - t1
 
 
-DECODE_VARIANTS = {  # name: (rollout.DECODE, attention, LoRA merged as rollout.sample merges it)
+DECODE_VARIANTS = {  # name: (static_decode.DECODE, attention, LoRA merged as rollout.sample merges it)
     "before": ("eager", "sdpa", True), "eager_grouped": ("eager", "grouped", True),
     "after": ("graph", "grouped", True), "after_unmerged": ("graph", "grouped", False)}
 # the aten operator each SDPA backend dispatches to (what ran, whatever its CUDA kernels are named)
@@ -651,7 +652,6 @@ def decode(device, spec, rows_list, new_tokens, progress=lambda res: None):
     the graph is captured: its warm-up steps and the capture, `capture_seconds`, are in it) and a steady call (the
     captured step replayed, as every later step of a run), timed apart; the tokens of the graph beside the eager
     loop's from the same uniforms; the SDPA backend that ran (profiled). progress(res): the figures so far."""
-    from lib import static_decode
     dtype = torch.bfloat16 if device.type == "cuda" else torch.float32
     model, tok = load_model(spec, device, dtype)
     apply_lora(model)
@@ -680,7 +680,7 @@ def decode(device, spec, rows_list, new_tokens, progress=lambda res: None):
                 "first_call_decode_seconds": round(first_s, 3),
                 "capture_seconds": round(held.capture_seconds, 3) if held and held.captures else None,
                 "captured_again_in_steady_call": (held.captures if held else 0) - captures,
-                "decode_path": list(rollout.decode_path(model)),
+                "decode_path": list(static_decode.decode_path(model)),
                 "decode_seconds": round(decode_s, 3), "tokens": int(comp.numel()),
                 "tokens_per_s": round(comp.numel() / decode_s, 1),
                 "ms_per_decode_step": round(1000 * decode_s / comp.shape[1], 2),
@@ -703,7 +703,7 @@ def decode(device, spec, rows_list, new_tokens, progress=lambda res: None):
         set_attention(model, "sdpa")
         ids, mask = rollout.encode_prompts(tok, prompts[:4], device)
         n = 8
-        with switched(rollout, "DECODE", "eager"), profile(activities=[ProfilerActivity.CUDA]) as prof:
+        with switched(static_decode, "DECODE", "eager"), profile(activities=[ProfilerActivity.CUDA]) as prof:
             rollout.sample(model, ids, mask, None, 8, n, 1.0, [-1], tok.pad_token_id)
             sync(device)
         kernels = sum(1 for e in prof.events() if e.device_type == torch.autograd.DeviceType.CUDA)
@@ -924,8 +924,9 @@ def main(argv=None):
     ap.add_argument("--memory-cap-gib", type=float, default=76.0, help="cap this process (and TRL's) at this many "
                     "GiB of the card, what an 80 GB card leaves a run (0: no cap)")
     ap.add_argument("--graph-lora", default="merged", choices=["merged", "unmerged"], help="what the captured decode "
-                    "step reads: LoRA merged into buffers kept for the run (rollout.GRAPH_MERGED, the default) or "
-                    "unmerged inside the graph (no merged copy: ~5.2 GiB less on the 3B policy, more kernels a step)")
+                    "step reads: LoRA merged into buffers kept for the run (static_decode.GRAPH_MERGED, the "
+                    "default) or unmerged inside the graph (no merged copy: ~5.2 GiB less on the 3B policy, more "
+                    "kernels a step)")
     ap.add_argument("--sdpa-backend", default="auto", choices=SDPA_FORCE, help="force torch's SDPA kernel for every "
                     "phase in this process (torch.nn.attention.sdpa_kernel; auto: torch chooses; TRL's and the tests' "
                     "processes choose their own)")
@@ -1003,7 +1004,7 @@ def main(argv=None):
         "padded_rows": (padded_rows, device, spec), "writers": (writers, device),
         "determinism": (determinism, device, ["--preset", "smoke", "--eval-items", "0", "--device",
                                               device.type], run_dir)}
-    rollout.GRAPH_MERGED = args.graph_lora == "merged"
+    static_decode.GRAPH_MERGED = args.graph_lora == "merged"
     forced = contextlib.nullcontext()
     if args.sdpa_backend != "auto":
         from torch.nn.attention import SDPBackend, sdpa_kernel

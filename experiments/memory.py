@@ -40,7 +40,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # the reposi
 PHASES = [
     ("experts", "load_model", "load {0}"),
     ("support.harness.build", "load_model", "load {0}"),
-    ("train", "fit_state_norm", "state-norm fit (experts on the calibration prompts)"),
+    ("support.harness.build", "fit_state_norm", "state-norm fit (experts on the calibration prompts)"),
     ("adapter", "anchor_context", "anchor of C"),
     ("support.harness.run", "validation_scores", "validation"),
     ("train", "context_and_prompts", "experts + adapter: C of the batch"),

@@ -24,7 +24,7 @@ What is computed (all on the same items: a seed's runs are scored on the seed's 
   4. cost: seconds per step (metrics.jsonl), each run's training and evaluation wall time (timing.json: each
      process's, its model loading included; a control's loading apart, shared by the controls of its process),
      and the whole experiment;
-  5. support/harness/report.py's plots: fig4_* (worker shares, drawn member weights; band over seeds), conductor_* (parse
+  5. support/harness/plot.py's plots: fig4_* (worker shares, drawn member weights; band over seeds), conductor_* (parse
      rate, steps, reward), rlae_weights_* (the agent's weights, task reward against coins), reward_*; none, and one
      line saying why, without matplotlib.
 """
@@ -35,7 +35,7 @@ import numpy as np
 
 from support.harness.checkpoint import write_json
 from support.harness.config import fail
-from support.harness.report import plot_runs
+from support.harness.plot import plot_runs
 from lib.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
 
 LAST = 3  # "at the end" of a training: the mean over its last 3 steps

@@ -16,7 +16,7 @@ the core (lora, adapter, grpo, rollout, rewards, experts, baselines, train, eval
   safe_scoring.py    reasoning-gym's scorers in a sandboxed worker process with a time limit
   shape_models.py    the paper's models at their real shapes, random weights (a GPU without a hub)
   state_store.py     --expert-cache: the experts' pooled states on disk, one file per prompt
-  static_decode.py   the decode loop with fixed shapes, its step captured as a CUDA graph (rollout.DECODE)
+  static_decode.py   the rollout's decode engine: the KV-cached loop; on CUDA with fixed shapes, a CUDA graph
   stats.py           tests and intervals: Spearman, sign-flip, bootstrap, paired comparisons
   tiny_models.py     the tests' random-init models and tokenizer: hermetic, seconds on a CPU
 """

@@ -1,13 +1,21 @@
 """
-The rollout's decode loop with every shape fixed, so that one decode step can be captured as a CUDA graph once per
-run and replayed at every token of every step: no host synchronisation inside a step, ~2,000 kernel launches a token
-turned into one graph launch.
+The rollout's decode engine: from rollout.prefill's KV cache (the prompts run once, repeated G times), the loop that
+writes the completions token by token. rollout.sample and rollout.greedy_texts call `decode` (rollout.decode, for
+evaluate.py and support/harness/gold.py, which reuse one prefill); rollout.sample_plain is the plain version of the
+same thing, and tests/test_adapter.py holds the two equal. Two loops, one call:
 
-rollout.decode's loop (the reference, and the path on a CPU) grows the mask by one column a token, reads
-"has every row ended?" on the host, and leaves the attention mask to transformers, whose SDPA mask code reads a
-device tensor on the host in every forward (transformers 5.17's masking_utils). Measured on an H200 (results/gpu.md):
-~2,070 kernels a token at 74-93 ms a decode step, against a memory floor of a few ms. Here, as inference engines do
-it (vLLM and nanochat keep a static KV cache; vLLM and gpt-fast capture the decode step):
+  - the eager loop (in `decode`, the reference, and the path on a CPU): the cache grows by a column a token (written
+    in place, lib/kv_cache.py), "has every row ended?" read on the host every SYNC_EVERY tokens on a GPU (every
+    token on a CPU), and the all-padding tokens written after the last row ended cut at the end;
+  - the static loop (decode_static, CUDA's default: DECODE), the same loop with every shape fixed, so that one
+    decode step can be captured as a CUDA graph once per run and replayed at every token of every step: no host
+    synchronisation inside a step, ~2,000 kernel launches a token turned into one graph launch.
+
+Why the static loop: the eager one grows the mask by one column a token, reads "has every row ended?" on the host,
+and leaves the attention mask to transformers, whose SDPA mask code reads a device tensor on the host in every
+forward (transformers 5.17's masking_utils). Measured on an H200 (results/gpu.md): ~2,070 kernels a token at 74-93
+ms a decode step, against a memory floor of a few ms. Here, as inference engines do it (vLLM and nanochat keep a
+static KV cache; vLLM and gpt-fast capture the decode step):
 
   - the KV cache at a fixed size [N, H_kv, L, d] (L >= P + T rounded up to ALIGN; P the prefill's columns, T the new
     tokens), each layer's new key and value written at a column held in a device tensor (StaticLayer);
@@ -22,28 +30,31 @@ it (vLLM and nanochat keep a static KV cache; vLLM and gpt-fast capture the deco
     by a new tensor (a graph reads the addresses it was captured with: the Loop compares them, `addresses`), so
     the weights must be updated in place: the optimiser does, and rollout.sample merges LoRA with
     lora_merged(keep=True), into the same buffers each step (or leaves it unmerged, its parameters read inside the
-    graph: rollout.GRAPH_MERGED);
+    graph: GRAPH_MERGED);
   - fail-soft: a capture or a replay that raises does not end the call: it goes on with the same step run eagerly
     (the same tokens), from where the device's step counter stands, prints why once on stderr, and the policy's
-    later calls run the static loop eagerly; rollout.decode_path tells the run's metrics which loop ran and why;
+    later calls run the static loop eagerly; decode_path tells the run's metrics which loop ran and why;
   - "has every row ended?" read on the host every `sync_every` tokens, outside the captured step, and the
-    all-padding tokens after it cut, as rollout.decode does.
+    all-padding tokens after it cut, as the eager loop does.
 
-The same numbers as rollout.decode: the keys not yet written are zeros and masked (softmax weight exactly 0), so a
+The same numbers as the eager loop: the keys not yet written are zeros and masked (softmax weight exactly 0), so a
 token sees the same keys at the same positions; only the reductions run over a longer row (float rounding).
-tests/test_static_decode.py runs this loop eagerly (graph=False) on the CPU against rollout.decode: the same tokens
-and log-probs from the same uniforms; and with a stand-in for `capture` the graph's path around it (fail-soft,
-one capture for two steps with a LoRA update between, the addresses read). Constrained decoding (`allowed`) keeps
-rollout.decode's loop. What a CPU cannot show (the graph itself) the `cuda` tests and experiments/gpu_check.py do.
+tests/test_static_decode.py runs the static loop eagerly (graph=False) on the CPU against the eager one: the same
+tokens and log-probs from the same uniforms; and with a stand-in for `capture` the graph's path around it
+(fail-soft, one capture for two steps with a LoRA update between, the addresses read). Constrained decoding
+(`allowed`) keeps the eager loop. What a CPU cannot show (the graph itself) the `cuda` tests and
+experiments/gpu_check.py do.
 
 Memory: the Loop (its KV cache of N x L columns) and the merged weights stay allocated between steps, so the loss
 pass runs beside them: the price of capturing once (a graph captured again in every call costs ~0.2-0.5 s a step).
 support/harness/plan.py counts them as resident: the default team's --plan on CUDA says 45.0 GiB with LoRA merged
 (4.4 GiB of KV cache and 5.2 GiB of merged weights kept), 39.8 GiB unmerged, 38.9 GiB for the eager loop.
 
-  supports(policy, cache)    whether this loop can run a model's decode (plain KV layers, full attention, RoPE)
-  decode(...)                rollout.decode's arguments (no `allowed`), plus graph=True to capture the step
-  Loop, StaticLayer          the loop's tensors at one shape; one layer of its KV cache
+  DECODE, GRAPH_MERGED       which loop runs (auto: graph on CUDA, else eager); LoRA merged or not in the graph
+  decode_loop, decode_path   the loop DECODE names on a device; the loop a policy's last decode ran, and why
+  decode(...)                the loop after prefill: the static one where it can run (supports), else eager
+  decode_static(...)         decode's arguments (no `allowed`), plus graph=True to capture the step
+  Loop, StaticLayer          the static loop's tensors at one shape; one layer of its KV cache
   capture(loop, held)        WARMUP eager steps then the step recorded as a CUDA graph: its replay
   HELD                       policy -> Held: its Loop, captured step, stream and pool, and why a graph failed
 
@@ -58,7 +69,7 @@ from typing import Any, Optional
 import torch
 from transformers.cache_utils import DynamicLayer
 
-from lib.kv_cache import cache_kwargs
+from lib.kv_cache import cache_kwargs, cache_of, preallocate
 
 MODEL_TYPES = ("llama", "qwen2", "qwen3", "mistral")  # RoPE decoders whose forward takes a 4-D mask as it is
 WARMUP = 2      # eager steps before the capture (cuBLAS handles, kernel choices); they are real steps
@@ -66,8 +77,105 @@ ALIGN = 16      # the cache's length rounded up to this: 16 bf16 keys are 32 byt
                 # aligned loads (8 was enough for none of flash's, efficient's or cuDNN's tiles to skip padding)
 
 
+SYNC_EVERY = 16  # decode: on a GPU, ask whether every row has ended once per this many tokens
+DECODE = "auto"  # decode's loop: "eager", "static" or "graph" (decode_static); auto: graph on CUDA, else eager
+# the captured step reads LoRA merged into buffers kept for the run (one matmul a layer; Qwen2.5-3B's 5.2 GiB copy
+# stays beside the loss pass: --plan 45.0 GiB for the default team) or, False, unmerged (its low-rank products inside
+# the graph, ~6 kernels more a wrapped layer, no copy: --plan 39.8 GiB); experiments/gpu_check.py measures both
+GRAPH_MERGED = True
+
+
+def decode_loop(device):
+    """The loop DECODE names on `device`: "eager", "static" or "graph" (auto: graph on CUDA, else eager)."""
+    path = DECODE if DECODE != "auto" else "graph" if torch.device(device).type == "cuda" else "eager"
+    if path == "graph" and torch.device(device).type != "cuda":
+        raise ValueError(f"static_decode.DECODE = 'graph' needs a CUDA device, not {device}: on a CPU set 'static' "
+                         "(the same loop, not captured) or 'eager'")
+    return path
+
+
+def decode_path(policy):
+    """(the loop `policy`'s last decode ran: "eager", "static" or "graph"; why a captured graph failed, or None):
+    the run's metrics record both (a graph that fails goes on as "static")."""
+    held = HELD.get(policy)
+    return (held.path, held.failed) if held else ("eager", None)
+
+
+def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id,
+           greedy=False, return_logprobs=False, allowed=None, uniforms=None):
+    """The token-by-token loop of rollout.sample, from what rollout.prefill returned (cache, logits of y_0 [N, V],
+    mask [N, P], position of the last prefix token [N, 1]): draw (or argmax) a token per row, feed it, until every
+    row has ended or max_new_tokens are written. Finished rows emit pad_id. Returns the completion ids [N, T'], with
+    return_logprobs also their log-probs [N, T']; `allowed` and `uniforms` as rollout.sample's.
+
+    "Has every row ended?" needs the GPU's answer on the host (a synchronisation that stalls the
+    launch queue), so on a GPU it is asked every SYNC_EVERY tokens, and the tokens written after
+    the last row ended (all padding) are cut at the end: the same output as asking every token.
+    On CUDA the same loop runs with fixed shapes, its step captured as a CUDA graph (DECODE)."""
+    path = decode_loop(logits.device)
+    if path != "eager" and allowed is None and supports(policy, cache):
+        return decode_static(policy, cache, logits, mask, pos=pos, max_new_tokens=max_new_tokens,
+                             temperature=temperature, eos_ids=eos_ids, pad_id=pad_id, greedy=greedy,
+                             return_logprobs=return_logprobs, uniforms=uniforms, graph=path == "graph",
+                             sync_every=SYNC_EVERY)
+    if policy in HELD:  # the metrics' record of the loop that ran
+        HELD[policy].path = "eager"
+    sync_every = 1 if logits.device.type == "cpu" else SYNC_EVERY
+    preallocate(cache, max_new_tokens)  # each token written in place (lib/kv_cache.py)
+    logits = logits.float()                                               # (B*G, vocab)
+    eos = torch.tensor(eos_ids, device=logits.device)
+    done = torch.zeros(logits.shape[0], dtype=torch.bool, device=logits.device)
+    tokens, logps, ended = [], [], []
+    for t in range(max_new_tokens):
+        if allowed is not None:
+            ok = allowed(tokens[-1] if tokens else None)                      # (B*G, vocab) bool
+            logits = logits.masked_fill(~ok, -torch.inf)
+        u = None if uniforms is None else uniforms[:, t:t + 1]               # (B*G, 1)
+        nxt = logits.argmax(-1) if greedy else draw(logits, temperature, u)   # (B*G,)
+        if allowed is not None:  # draw clamps to the last token if u rounds up (p ~ 1e-7)
+            nxt = torch.where(ok.gather(-1, nxt[:, None]).squeeze(-1), nxt, logits.argmax(-1))
+        nxt = torch.where(done, torch.full_like(nxt, pad_id), nxt)  # finished rows emit padding
+        tokens.append(nxt)
+        if return_logprobs:
+            logp_all = torch.log_softmax(logits / temperature, -1)         # (B*G, vocab)
+            logps.append(logp_all.gather(-1, nxt[:, None]).squeeze(-1))
+        done = done | torch.isin(nxt, eos)
+        ended.append(done)
+        if (t + 1) % sync_every == 0 and done.all():
+            break
+        mask = torch.cat([mask, torch.ones_like(mask[:, :1])], 1)      # (B*G, P' + t + 1)
+        pos = pos + 1
+        out = policy(input_ids=nxt[:, None], attention_mask=mask, position_ids=pos,
+                     use_cache=True, **cache_kwargs(policy, cache))
+        cache, logits = cache_of(out), out.logits[:, -1].float()
+    if sync_every > 1:  # cut the all-padding tokens written after every row had ended
+        all_ended = torch.stack(ended).all(1)                                  # (t,)
+        n = int(all_ended.int().argmax()) + 1 if bool(all_ended.any()) else len(tokens)
+        tokens, logps = tokens[:n], logps[:n]
+    if return_logprobs:
+        return torch.stack(tokens, 1), torch.stack(logps, 1)
+    return torch.stack(tokens, 1)
+
+
+def draw(logits, temperature, u=None):
+    """One token per row from softmax(logits / temperature), logits [N, V] -> [N]. Inverse-CDF
+    sampling: one uniform number per row (u [N, 1] in [0, 1), drawn here if not given), where
+    torch.multinomial draws one exponential per vocabulary entry (~9 ms a step for 8 x 49k on 2
+    CPU cores). A zero-probability token has an empty CDF interval and is never drawn. Every sampler
+    draws with it: rollout.sample_plain, the eager loop, the static loop's captured step."""
+    cdf = torch.softmax(logits.float() / temperature, -1).cumsum(-1)         # (N, V)
+    if u is None:
+        u = torch.rand(cdf.shape[0], 1, device=cdf.device)
+    u = u * cdf[:, -1:]                                               # (N, 1) uniform in [0, total)
+    return torch.searchsorted(cdf, u, right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
+
+
+# ----------------------------------------------------------------------------------------------------------------
+# The static loop: fixed shapes, its step captured as a CUDA graph
+
+
 def supports(policy, cache):
-    """True where this loop runs `policy`'s decode exactly as rollout.decode does."""
+    """True where the static loop runs `policy`'s decode exactly as the eager loop does."""
     cfg = policy.config
     full = all(t == "full_attention" for t in getattr(cfg, "layer_types", None) or ["full_attention"])
     return (cfg.model_type in MODEL_TYPES and full and len(cache.layers) > 0
@@ -97,12 +205,6 @@ class StaticLayer(DynamicLayer):
         self.keys.index_copy_(2, self.col, key_states)                      # (N, H_kv, 1, d) at column col
         self.values.index_copy_(2, self.col, value_states)
         return self.keys, self.values
-
-
-def draw(logits, temperature, u):
-    """rollout.draw's inverse-CDF draw, logits [N, V], u [N, 1] -> [N] (the same ops: the same token)."""
-    cdf = torch.softmax(logits / temperature, -1).cumsum(-1)               # (N, V)
-    return torch.searchsorted(cdf, u * cdf[:, -1:], right=True).clamp(max=cdf.shape[1] - 1).squeeze(-1)
 
 
 def addresses(policy):
@@ -212,9 +314,9 @@ def capture(loop, held):
 
 
 @torch.no_grad()
-def decode(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id, greedy=False,
-           return_logprobs=False, uniforms=None, graph=False, sync_every=16):
-    """rollout.decode with fixed shapes (module docstring): from prefill's (cache, logits of y_0 [N, V], mask
+def decode_static(policy, cache, logits, mask, pos, max_new_tokens, temperature, eos_ids, pad_id, greedy=False,
+                  return_logprobs=False, uniforms=None, graph=False, sync_every=16):
+    """decode's loop with fixed shapes (module docstring): from prefill's (cache, logits of y_0 [N, V], mask
     [N, P], position of the last prefix token [N, 1]), at most max_new_tokens per row. Returns the completion
     ids [N, T'] (pad_id after each row's EOS, cut after the last row's), with return_logprobs also their
     log-probs [N, T']. uniforms [N, max_new_tokens] in [0, 1): the numbers each row's draws use (None: drawn

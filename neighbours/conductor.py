@@ -64,13 +64,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import grpo  # noqa: E402
 import rewards  # noqa: E402
-import train  # noqa: E402
 import rollout  # noqa: E402
 from adapter import routing_stats  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
-from support.harness.build import load_policy_and_data  # noqa: E402
+from support.harness.build import load_policy_and_data, run_around  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
@@ -243,12 +242,12 @@ def load_trained(args, lora_state=None, method_state=None, device="cpu"):
 
 
 def build_run(args, life):
-    """train.Run with this script's g, in train.build_run's seeded order: the frozen policy (seeded),
-    conductor(...), LoRA on the policy and the optimiser, for the run `life` (plumbing.opened)."""
+    """A Run (support/harness/build.py) with this script's g, in build_run's seeded order: the frozen policy
+    (seeded), conductor(...), LoRA on the policy and the optimiser, for the run `life` (plumbing.opened)."""
     with plumbing.one_line_errors():  # loaders raise ValueError / FileNotFoundError with a one-line message
         parts = load_policy_and_data(args, life.device)
         g = conductor(parts.team, parts.policy.config.hidden_size, args, life.device, dtype=parts.dtype)
-        run = train.run_around(parts, g, args, life.device)
+        run = run_around(parts, g, args, life.device)
     run.life = life
     return run
 

@@ -56,13 +56,12 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__)))) 
 
 import grpo  # noqa: E402
 import rewards  # noqa: E402
-import train  # noqa: E402
 from adapter import entropy  # noqa: E402
 from baselines import Context  # noqa: E402
 from experts import ExpertPool, is_encoder, load_model  # noqa: E402
-from rollout import draw, encode_prompts, eos_token_ids, prefill_shared  # noqa: E402
+from rollout import draw, encode_prompts, eos_token_ids, prefill  # noqa: E402
 from lib.kv_cache import cache_kwargs  # noqa: E402
-from support.harness.build import load_policy_and_data  # noqa: E402
+from support.harness.build import load_policy_and_data, run_around  # noqa: E402
 from support.harness.checks import parse, refuse_train_levers  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
@@ -108,9 +107,9 @@ class Member:
     @torch.no_grad()
     def start(self, prompts, G):
         """Prefill the prompts (padding behind each first token, rollout.encode_prompts, so no attention row is
-        all masked; their common beginning run once, rollout.prefill_shared) and repeat each row's cache G times."""
+        all masked; their common beginning run once, rollout.prefill's share) and repeat each row's cache G times."""
         ids, mask = encode_prompts(self.tok, prompts, self.model.device)
-        self.cache, logits, mask, _ = prefill_shared(self.model, ids, mask, None, position="after")
+        self.cache, logits, mask, _ = prefill(self.model, ids, mask, None, G=1, position="after")
         self.cache.batch_repeat_interleave(G)                                   # (B, ...) -> (B*G, ...)
         self.mask, self.logits = mask.repeat_interleave(G, 0), logits.repeat_interleave(G, 0)
 
@@ -230,12 +229,12 @@ def load_trained(args, lora_state=None, method_state=None, device="cpu"):
 
 
 def build_run(args, life):
-    """train.Run with this script's g, in train.build_run's seeded order: the frozen policy (seeded), rlae(...),
-    LoRA on the policy and the optimiser, for the run `life` (plumbing.opened)."""
+    """A Run (support/harness/build.py) with this script's g, in build_run's seeded order: the frozen policy
+    (seeded), rlae(...), LoRA on the policy and the optimiser, for the run `life` (plumbing.opened)."""
     with plumbing.one_line_errors():  # loaders raise ValueError / FileNotFoundError with a one-line message
         parts = load_policy_and_data(args, life.device)
         g = rlae(parts.team, parts.policy.config.hidden_size, args, life.device, dtype=parts.dtype)
-        run = train.run_around(parts, g, args, life.device)
+        run = run_around(parts, g, args, life.device)
     run.life = life
     return run
 

@@ -5,7 +5,7 @@ skip it. What the core itself leans on (kernels, caches, loaders, the scoring sa
 which imports nothing of it. Importing a shelf does nothing.
 
 harness/ (above the core)
-  build.py           a run's two halves around g: the policy and data, then LoRA and the optimiser
+  build.py           the Run every step reads, built around g: the policy and data, then LoRA and the optimiser
   checkpoint.py      save / load / --resume a run, atomic JSON writes
   checks.py          the flags parsed and checked between themselves, the run before anything loads, its prompts
   config.py          every train.py flag in its group, its default and type, the presets; the one-line error
@@ -15,8 +15,8 @@ harness/ (above the core)
   metrics.py         what a step logs: its metrics.jsonl record and its terminal line
   model_check.py     what a model flag may name, checked before anything loads (one line, exit code 2)
   plan.py            --plan: the memory each device needs, on PyTorch's meta device
-  plot.py            the plot train.py writes into a run's folder at the end
-  report.py          tables and figures over folders of runs (evaluate.py --summarize)
+  plot.py            the plot train.py writes into a run's folder at the end; the figures over folders of runs
+  report.py          the table and rho over folders of runs (evaluate.py --summarize)
   run.py             a run's life around the loop's steps: open, resume, log and save each step, finish
   stop.py            Ctrl-C and SIGTERM: one line, exit code 130 / 143, within seconds even in a long forward
   track.py           --track: each step's record, live, to TensorBoard, Trackio or Weights & Biases

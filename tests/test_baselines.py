@@ -8,7 +8,8 @@ import pytest
 import torch
 
 from baselines import METHODS, straight_through_gumbel
-from support.harness.report import plot_runs, summarize
+from support.harness.plot import plot_runs
+from support.harness.report import summarize
 from lib.stats import mean_std, permutation_p, ranks, spearman
 from experts import TEAMS
 

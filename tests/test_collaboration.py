@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 import torch
 
-from baselines import METHODS
+from baselines import METHODS, fit_state_norm
 from support.harness.validation import derangement
 from evaluate import paired_table
 from support.harness.validation import SHUFFLE_NA
@@ -19,7 +19,7 @@ from adapter import varying_fraction
 import rewards
 from rewards import coin_rewards
 from lib.optim import clip_gradients
-from train import fit_state_norm, main, parse_args
+from train import main, parse_args
 
 TINY = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-size", "32", "--system-prompt",
         "simple", "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4"]
@@ -240,14 +240,14 @@ def test_one_prefill_gives_the_greedy_answers_and_the_gold_logprobs(position, wi
 @pytest.mark.parametrize("position, C_kind", [("before", None), ("before", "same"), ("after", "same"),
                                               ("after", "own"), ("before", "own")])
 def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt(position, C_kind):
-    """rollout.prefill_shared runs the items' common beginning (here a long system prompt) once: the
+    """rollout.prefill (its share, G = 1) runs the items' common beginning (here a long system prompt) once: the
     greedy answers equal the whole-prompt prefill's token for token and the gold log-probs to float
     rounding, with no C, a C the same for every item (in front or behind), a C of each item's own behind
     the prompt (the prompt's beginning is still shared), and two identical items. With each item's own C
     in front nothing is shared and it is the whole-prompt prefill, bit for bit."""
     from types import SimpleNamespace
     from support.harness.gold import greedy_and_gold
-    from rollout import encode_prompts, prefill, prefill_shared
+    from rollout import encode_prompts, prefill
     tok, policy = merging_policy(seed=2)
     args = SimpleNamespace(response_prefix="<think>", context_position=position, max_new_tokens=8)
     system = "Answer with a number. Example: What is 3 + 4? <answer>7</answer> Now the question."
@@ -259,7 +259,7 @@ def test_a_shared_prefix_gives_the_answers_and_gold_logprobs_of_the_whole_prompt
     torch.manual_seed(3)
     C = {None: None, "same": torch.randn(1, 4, 64).expand(4, 4, 64), "own": torch.randn(4, 4, 64)}[C_kind]
     with torch.no_grad():
-        shared = prefill_shared(policy, ids, mask, C, position)
+        shared = prefill(policy, ids, mask, C, 1, position)
         comp, gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos, share_prefix=True)
         want, want_gold = greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos)
     in_common = int(shared[2].all(0).long().cumprod(0).sum())  # leading columns real in every row
@@ -378,7 +378,7 @@ def test_state_norm_standardises_the_calibration_states_and_travels_in_the_state
     h = g.pool.encode(QUESTIONS * 4)
     assert all(torch.equal(a, b) for a, b in zip(g.norm(h), [x.float() for x in h]))  # identity before fit
     calibration = [{"question": q, "answer": None} for q in QUESTIONS * 4 + ["Another question?"] * 2]
-    fit_state_norm(g, calibration, SimpleNamespace(state_norm_prompts=len(calibration)))  # train.py's, for every method
+    fit_state_norm(g, calibration, SimpleNamespace(state_norm_prompts=len(calibration)))  # build_run's, for every method
     z = g.norm(g.pool.encode(QUESTIONS * 4 + ["Another question?"] * 2))
     for x in z:
         torch.testing.assert_close(x.mean(0), torch.zeros(x.shape[1]), atol=1e-4, rtol=0)

@@ -165,7 +165,7 @@ def plain_greedy(model, tok, questions, n, prefix=""):
 
 
 def test_a_batch_of_workers_prompts_shares_its_beginning_and_answers_as_each_alone(tiny_policy):
-    """generate() runs a batch's common beginning once (rollout.prefill_shared) and decodes greedily: the
+    """generate() runs a batch's common beginning once (rollout.prefill's share) and decodes greedily: the
     answers equal each prompt decoded by itself, and a prompt seen before is served from the cache."""
     model, tok = tiny_policy
     questions = ["What is 2 + 3?", "What is 10 + 1 + 7?", "What is 4?"]
@@ -199,10 +199,11 @@ def test_conductor_trains_and_evaluates_on_the_tiny_team(tmp_path):
 
 
 def test_report_draws_fig4_and_table_rows_for_conductor_and_rlae(tmp_path):
-    """support/harness/report.py: both methods get a table row and a Fig. 4 of their own (workers / members by name); a conductor
-    step where nothing parsed has no utilisation and is a gap, not a crash."""
+    """support/harness/report.py and plot.py: both methods get a table row and a Fig. 4 of their own (workers /
+    members by name); a conductor step where nothing parsed has no utilisation and is a gap, not a crash."""
     pytest.importorskip("matplotlib")
-    from support.harness.report import plot_runs, summarize
+    from support.harness.plot import plot_runs
+    from support.harness.report import summarize
     for method in ("conductor", "rlae"):
         run = tmp_path / method
         os.makedirs(run)
@@ -470,7 +471,7 @@ def test_rlae_weight_curves_draw_the_task_trained_agent_beside_coins(reward):
     """rlae_weights_*.png: the agents trained on the task (its own reward or --reward exact: full marks only) are
     the solid lines, the coin-trained ones dashed. A run trained on exact was left out of the plot before."""
     plt = pytest.importorskip("matplotlib.pyplot")
-    from support.harness.report import rlae_weight_curves
+    from support.harness.plot import rlae_weight_curves
 
     def run(r, w):
         return {"cfg": {"method": "rlae", "task": "gcd", "team": "pocket", "reward": r}, "finished": True,

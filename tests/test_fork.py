@@ -154,7 +154,7 @@ normed_states.kind = baselines.Kind(tokens=True, experts="team", state_norm=True
 def test_state_norm_works_for_a_method_of_your_own_that_declares_it(tmp_path, monkeypatch):
     """Regression (a fork trap): --state-norm standardize asked hasattr(method, "fit_state_norm"), which only
     ours and no_xattn defined (each its own copy), so a new builder with a StateNorm of its own was refused after
-    the models loaded ("--method normed_states has no expert states to standardise"). Now train.fit_state_norm
+    the models loaded ("--method normed_states has no expert states to standardise"). Now baselines.fit_state_norm
     fits the .norm of any method that declares state_norm, from its .pool's states."""
     monkeypatch.setitem(baselines.METHODS, "normed_states", normed_states)
     out = str(tmp_path / "run")

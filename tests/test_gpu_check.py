@@ -79,16 +79,17 @@ def test_the_goals_are_read_from_the_phases_measured_steps_after_the_warm_up():
 
 def test_before_sets_todays_path_for_the_phase_and_puts_it_back():
     import rollout
+    from lib import static_decode
     now = {name: getattr(module, name) for module, name, _ in gpu_check.SWITCHES if hasattr(module, name)}
     rec = {}
     with gpu_check.path("before", rec):
-        assert rollout.DECODE == "eager"
+        assert static_decode.DECODE == "eager"
         assert getattr(rollout, "PLAIN_HEADS", ()) == ()
     assert {name: getattr(module, name) for module, name, _ in gpu_check.SWITCHES if hasattr(module, name)} == now
     assert rec["switches"]["DECODE"] == "'eager'" and rec["switches_absent"] == [
         name for module, name, _ in gpu_check.SWITCHES if not hasattr(module, name)]
     with gpu_check.path("after", {}):
-        assert rollout.DECODE == now["DECODE"]
+        assert static_decode.DECODE == now["DECODE"]
 
 
 def test_todays_train_flags_are_passed_only_where_train_knows_them():

@@ -107,7 +107,8 @@ def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
         assert edges[leaf] == set(), (leaf, edges[leaf])
     # lora_merged: the rollout samples with LoRA folded in; grpo's token_logprobs / head_logprobs: the scoring
     # pass's log-probs; low_precision_linears: --rollout-dtype; mlps_recomputed: the scoring pass's memory;
-    # static_decode: the decode loop with fixed shapes (a CUDA graph), on the KV cache's plumbing alone
+    # static_decode: the decode engine (the KV-cached loop; on CUDA with fixed shapes, a CUDA graph), on the KV
+    # cache's plumbing alone
     assert edges["rollout.py"] == {"lora.py", "grpo.py", "lib/low_precision.py", "lib/kv_cache.py",
                                    "lib/recompute.py", "lib/static_decode.py"}
     assert edges["lib/static_decode.py"] == {"lib/kv_cache.py"}
@@ -118,14 +119,14 @@ def test_the_leaves_import_no_project_file_and_no_core_file_imports_train():
         assert not outside, (p, outside)
 
 
-def test_nothing_but_experiments_tests_and_neighbours_imports_the_scripts():
+def test_nothing_but_experiments_and_tests_imports_the_scripts():
     """train.py and evaluate.py are the top of the core: the core and support/ take values, so no file imports a
-    script upward except an experiment or a test (they drive runs) and a neighbour's script, which builds
-    train.py's Run around its own g (train.run_around) and runs its own copy of train.py's loop."""
+    script upward except an experiment or a test (they drive runs). A neighbour's script builds its Run around its
+    own g with support/harness/build.run_around, as train.py's build_run does, and runs its own copy of train.py's
+    loop (before, it imported train.py for run_around)."""
     edges = graph()
     upward = sorted((p, q) for p, qs in edges.items() for q in qs if q in ("train.py", "evaluate.py")
-                    and p.split("/")[0] not in ("experiments", "tests")
-                    and not (p.startswith("neighbours/") and q == "train.py"))
+                    and p.split("/")[0] not in ("experiments", "tests"))
     assert not upward, upward
 
 

@@ -203,14 +203,14 @@ def test_plan_counts_one_completions_logits_and_one_prefill_layer():
 
 
 def test_on_cuda_the_plan_keeps_the_captured_decodes_buffers_through_the_loss_pass(monkeypatch):
-    """The decode step captured once per run (rollout.DECODE's graph, CUDA's default) keeps its KV cache and the
+    """The decode step captured once per run (static_decode.DECODE's graph, CUDA's default) keeps its KV cache and the
     merged LoRA weights it reads (lora_merged(keep=True)) allocated between steps, so the loss pass runs beside them:
     the plan counts them as resident on CUDA, and as the rollout's transients where the loop is not captured."""
-    import rollout
+    from lib import static_decode
     args = train.parse_args(TINY[:TINY.index("--device")] + TINY[TINY.index("--device") + 2:] + ["--device", "cuda"])
     parts = {}
     for loop in ("eager", "graph"):
-        monkeypatch.setattr(rollout, "DECODE", loop)
+        monkeypatch.setattr(static_decode, "DECODE", loop)
         parts[loop] = plan.estimate(args)[0]["cuda"]
     held = {k: v for k, v in parts["graph"].items() if k.startswith("decode graph")}
     assert set(held) == {"decode graph: merged LoRA weights", "decode graph: KV cache"} and all(held.values())
@@ -218,7 +218,7 @@ def test_on_cuda_the_plan_keeps_the_captured_decodes_buffers_through_the_loss_pa
     moved = parts["eager"]["rollout (one decode loop)"] - parts["graph"]["rollout (one decode loop)"]
     assert moved == sum(held.values())  # the same bytes, resident instead of transient
     assert plan.peak(parts["graph"]) > plan.peak(parts["eager"])
-    monkeypatch.setattr(rollout, "GRAPH_MERGED", False)  # LoRA unmerged inside the graph: no merged copy anywhere
+    monkeypatch.setattr(static_decode, "GRAPH_MERGED", False)  # LoRA unmerged inside the graph: no merged copy anywhere
     unmerged = plan.estimate(args)[0]["cuda"]
     assert "decode graph: merged LoRA weights" not in unmerged
     assert unmerged["rollout (one decode loop)"] == parts["graph"]["rollout (one decode loop)"]

@@ -253,7 +253,7 @@ def load_trained_answers(cfg, state):
 
 def test_members_prefill_without_an_all_masked_attention_row(tiny_rlae, monkeypatch):
     """Each member's prompts are padded behind their first token (rollout.encode_prompts) and their common
-    beginning runs once (rollout.prefill_shared): no attention row has every key masked, the rows CUDA's
+    beginning runs once (rollout.prefill's share): no attention row has every key masked, the rows CUDA's
     memory-efficient kernel may fill with NaN. The left-padded start before had such rows for every padded prompt."""
     from test_gpu_path import count_attention_rows
     count = count_attention_rows(monkeypatch)

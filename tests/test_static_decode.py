@@ -1,7 +1,7 @@
 """lib/static_decode.py: the decode loop with fixed shapes (the one a CUDA graph captures), run eagerly on the
-CPU against rollout.decode's loop, the reference: the same tokens and log-probs from the same uniforms, rows that
-end early cut alike, greedy alike, on the tiny policy with a LoRA that is not a no-op and on the paper policy's
-layer shape (Qwen2.5-3B's widths and heads at one layer). Plus where rollout.decode sends each call."""
+CPU against the eager loop (rollout.decode's on a CPU), the reference: the same tokens and log-probs from the same
+uniforms, rows that end early cut alike, greedy alike, on the tiny policy with a LoRA that is not a no-op and on the
+paper policy's layer shape (Qwen2.5-3B's widths and heads at one layer). Plus where rollout.decode sends each call."""
 import copy
 import json
 import os
@@ -38,7 +38,7 @@ def both_loops(policy, tok, G=3, T=12, eos_ids=None, greedy=False, prompts=None)
     eos = eos_ids if eos_ids is not None else rollout.eos_token_ids(policy, tok)
     out = []
     with torch.no_grad():
-        for loop in (rollout.decode, static_decode.decode):
+        for loop in (rollout.decode, static_decode.decode_static):
             start = rollout.prefill(policy, ids, mask, None, G, "after")
             out += loop(*[policy, *start], T, 1.0, eos, tok.pad_token_id, greedy=greedy, return_logprobs=True,
                         uniforms=u)
@@ -93,24 +93,25 @@ def test_the_static_loop_on_the_paper_policys_layer_shape(attention):
 
 
 def test_decode_sends_each_call_to_its_loop(monkeypatch, tiny_policy):
-    """auto: the eager loop on a CPU (the bit-identical fixtures' path); static / graph: static_decode's, except
+    """auto: the eager loop on a CPU (the bit-identical fixtures' path); static / graph: decode_static, except
     under constrained decoding (`allowed`), which keeps the eager loop; graph refuses a CPU."""
     calls = []
-    real = static_decode.decode
-    monkeypatch.setattr(static_decode, "decode", lambda *a, **kw: calls.append(kw["graph"]) or real(*a, **kw))
+    real = static_decode.decode_static
+    monkeypatch.setattr(static_decode, "decode_static",
+                        lambda *a, **kw: calls.append(kw["graph"]) or real(*a, **kw))
     policy, tok = tiny_policy
     ids, mask = rollout.encode_prompts(tok, ["What is 2 + 3?"], "cpu")
     run = lambda **kw: rollout.sample(policy, ids, mask, None, 2, 4, 1.0, [tok.eos_token_id],  # noqa: E731
                                       tok.pad_token_id, **kw)
     run()
     assert calls == []
-    monkeypatch.setattr(rollout, "DECODE", "static")
+    monkeypatch.setattr(static_decode, "DECODE", "static")
     a = run(uniforms=torch.full((2, 4), 0.5))
     run(allowed=lambda last: torch.ones(2, len(tok), dtype=torch.bool))
     assert calls == [False]
-    monkeypatch.setattr(rollout, "DECODE", "eager")
+    monkeypatch.setattr(static_decode, "DECODE", "eager")
     assert torch.equal(a, run(uniforms=torch.full((2, 4), 0.5)))
-    monkeypatch.setattr(rollout, "DECODE", "graph")
+    monkeypatch.setattr(static_decode, "DECODE", "graph")
     with pytest.raises(ValueError, match="CUDA"):
         run()
 
@@ -120,7 +121,7 @@ def test_a_training_step_samples_the_same_completions_with_either_loop(monkeypat
     import train
     samples = {}
     for loop in ("eager", "static"):
-        monkeypatch.setattr(rollout, "DECODE", loop)
+        monkeypatch.setattr(static_decode, "DECODE", loop)
         out = str(tmp_path / loop)
         train.main(SMOKE + ["--steps", "1", "--out", out])
         samples[loop] = [json.loads(line) for line in open(os.path.join(out, "samples.jsonl"))]
@@ -137,8 +138,8 @@ def test_the_captured_graph_draws_the_static_loops_tokens_on_cuda():
     out = []
     for graph in (False, True):
         start = rollout.prefill(policy, ids, mask, None, 3, "after")
-        out.append(static_decode.decode(policy, *start, 40, 1.0, [-1], tok.pad_token_id, return_logprobs=True,
-                                        uniforms=u, graph=graph))
+        out.append(static_decode.decode_static(policy, *start, 40, 1.0, [-1], tok.pad_token_id,
+                                               return_logprobs=True, uniforms=u, graph=graph))
     assert torch.equal(out[0][0], out[1][0])
     assert torch.allclose(out[0][1], out[1][1], atol=1e-4, rtol=0)
 
@@ -185,8 +186,8 @@ def sample_both(policy, tok, monkeypatch, T=12, prompts=("What is 2 + 3?", "A lo
     u = torch.rand(6, T, generator=torch.Generator().manual_seed(3))
     out = []
     for loop in ("eager", "graph"):
-        monkeypatch.setattr(rollout, "decode_loop", lambda device, _loop=loop: _loop, raising=False)
-        monkeypatch.setattr(rollout, "DECODE", loop)
+        monkeypatch.setattr(static_decode, "decode_loop", lambda device, _loop=loop: _loop, raising=False)
+        monkeypatch.setattr(static_decode, "DECODE", loop)
         out += rollout.sample(policy, ids, mask, None, 3, T, 1.0, [-1], tok.pad_token_id, return_logprobs=True,
                               uniforms=u)
     return out
@@ -196,7 +197,7 @@ def sample_both(policy, tok, monkeypatch, T=12, prompts=("What is 2 + 3?", "A lo
 def test_a_graph_that_fails_leaves_the_same_tokens_says_so_once_and_the_run_goes_on(where, monkeypatch, capsys):
     """Fail-soft: a capture (or a replay) that raises does not end the call: it goes on with the same loop run
     eagerly, from where the step counter stands, and draws the eager loop's tokens; stderr says so once per run,
-    and rollout.decode_path says which loop ran and why (the run's metrics record it)."""
+    and static_decode.decode_path says which loop ran and why (the run's metrics record it)."""
     policy, tok = lora_policy("tiny:llama")
     standin = StandInGraph(policy, fail_capture=where == "capture", fail_replay_at=3 if where == "replay" else None)
     monkeypatch.setattr(static_decode, "capture", standin, raising=False)
@@ -206,7 +207,7 @@ def test_a_graph_that_fails_leaves_the_same_tokens_says_so_once_and_the_run_goes
         assert torch.allclose(logp, logp_graph, atol=1e-10, rtol=0)
     err = capsys.readouterr().err
     assert err.count("CUDA graph") == 1 and f"{where} failed" in err, err
-    path, why = rollout.decode_path(policy)
+    path, why = static_decode.decode_path(policy)
     assert path == "static" and why.startswith(f"{where}: RuntimeError: stand-in")
     assert standin.captures == (0 if where == "capture" else 1)  # not tried again after a failure
 
@@ -214,11 +215,11 @@ def test_a_graph_that_fails_leaves_the_same_tokens_says_so_once_and_the_run_goes
 @pytest.mark.parametrize("merged", [True, False])
 def test_the_step_is_captured_once_per_run_and_reads_the_weights_updated_in_place(merged, monkeypatch):
     """Capture once, replay every step: LoRA's update is merged into the same buffers each step (lora_merged's
-    keep; or, rollout.GRAPH_MERGED False, read unmerged from its parameters, which the optimiser updates in place),
-    the loop's K/V buffers stay where they are, so the step captured at step 1 replays at step 2 and draws the eager
-    loop's tokens and log-probs under the updated weights. A weight replaced by a new tensor (not updated in place)
-    is seen, and the step captured again: a graph must never read a freed address."""
-    monkeypatch.setattr(rollout, "GRAPH_MERGED", merged, raising=False)
+    keep; or, static_decode.GRAPH_MERGED False, read unmerged from its parameters, which the optimiser updates in
+    place), the loop's K/V buffers stay where they are, so the step captured at step 1 replays at step 2 and draws
+    the eager loop's tokens and log-probs under the updated weights. A weight replaced by a new tensor (not updated
+    in place) is seen, and the step captured again: a graph must never read a freed address."""
+    monkeypatch.setattr(static_decode, "GRAPH_MERGED", merged, raising=False)
     policy, tok = lora_policy("tiny:llama")
     standin = StandInGraph(policy)
     monkeypatch.setattr(static_decode, "capture", standin, raising=False)
@@ -234,7 +235,7 @@ def test_the_step_is_captured_once_per_run_and_reads_the_weights_updated_in_plac
     assert torch.equal(tokens, tokens_graph) and torch.allclose(logp, logp_graph, atol=atol, rtol=0)
     assert standin.captures == 1 and standin.replays > 10 and all(standin.seen)
     assert all(torch.equal(a, b) for a, b in zip(first, kept))  # the call's output is its own, not the buffers'
-    assert rollout.decode_path(policy) == ("graph", None)
+    assert static_decode.decode_path(policy) == ("graph", None)
     loop = static_decode.HELD[policy].loop
     assert loop.L % static_decode.ALIGN == 0 and static_decode.ALIGN == 16  # 32-byte rows of bf16 keys
     tokens, _, tokens_graph, _ = sample_both(policy, tok, monkeypatch, prompts=("Hi", "What is 2 + 3?"))
@@ -267,8 +268,8 @@ def test_the_runs_metrics_say_which_decode_loop_and_attention_ran(monkeypatch, t
     import train
     samples = {}
     for loop in ("eager", "graph"):
-        monkeypatch.setattr(rollout, "decode_loop", lambda device, _loop=loop: _loop, raising=False)
-        monkeypatch.setattr(rollout, "DECODE", loop)
+        monkeypatch.setattr(static_decode, "decode_loop", lambda device, _loop=loop: _loop, raising=False)
+        monkeypatch.setattr(static_decode, "DECODE", loop)
         monkeypatch.setattr(static_decode, "capture", StandInGraph(None, fail_capture=True), raising=False)
         out = str(tmp_path / loop)
         train.main(SMOKE + ["--steps", "2", "--max-new-tokens", "8", "--out", out])
@@ -292,7 +293,7 @@ def test_on_cuda_the_step_captured_once_replays_the_static_loop_after_a_weight_u
     u = torch.rand(6, 40, generator=torch.Generator().manual_seed(1)).cuda()
 
     def run(loop):
-        monkeypatch.setattr(rollout, "DECODE", loop)
+        monkeypatch.setattr(static_decode, "DECODE", loop)
         return rollout.sample(policy, ids, mask, None, 3, 40, 1.0, [-1], tok.pad_token_id, return_logprobs=True,
                               uniforms=u)
     run("graph")
@@ -302,5 +303,5 @@ def test_on_cuda_the_step_captured_once_replays_the_static_loop_after_a_weight_u
                 p.add_(0.02)
     graph, static = run("graph"), run("static")
     held = static_decode.HELD[policy]
-    assert held.captures == 1 and held.failed is None and rollout.decode_path(policy) == ("static", None)
+    assert held.captures == 1 and held.failed is None and static_decode.decode_path(policy) == ("static", None)
     assert torch.equal(graph[0], static[0]) and torch.allclose(graph[1], static[1], atol=1e-5, rtol=0)

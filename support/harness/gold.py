@@ -21,8 +21,7 @@ import torch
 
 from grpo import completion_mask, token_logprobs
 from lora import lora_merged
-from rollout import (cache_kwargs, completion_logprobs, context_slot, decode, encode_prompts, prefill,
-                     prefill_shared)
+from rollout import cache_kwargs, completion_logprobs, context_slot, decode, encode_prompts, prefill
 
 
 def answer_bridge(response_prefix):
@@ -69,7 +68,7 @@ def greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos_ids, sh
     columns, and the gold pass runs on its own (so it does with --context-split, whose tokens are
     encoded apart from the prompt's).
 
-    share_prefix: the prefill is rollout.prefill_shared, which runs the items' common beginning
+    share_prefix: the prefill runs with rollout.prefill's share, which runs the items' common beginning
     (system prompt, worked example, and C when it is the same for every item) once per batch
     instead of once per item; it keeps each item's last k columns in its own tail for the crop.
     The same function in another order of sums: on the verdict's runs the scores were identical
@@ -81,7 +80,7 @@ def greedy_and_gold(policy, tok, ids, mask, C, prompts, golds, args, eos_ids, sh
     keep = max(1, bridge[0]) if bridge else 1  # the columns the gold pass crops stay in each tail
     with lora_merged(policy):
         cache, first, pmask, pos = (
-            prefill_shared(policy, ids, mask, C, position=slot, keep=keep) if share_prefix
+            prefill(policy, ids, mask, C, G=1, position=slot, keep=keep) if share_prefix
             else prefill(policy, ids, mask, C, G=1, position=slot, share=False))
         gold = gold_from_prefill(policy, tok, cache, pmask, pos, *bridge) if bridge else \
             gold_logprobs(policy, tok, prompts, golds, C=C, args=args, device=ids.device) if shared else None

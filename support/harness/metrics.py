@@ -9,8 +9,8 @@ import time
 import numpy as np
 import torch
 
-import rollout
 from adapter import context_probes
+from lib.static_decode import decode_path
 
 
 def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, run, args):
@@ -38,7 +38,7 @@ def step_metrics(step, batches, losses, stats, grad_norm, group_norms, skipped, 
            "lr": run.optimizer.param_groups[0]["lr"], "skipped_update": skipped,
            **context_probes([b.ctx for b in batches], run.embed_rms)}
     # which loop the rollout's decode ran (a captured graph that failed goes on as "static": why) and the attention
-    rec["decode"], rec["decode_fallback"] = rollout.decode_path(run.policy)
+    rec["decode"], rec["decode_fallback"] = decode_path(run.policy)
     rec["attention"] = run.policy.config._attn_implementation
     if args.dynamic_sampling:  # the groups whose surrogate is trained (every group's KL is)
         signal = torch.cat([b.signal for b in batches])

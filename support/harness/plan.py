@@ -46,7 +46,7 @@ import torch
 import experts
 import rollout
 from lora import apply_lora, lora_layers
-from lib import attention, shape_models, tiny_models
+from lib import attention, shape_models, static_decode, tiny_models
 from lib.shape_models import HUB_CONFIGS
 from lib.state_store import StateStore, reads_stored_states, store_identity
 
@@ -205,16 +205,16 @@ def estimate(args, world_size=1):
     rollout_parts = {"merged LoRA weights": merged * nbytes,
                      "KV cache": cache,
                      "logits of a step": 3 * R * V * 4}                 # float32 logits, softmax, cdf
-    # the decode step captured once per run (CUDA's rollout.DECODE, lib/static_decode.py) reads its KV cache
+    # the decode step captured once per run (CUDA's static_decode.DECODE, lib/static_decode.py) reads its KV cache
     # and the merged weights (lora_merged(keep=True)) at fixed addresses: they stay allocated between steps, beside
     # the loss pass; only the prefill's one layer stays a transient
-    # (rollout.GRAPH_MERGED False: LoRA unmerged inside the graph, no merged copy at all)
+    # (static_decode.GRAPH_MERGED False: LoRA unmerged inside the graph, no merged copy at all)
     held = {}
-    if device.type == "cuda" and rollout.decode_loop(device) == "graph":
+    if device.type == "cuda" and static_decode.decode_loop(device) == "graph":
         held = {"decode graph: KV cache": R * (Pc + T) * kv_token}
         rollout_parts["KV cache"] -= held["decode graph: KV cache"]
         merged_copy = rollout_parts.pop("merged LoRA weights")
-        if rollout.GRAPH_MERGED:
+        if static_decode.GRAPH_MERGED:
             held["decode graph: merged LoRA weights"] = merged_copy
     act = ACTIVATIONS_PER_TOKEN_LAYER(D) * L * nbytes
     grouped = attention.resolve(args.attention, policy, device) == attention.NAME
