@@ -34,17 +34,16 @@ import torch
 
 from baselines import METHODS, kind
 from experts import frozen_dtype, load_model, pick_device, team_models
-from support.harness.checkpoint import write_json
-from lib.files import UnsafePath, WriteFailed, link_in_run_folder
+from lib.files import UnsafePath, WriteFailed, link_in_run_folder, whole_write
 from support.harness.checks import parse_args, run_config
 from support.harness.config import (COUNT, HELP_WIDTH, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder,
                                     fail, remove_created)
 from support.harness.model_check import check_models
+from support.harness.folder import claim_expert_cache, stopping_on_signals
 from support.harness.plot import plot_runs
 from support.harness.report import load_runs, summarize
-from support.harness.run import claim_expert_cache, replace_unencodable
+from support.harness.run import replace_unencodable
 from lib.stats import paired_comparison
-from support.harness.stop import stopping_on_signals
 from support.harness.validation import read_run, restore_trained, score_items, scored, summary, validation_items
 
 # --------------------------------------------------------------------------------------------------
@@ -244,12 +243,12 @@ def main(argv=None):
         if "step" in state:
             result["step"] = int(state["step"])
         try:
-            write_json(path, result)
+            whole_write(path, result)
             if a.paired:  # eval.json too: the with-C scores are the run's validation score
-                write_json(os.path.join(os.path.dirname(path), "eval.json"),
-                           {**{k: v for k, v in result.items()
-                               if k not in ("conditions", "paired", "per_item")},
-                            "per_item": {"with_C": result["per_item"]["with_C"]}})
+                whole_write(os.path.join(os.path.dirname(path), "eval.json"),
+                            {**{k: v for k, v in result.items()
+                                if k not in ("conditions", "paired", "per_item")},
+                             "per_item": {"with_C": result["per_item"]["with_C"]}})
         except (WriteFailed, UnsafePath) as e:  # a full disk, a link planted in the run folder
             fail(f"{e}; nothing half-written was left. Free space there (or make it writable), then run "
                  "the same command again", code=4 if isinstance(e, WriteFailed) else 2)

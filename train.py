@@ -50,8 +50,8 @@ from support.harness.build import build_run, precompute_states
 from support.harness.checks import parse_args
 from support.harness.config import fail
 from support.harness.metrics import step_metrics, wall_clock
-from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders
-from support.harness.run import claim_expert_cache, resume_run, writes_or_fail
+from support.harness.folder import claim_expert_cache, writes_or_fail
+from support.harness.run import after_step, finish_run, open_run, progress_bar, release_folders, resume_run
 from lib import distributed
 from lib.optim import clip_gradients, set_learning_rates, step_if_finite
 from lib.runtime import deterministic_kernels, expandable_segments

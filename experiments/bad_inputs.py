@@ -29,6 +29,7 @@ import sys
 import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KILL_AT = os.path.join(ROOT, "experiments", "kill_at.py")  # a run killed at a chosen point (step, checkpoint, ...)
 SMOKE = ["--preset", "smoke", "--eval-items", "0", "--steps", "1"]
 GSM8K_ROW = {"question": "Tom has 2 apples and buys 3. How many?", "answer": "2 + 3 = 5\n#### 5"}
 
@@ -328,7 +329,8 @@ def write_safety_cases(p, work, T, out):
     """The write-safety round's cases (links, full disks, inputs too large, damaged checkpoints and caches,
     signals everywhere): as cases() has them, with a sixth element of options: `victim` (a file outside that must
     keep its text), `exit0` (a run that must finish: exit 0, no `error:` line), `signal` ((signal, the stdout
-    line that triggers it) or a test hook (NMUSK_TEST_SIGKILL)), `show` (the command as the table shows it)."""
+    line that triggers it) or a kill point (POINT:STEP:SIGNAL, experiments/kill_at.py)), `show` (the command as the
+    table shows it)."""
     R = T + ["--steps", "3", "--resume", "--out"]
     V = {"victim": p["victim"]}
     fresh = os.path.join(work, "fresh-OUT")
@@ -550,7 +552,7 @@ WALL_CLOCK = ("seconds", "tokens_per_s")  # the two fields that differ between t
 def chaos(command, out, steps, kills, seed=0, max_delay=10.0, env=None):
     """Run `python *command --out OUT` to its end through `kills` interruptions, each kind of KILLS in turn (a
     start that ends before its kill lands tries the same kind again) at a random moment: SIGKILL or SIGTERM after a random delay (in start-up, a step, a checkpoint write, validation,
-    the export: wherever it falls), or at a chosen point through the test hook (support/harness/checkpoint.sigkill_hook):
+    the export: wherever it falls), or at a chosen point, the run started by experiments/kill_at.py (KILL_AT):
     in the middle of a checkpoint write (SIGKILL, or SIGTERM, which waits for the write), after validating and
     before its file, after an update and before its log line. Each next start adds --resume once config.json is
     there. Returns [(kind, where, exit code)] of the interrupted starts and the final start's (exit code, stderr)."""
@@ -567,8 +569,9 @@ def chaos(command, out, steps, kills, seed=0, max_delay=10.0, env=None):
         elif kind == "step" and done < steps:
             hook = where = f"step:{rng.randint(done + 1, steps)}"
         resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
-        proc = subprocess.Popen([sys.executable, *command, "--out", out, *resume], cwd=ROOT, stdout=subprocess.DEVNULL,
-                                stderr=subprocess.PIPE, text=True, env={**env, "NMUSK_TEST_SIGKILL": hook})
+        launcher = [KILL_AT, hook] if hook else []
+        proc = subprocess.Popen([sys.executable, *launcher, *command, "--out", out, *resume], cwd=ROOT,
+                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env)
         if not hook:
             try:
                 proc.wait(timeout=float(where.split()[0]))
@@ -670,18 +673,19 @@ def listing(path):
 
 def run_case(name, argv, watch, work, trigger=None, extra_env=None):
     """(exit code, stderr, seconds) of one case. trigger: (signal, the line that fires it: "step 2/" on stdout,
-    or "stderr:TEXT"), or a test hook NMUSK_TEST_SIGKILL=POINT:STEP:SIGNAL, or None."""
+    or "stderr:TEXT"), or a kill point POINT:STEP:SIGNAL (the run started by experiments/kill_at.py), or None."""
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TOKENIZERS_PARALLELISM": "false", "PYTHONUNBUFFERED": "1",
-           "NMUSK_TEST_SIGKILL": trigger if isinstance(trigger, str) else "", **(extra_env or {})}
+           **(extra_env or {})}
     holder = None
     if name.startswith("--out held"):  # another process that holds the run folder's lock
         holder = subprocess.Popen([sys.executable, "-c", "import sys, time; sys.path.insert(0, '.'); "
-                                   "from support.harness.lock import take_lock; take_lock(sys.argv[1]); print('held', "
-                                   "flush=True); time.sleep(600)", watch], cwd=ROOT, stdout=subprocess.PIPE,
-                                  text=True)
+                                   "from support.harness.folder import take_lock; take_lock(sys.argv[1]); "
+                                   "print('held', flush=True); time.sleep(600)", watch], cwd=ROOT,
+                                  stdout=subprocess.PIPE, text=True)
         holder.stdout.readline()
     t0 = time.time()
-    proc = subprocess.Popen([sys.executable, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
+    launcher = [KILL_AT, trigger] if isinstance(trigger, str) else []
+    proc = subprocess.Popen([sys.executable, *launcher, *argv], cwd=ROOT, env=env, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True,  # Ctrl-C's default, as at a terminal
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     head = ""

@@ -44,7 +44,7 @@ import rewards  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
 from support.harness.model_check import check_models  # noqa: E402
 from neighbours import conductor, rlae  # noqa: E402
-from support.harness.checkpoint import write_json  # noqa: E402
+from lib.files import whole_write  # noqa: E402
 from support.harness.config import COUNT, ArgumentParser, fail  # noqa: E402
 
 NEIGHBOURS = {"conductor": conductor, "rlae": rlae}  # each script loads its own runs (load_trained)
@@ -113,14 +113,14 @@ def main(argv=None):
         scores = np.array(per_item["with_C"]["score"])
         result = {**evaluate.summary(scores, sources), "task": args.task, "method": name, "n": len(items),
                   "no_context": False, "scorer_status": status, "per_item": {"with_C": per_item["with_C"]}}
-        write_json(os.path.join(out, "config.json"),
-                   {**vars(args), "out": out, "control": {"name": name, **description}})
-        write_json(os.path.join(out, "timing.json"), {"eval_seconds": seconds,
-                                                      "load_seconds": load_seconds / len(controls)})
-        write_json(os.path.join(out, "eval.json"), result)          # last: its presence means the control is done
+        whole_write(os.path.join(out, "config.json"),
+                    {**vars(args), "out": out, "control": {"name": name, **description}})
+        whole_write(os.path.join(out, "timing.json"), {"eval_seconds": seconds,
+                                                       "load_seconds": load_seconds / len(controls)})
+        whole_write(os.path.join(out, "eval.json"), result)         # last: its presence means the control is done
         print(f"{name} seed {args.seed}: score {100 * result['score']:.1f} | solved {100 * result['solve_rate']:.1f}"
               f" | n {len(items)} | {seconds:.0f} s -> {out}", flush=True)
-    write_json(os.path.join(a.runs, f"controls-{a.method}-s{args.seed}.json"), {"folders": folders})
+    whole_write(os.path.join(a.runs, f"controls-{a.method}-s{args.seed}.json"), {"folders": folders})
 
 
 if __name__ == "__main__":

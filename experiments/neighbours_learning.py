@@ -62,7 +62,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.join(ROOT, "experiments"))
 
 from neighbours_table import analyse, protocol  # noqa: E402
-from support.harness.checkpoint import write_json  # noqa: E402
+from lib.files import whole_write  # noqa: E402
 from support.harness.config import COUNT, ArgumentParser, fail, number  # noqa: E402
 import verdict  # noqa: E402
 import verdict2  # noqa: E402
@@ -117,9 +117,9 @@ def train_and_evaluate(part, flags, out, n_eval, log, runner):
     if not os.path.exists(os.path.join(out, "lora_peft", "adapter_config.json")):  # its training has not finished
         resume = ["--resume"] if os.path.exists(os.path.join(out, "config.json")) else []
         timing["train_seconds"] += runner([script, *flags, *extra, "--out", out, *resume], log)
-        write_json(timing_path, timing)
+        whole_write(timing_path, timing)
     timing["eval_seconds"] = runner([script, "evaluate", "--run", out, "--n", str(n_eval)], log)
-    write_json(timing_path, timing)
+    whole_write(timing_path, timing)
 
 
 def check_folder(folder, want, flag):

@@ -33,7 +33,7 @@ import os
 
 import numpy as np
 
-from support.harness.checkpoint import write_json
+from lib.files import whole_write
 from support.harness.config import fail
 from support.harness.plot import plot_runs
 from lib.stats import hierarchical_bootstrap_ci, holm, mean_std, paired_comparison, sign_flip_p
@@ -333,7 +333,7 @@ def analyse(results, single_dir=None):
     tests = preregistered(rows, choice, weights) if os.path.exists(os.path.join(results, "preregistration.md")) \
         else []
     md = markdown(runs, rows, cond, weights, by_source, costs, total, plots, choice, exact, tests)
-    write_json(os.path.join(results, "table.json"), {
+    whole_write(os.path.join(results, "table.json"), {
         "primary": "exact solve rate" if exact else "score",
         "scores": {part: {s: r["eval"]["solve_rate" if exact else "score"] for s, r in recs.items()}
                    for part, recs in runs.items()},

@@ -30,7 +30,7 @@ from support.harness import config  # noqa: E402
 import evaluate  # noqa: E402
 import rewards  # noqa: E402
 from lib import stats  # noqa: E402
-from support.harness.checkpoint import write_json  # noqa: E402
+from lib.files import whole_write  # noqa: E402
 from experts import pick_device, team_models  # noqa: E402
 from neighbours import rlae  # noqa: E402
 
@@ -68,7 +68,7 @@ def main():
             other = json.load(f)["per_item"]["with_C"]["score"]
         result["compare"] = {"file": a.compare, **stats.paired_comparison(np.array(scores), np.array(other))}
     name = "rlae_members_" + "_".join(f"{x:g}" for x in a.weights) + f"_s{a.seed}.json"
-    write_json(os.path.join(a.out, name), result)
+    whole_write(os.path.join(a.out, name), result)
     print(json.dumps({k: v for k, v in result.items() if k != "per_item"}, indent=1))
 
 

@@ -28,7 +28,7 @@ sys.path.insert(0, ROOT)
 
 from support.harness import checks  # noqa: E402
 import rewards  # noqa: E402
-from support.harness.checkpoint import write_json  # noqa: E402
+from lib.files import whole_write  # noqa: E402
 from support.harness.gold import gold_logprobs  # noqa: E402
 from experts import load_model, team_models  # noqa: E402
 
@@ -66,7 +66,7 @@ def main(n=32, m=8):
            "anchor_rms": anchor.pow(2).mean().sqrt().item(), "no_context_gold_logprob": no_context.mean().item(),
            "anchor_vs_no_context": (base - no_context).abs().mean().item(), "rows": rows}
     name = "scale_probe.json" if anchor_kind == "zero" else "scale_probe_anchor.json"
-    write_json(os.path.join(ROOT, "results", "pocket", name), out)
+    whole_write(os.path.join(ROOT, "results", "pocket", name), out)
     print(f"RMSNorm eps {policy.config.rms_norm_eps:g} (sqrt {policy.config.rms_norm_eps ** 0.5:.4f}); "
           f"token embeddings' rms {embed_rms:.3f}; anchor {anchor_kind}: mean |change from no context tokens| "
           f"{out['anchor_vs_no_context']:.3f}")

@@ -10,11 +10,13 @@ So here:
                         never through a link (O_CREAT | O_EXCL | O_NOFOLLOW, a random name), fsynced and renamed
                         over `path`: a reader or a kill sees the old file or the new one. Any failure removes it
                         at once and leaves `path` as it was
+  whole_write(path, x)  every whole file of a run, written by replaced: text, bytes, JSON (config.json,
+                        validation.json, eval.json) or tensors (checkpoint.pt, the expert cache's states)
   replaced_name(path)   the same for a writer that takes a file name (matplotlib, save_pretrained)
   append_lines(path)    a log grows by whole lines (O_APPEND | O_NOFOLLOW); a failed write is cut back
   refuse_link(path)     a file or folder the run writes that is a symbolic link (or a pipe, a device) is refused
   WriteFailed           what a write the system refused raises (a full disk, a read-only folder, a permission);
-                        support/harness/run.py turns it into one line and exit code 4
+                        support/harness/folder.py turns it into one line and exit code 4
   link_in_run_folder    the one-line refusal, before any model loads, of a run folder holding such a link
   remove_stray_temporary_files   what a run killed while writing (SIGKILL, a power cut) left, removed on resume
 
@@ -25,13 +27,14 @@ Try it on CPU:  python -m pytest tests/test_write_safety.py -q
 import contextlib
 import errno
 import glob
+import json
 import os
 import secrets
 import shutil
 import stat
 
 NOFOLLOW = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_CLOEXEC", 0)
-PENDING = set()  # temporary files being written now: a stop from another thread (support/harness/run.py) removes them
+PENDING = set()  # temporary files being written now: the signal watchdog (support/harness/folder.py) removes them
 
 
 class WriteFailed(Exception):
@@ -93,6 +96,21 @@ def replaced(path, mode="wb"):
         yield f
         f.flush()
         os.fsync(f.fileno())
+
+
+def whole_write(path, obj):
+    """`path` replaced by `obj`, whole (replaced): a str as text, bytes as they are, a .json file as JSON (its folder
+    made if missing: evaluate.py's results), anything else with torch.save (a checkpoint, a tensor)."""
+    if path.endswith(".json"):
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+    with replaced(path, "w" if isinstance(obj, str) or path.endswith(".json") else "wb") as f:
+        if isinstance(obj, (str, bytes)):
+            f.write(obj)
+        elif path.endswith(".json"):
+            json.dump(obj, f, indent=2)
+        else:
+            import torch
+            torch.save(obj, f)
 
 
 @contextlib.contextmanager

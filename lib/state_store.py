@@ -7,7 +7,7 @@ support/harness/plan.py asks here what a run will not load).
 A shared cache is untrusted input, as a shared run folder is: a state file that cannot be read as one finite
 [d] tensor of the recorded width (truncated, foreign, a link, a crafted pickle: weights_only builds nothing else)
 counts as missing and is computed again, its file replaced; a width file that is not a number is refused in one
-line before any model loads (cache_problem). Writes are lib/files.replaced's: exclusive, never through a
+line before any model loads (cache_problem). Writes are lib/files.whole_write's: exclusive, never through a
 link, nothing left behind on a full disk.
 
 Try it on CPU:  python -m pytest tests/test_experts.py -q -k store
@@ -19,7 +19,7 @@ import stat
 
 import torch
 
-from lib.files import replaced
+from lib.files import whole_write
 
 
 def store_identity(name, device, dtype, pooling, depth, max_length):
@@ -57,8 +57,7 @@ class StateStore:
     def set_dim(self, d):
         if self.dim() != d:
             os.makedirs(self.folder, exist_ok=True)
-            with replaced(self.path("\0width")[:-3] + ".width", "w") as f:
-                f.write(str(d))
+            whole_write(self.path("\0width")[:-3] + ".width", str(d))
 
     def read(self, texts):
         """{text: state} for the texts whose state on disk reads back as one finite [d] tensor (d: the recorded
@@ -80,8 +79,7 @@ class StateStore:
     def write(self, states):
         os.makedirs(self.folder, exist_ok=True)
         for text, h in states.items():
-            with replaced(self.path(text)) as f:
-                torch.save(h.cpu().clone(), f)  # clone: not the batch's storage
+            whole_write(self.path(text), h.cpu().clone())  # clone: not the batch's storage
 
 
 def read_width(path):

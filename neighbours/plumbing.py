@@ -16,12 +16,12 @@ import grpo
 import rewards
 from baselines import NEIGHBOURS
 from experts import frozen_dtype, load_model, pick_device
-from support.harness.checkpoint import write_json
+from lib.files import whole_write
 from support.harness.config import COUNT, SPLIT_SIZE, ArgumentParser, HelpFormatter, create_folder, fail, remove_created
 from support.harness.metrics import LOSS_TERMS
 from support.harness.model_check import check_models
+from support.harness.folder import stopping_on_signals
 from support.harness.run import open_run, release_folders
-from support.harness.stop import stopping_on_signals
 from support.harness.validation import read_run, score_items, scored, validation_items
 from lib import distributed
 from lib.optim import clip_gradients, step_if_finite
@@ -97,7 +97,7 @@ def evaluation(argv, script):
     spells them. Yields `ev`, the run to score (ev.cfg: its config as a namespace, ev.state: its checkpoint, ev.n,
     ev.batch_size, ev.device), for the script to set ev.result (score_run of its own load_trained); then writes
     eval.json. Bad input, a loader's error, Ctrl-C and SIGTERM end it in one line (exit code 2, 130, 143;
-    support/harness/stop.py) with nothing half-written and the folders made for it removed again."""
+    support/harness/folder.py) with nothing half-written and the folders made for it removed again."""
     p = ArgumentParser(prog=f"{script} evaluate", description=f"Score a run of {script} on the "
                        "validation split, greedy -> eval.json", formatter_class=HelpFormatter)
     p.add_argument("--run", required=True, help=f"a run folder written by {script}")
@@ -123,7 +123,7 @@ def evaluation(argv, script):
         ev.device = pick_device(a.device)
         yield ev
     ev.result["step"] = int(state["step"])  # the checkpoint's step beside the score
-    write_json(path, ev.result)
+    whole_write(path, ev.result)
     r = ev.result
     print(f"{r['method']} on {r['task']}: score {100 * r['score']:.1f} | solved {100 * r['solve_rate']:.1f} | "
           f"n {r['n']} -> {path}")

@@ -21,12 +21,14 @@ FLAGS = ["--team", "tiny", "--task", "chain_sum", "--device", "cpu", "--dataset-
          "simple", "--batch-size", "1", "--grad-accum", "4", "--group-size", "4", "--max-new-tokens", "6",
          "--latent-dim", "32", "--num-heads", "4", "--num-latents", "4", "--lr", "3e-2", "--router-lr", "3e-2",
          "--save-every", "2", "--steps", "4"]
-# train.main with the synthetic reward of test_train.py; KILL_RANK / KILL_AT arm the SIGKILL hook on one rank only.
+# train.main with the synthetic reward of test_train.py; KILL_RANK / KILL_AT kill one rank only, at a point
+# experiments/kill_at.py names (armed before train imports the functions it wraps).
 DRIVER = """import os, sys, torch
-sys.path[:0] = [{root!r}, {tests!r}]
+sys.path[:0] = [{root!r}, {tests!r}, {experiments!r}]
 torch.set_num_threads(1)
 if os.environ.get("KILL_RANK") and os.environ.get("RANK") == os.environ["KILL_RANK"]:
-    os.environ["NMUSK_TEST_SIGKILL"] = os.environ["KILL_AT"]
+    import kill_at
+    kill_at.arm(os.environ["KILL_AT"])
 import grpo, train, test_train
 if os.environ.get("NAN_LOSS"):  # every loss NaN: every update is skipped
     real = grpo.grpo_loss
@@ -59,7 +61,8 @@ def runs(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("distributed")
     driver = str(tmp / "driver.py")
     with open(driver, "w") as f:
-        f.write(DRIVER.format(root=ROOT, tests=os.path.join(ROOT, "tests")))
+        f.write(DRIVER.format(root=ROOT, tests=os.path.join(ROOT, "tests"),
+                              experiments=os.path.join(ROOT, "experiments")))
     outs = {k: str(tmp / k) for k in ("one", "two", "one-ds", "two-ds", "killed", "bad", "nan")}
     ds = ["--dynamic-sampling", "2", "--batch-size", "2"]
     procs = {"one": start(driver, outs["one"]),

@@ -34,6 +34,7 @@ STEPS = 4
 RUN_SCRIPT = ("import sys, torch; sys.path[:0] = [{root!r}, {tests!r}]; torch.set_num_threads(1); "
               "import train, test_hardening; train.main(sys.argv[1:], score_batch=test_hardening.letter_reward)")
 RUN_SCRIPT = RUN_SCRIPT.format(root=ROOT, tests=os.path.join(ROOT, "tests"))
+KILL_AT = os.path.join(ROOT, "experiments", "kill_at.py")  # runs a script killed at a chosen point
 
 
 def letter_reward(items, completions):
@@ -86,10 +87,10 @@ def one_thread():
 
 
 def start_training(out, *extra, kill_at=None):
-    """train.main in a subprocess; with kill_at="POINT:STEP" train.py's test hook SIGKILLs it there."""
-    env = {**os.environ, "NMUSK_TEST_SIGKILL": kill_at or ""}
-    return subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(STEPS), "--out", out, *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    """train.main in a subprocess; with kill_at="POINT:STEP" experiments/kill_at.py SIGKILLs it there."""
+    launcher = [KILL_AT, kill_at] if kill_at else []
+    return subprocess.Popen([sys.executable, *launcher, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(STEPS), "--out", out,
+                             *extra], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
 
 
 def start_cli(cmd):

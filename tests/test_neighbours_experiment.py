@@ -154,11 +154,13 @@ class Killed(BaseException):
 def test_a_killed_training_resumes_from_its_checkpoint(tmp_path, monkeypatch):
     where = ["--out", str(tmp_path / "runs"), "--results", str(tmp_path / "results"), "--parts", "rlae",
              "--seeds", "0"]
+    after_step = support.harness.run.after_step
 
-    def kill_at_step_2(point, step):
-        if (point, step) == ("step", 2):
+    def killed_after_step_2(run, args, step, *rest, **kw):  # after step 2's update, before its log and checkpoint
+        if step + 1 == 2:
             raise Killed
-    monkeypatch.setattr(support.harness.run, "sigkill_hook", kill_at_step_2)  # after_step calls it first
+        return after_step(run, args, step, *rest, **kw)
+    monkeypatch.setattr(support.harness.run, "after_step", killed_after_step_2)  # rlae.py imports it as it starts
     calls = []
     with pytest.raises(Killed):
         NL.main(FLAGS + where, runner=in_process(calls))

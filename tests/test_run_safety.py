@@ -26,8 +26,8 @@ import torch
 
 import train
 from support.harness import checkpoint, run
-from support.harness.lock import LOCK_NAME, release_lock, take_lock
-from test_hardening import FLAGS, RUN_SCRIPT, letter_reward, read_metrics, same_weights
+from support.harness.folder import LOCK_NAME, release_lock, take_lock
+from test_hardening import FLAGS, KILL_AT, RUN_SCRIPT, letter_reward, read_metrics, same_weights
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -42,10 +42,10 @@ def one_thread():
 
 def start(out, *extra, steps=4, signal_at=""):
     """train.main in a subprocess (test_hardening's RUN_SCRIPT), its log lines unbuffered; signal_at:
-    "POINT:STEP:SIGNAL" sends the run that signal there (support/harness/checkpoint.py sigkill_hook)."""
-    env = {**os.environ, "PYTHONUNBUFFERED": "1", "NMUSK_TEST_SIGKILL": signal_at}
-    return subprocess.Popen([sys.executable, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(steps), "--out", out, *extra],
-                            cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+    "POINT:STEP:SIGNAL" sends the run that signal there (experiments/kill_at.py)."""
+    env, launcher = {**os.environ, "PYTHONUNBUFFERED": "1"}, [KILL_AT, signal_at] if signal_at else []
+    return subprocess.Popen([sys.executable, *launcher, "-c", RUN_SCRIPT, *FLAGS, "--steps", str(steps), "--out", out,
+                             *extra], cwd=ROOT, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
                             preexec_fn=at_a_terminal)
 
 

@@ -230,13 +230,13 @@ def full_disk_in_cache(monkeypatch):
     """The expert cache's state files meet a full disk (every other write goes through)."""
     from lib import state_store
     from lib.files import WriteFailed
-    real = state_store.replaced
+    real = state_store.whole_write
 
-    def replaced(path, *a, **k):
+    def whole_write(path, *a, **k):
         if path.endswith(".pt"):
             raise WriteFailed(path, OSError(errno.ENOSPC, "No space left on device"))
         return real(path, *a, **k)
-    monkeypatch.setattr(state_store, "replaced", replaced)
+    monkeypatch.setattr(state_store, "whole_write", whole_write)
 
 
 @pytest.mark.parametrize("precompute", [False, True], ids=["step", "precompute"])

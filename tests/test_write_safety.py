@@ -142,12 +142,12 @@ def test_a_lock_file_that_is_a_link_is_refused_and_its_target_kept(tmp_path, cap
 
 def test_each_writer_refuses_a_link_and_leaves_nothing(tmp_path):
     """The writers themselves (lib/files.py), for every kind of write: replaced, replaced_name,
-    replaced_folder, append_lines, write_json."""
+    replaced_folder, append_lines, whole_write."""
     from lib import files
     victim = outside(tmp_path)
     link = tmp_path / "link"
     os.symlink(victim, link)
-    writers = [lambda: checkpoint.write_json(str(link), {"a": 1}),
+    writers = [lambda: files.whole_write(str(link), {"a": 1}),
                lambda: files.append_lines(str(link), "x\n"),
                lambda: files.replaced_name(str(link)).__enter__(),
                lambda: files.replaced_folder(str(link)).__enter__()]
@@ -399,7 +399,7 @@ EVAL_LONG_CALL = r"""
 import sys, threading, torch
 sys.path[:0] = [{root!r}]
 torch.set_num_threads(1)
-from support.harness.stop import stopping_on_signals
+from support.harness.folder import stopping_on_signals
 with stopping_on_signals(lambda name: f"stopped by {{name}}: nothing written; run the same command again"):
     a = torch.rand(3000, 3000, dtype=torch.float64)
     threading.Timer(1.0, print, ["in the long call"], {{"flush": True}}).start()  # said from inside the call
@@ -442,7 +442,7 @@ def test_the_watchdog_has_ended_when_the_signals_are_restored():
     load ~1 finished pocket run in 2 aborted with "terminate called without an active exception" (exit -6, seen
     in the test suite as well). The watchdog is now joined before restore_signals returns."""
     import threading
-    from support.harness.stop import SignalState, answer_signals, restore_signals
+    from support.harness.folder import SignalState, answer_signals, restore_signals
     for _ in range(20):
         saved = answer_signals(SignalState(), lambda name: f"stopped by {name}")
         restore_signals(saved)

@@ -19,9 +19,8 @@ pickled) is refused in one line that names the command converting it, for a file
   check_resume       --resume refuses flags that would change the maths of the run it continues
   read_log           a JSONL log's records; a line that is not JSON is an error (a torn last line is not)
   keep_metrics_upto  drops the log lines written after the checkpoint
-  write_json         a JSON file written the same way (config.json, validation.json, evaluate.py's results)
 
-Every file here is written by lib/files.py's `replaced` (exclusive temporary file, renamed; nothing left
+Every file here is written by lib/files.py's `whole_write` (exclusive temporary file, renamed; nothing left
 behind when the disk is full), never through a link. A checkpoint records its format (CHECKPOINT_FORMAT): a newer
 one is refused before any model loads, as is one whose LoRA rank or latent queries do not fit the run.
 
@@ -31,14 +30,13 @@ import errno
 import json
 import os
 import random
-import signal
 import sys
 
 import numpy as np
 import torch
 
 from lora import load_lora_state_dict, lora_state_dict
-from lib.files import UnsafePath, refuse_link, replaced
+from lib.files import UnsafePath, refuse_link, whole_write
 
 # Flags a resumed run may change: none of them changes the maths of a step. (Neither does the number of torchrun
 # processes: a run may resume with another.) Not --expert-cache: a state read from a cache is the one computed in
@@ -53,22 +51,13 @@ RESUME_MAY_CHANGE = {"steps", "keep_activations", "device", "expert_device", "pl
 # 1: a checkpoint written before the format was recorded; 2: the same keys, and "format". A newer one is refused.
 CHECKPOINT_FORMAT = 2
 MAX_CONFIG_BYTES = 1 << 20  # a config.json holds flag values: a few kB
-def sigkill_hook(point, step):
-    """Inert unless NMUSK_TEST_SIGKILL=POINT:STEP is set (tests/test_hardening.py): die here, as a power cut
-    or the OOM killer would, to show that --resume continues exactly. POINT:STEP:SIGTERM (or SIGINT) sends
-    that signal here instead (tests/test_run_safety.py)."""
-    point_step, _, name = os.environ.get("NMUSK_TEST_SIGKILL", "").partition(":SIG")
-    if point_step == f"{point}:{step}":
-        os.kill(os.getpid(), getattr(signal, "SIG" + name) if name else signal.SIGKILL)
 
 
 def save_checkpoint(path, step, policy, method, optimizer, pool):
-    state = {"format": CHECKPOINT_FORMAT, "step": step, "lora": lora_state_dict(policy),
-             "method": method.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(pool)}
-    with replaced(path) as f:
-        torch.save(state, f)
-        f.flush()
-        sigkill_hook("checkpoint", step)  # a kill here leaves the old checkpoint and a stray .tmp file
+    """One file: the old checkpoint or the new one, whole (a kill while writing leaves the old one and a stray
+    temporary file, which the next start removes)."""
+    whole_write(path, {"format": CHECKPOINT_FORMAT, "step": step, "lora": lora_state_dict(policy),
+                       "method": method.state_dict(), "optimizer": optimizer.state_dict(), "rng": rng_state(pool)})
 
 
 def rng_state(pool):
@@ -248,16 +237,8 @@ def keep_metrics_upto(path, step):
     with open(path) as f:
         total = sum(1 for _ in f)
     kept = [line for record, line in records if record["step"] <= step]
-    with replaced(path, "w") as f:
-        f.writelines(kept)
+    whole_write(path, "".join(kept))
     return total - len(kept)
-
-
-def write_json(path, obj):
-    """Atomically: a reader (or a kill) sees the old file or the new one, never half of one."""
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    with replaced(path, "w") as f:
-        json.dump(obj, f, indent=2)
 
 
 def upgrade_checkpoint(path):
@@ -270,8 +251,7 @@ def upgrade_checkpoint(path):
         state["rng"]["numpy"] = {"name": name, "key": torch.from_numpy(np.asarray(key).astype(np.int64)),
                                  "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
     state["rng"]["python"] = [python_state[0], list(python_state[1]), python_state[2]]
-    with replaced(path) as f:
-        torch.save(state, f)
+    whole_write(path, state)
     read_checkpoint(path, "the converted file")  # it now loads with weights_only=True
 
 

@@ -26,8 +26,7 @@ import os
 
 
 from lora import save_peft
-from support.harness.checkpoint import write_json
-from lib.files import replaced, replaced_folder
+from lib.files import replaced_folder, whole_write
 
 
 def base_model(spec, out):
@@ -75,12 +74,11 @@ def export_run(out, policy, tok, method, args, team):
             f.write(base_readme(name, where))
     # detached copies on the CPU: safetensors refuses tensors that share memory
     state = {k: v.detach().to("cpu").contiguous().clone() for k, v in method.state_dict().items()}
-    with replaced(os.path.join(out, "g_phi.safetensors")) as f:
-        f.write(save(state))
-    write_json(os.path.join(out, "g_phi.json"),
-               {"method": args.method, "context_tokens": method.context_tokens,
-                "team_models": team, "flags": {k: v for k, v in vars(args).items()
-                                               if isinstance(v, (str, int, float, bool, type(None), list))}})
+    whole_write(os.path.join(out, "g_phi.safetensors"), save(state))
+    whole_write(os.path.join(out, "g_phi.json"),
+                {"method": args.method, "context_tokens": method.context_tokens,
+                 "team_models": team, "flags": {k: v for k, v in vars(args).items()
+                                                if isinstance(v, (str, int, float, bool, type(None), list))}})
 
 
 def load_trained(out, device="cpu"):

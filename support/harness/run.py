@@ -15,13 +15,13 @@ in a copy of that loop with its own g and step); each takes values, none the alg
 
 Nothing here is in the paper. What it guarantees (tests/test_hardening.py, tests/test_run_safety.py): bad input
 exits with code 2 and one line on stderr before any model loads and before anything in --out is written; one
-run at a time writes in a folder (support/harness/lock.py), rank 0 alone; an update that leaves a trainable tensor
+run at a time writes in a folder (support/harness/folder.py), rank 0 alone; an update that leaves a trainable tensor
 non-finite is undone and skipped (step_if_finite); --max-bad-steps skipped steps in a row exit with code 3, the
 checkpoint holding the last good weights; Ctrl-C (exit code 130) and SIGTERM (143) end in one line that names
-the checkpoint's step and the command that resumes, within seconds even inside a long forward (support/harness/stop.py);
+the checkpoint's step and the command that resumes, within seconds even inside a long forward (folder.py);
 --resume continues to the very numbers and files of a run never killed (support/harness/checkpoint.py,
 tests/test_chaos.py); every file is written whole, never through a link, and a write the system refuses ends in
-one line with exit code 4, nothing half-written left (lib/files.py, tests/test_write_safety.py), the
+one line with exit code 4, nothing half-written left (lib/files.py, folder.py, tests/test_write_safety.py), the
 expert cache's states too; a folder the user already had is refused, never written, and a failed first step's
 files are removed only when its config and their own form show the run wrote them (checks.user_files_problem);
 a closed or full stdout stops the run as a signal does (say, tests/test_user_files.py); every
@@ -33,10 +33,8 @@ Try it on CPU:  python -m pytest tests/test_hardening.py tests/test_run_safety.p
 import contextlib
 import json
 import os
-import shlex
 import signal
 import sys
-import threading
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -45,15 +43,13 @@ import numpy as np
 import rewards
 from experts import pick_device
 from lib import distributed
-from support.harness.checkpoint import checkpoint_step, keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
-from support.harness.checkpoint import sigkill_hook, write_json
-from support.harness.checks import check_prompt_lengths, check_run, holds_a_run, user_files_problem
-from support.harness.config import create_folder, fail, remove_created
-from lib.files import PENDING, UnsafePath, WriteFailed, append_lines, exclusive_temporary, remove_quietly
-from lib.files import link_in_run_folder, remove_stray_temporary_files, replaced_name
+from support.harness.checkpoint import keep_metrics_upto, load_checkpoint, read_log, save_checkpoint
+from support.harness.checks import check_prompt_lengths, check_run
+from support.harness.config import fail
+from lib.files import append_lines, remove_stray_temporary_files, replaced_name, whole_write
 from support.harness.export import export_run
-from support.harness.lock import LockHeld, release_lock, take_lock
-from support.harness.stop import SignalState, answer_signals, restore_signals
+from support.harness.folder import SignalState, claim_folders, let_go, restore_signals, run_paths, stop_on_signals
+from support.harness.folder import stopped_message, writes_or_fail, writing_whole
 from support.harness.track import open_tracker
 from support.harness.metrics import log_line
 from lib.runtime import hand_back_freed_memory
@@ -76,8 +72,8 @@ class Life(SignalState):
 
 def open_run(args, world):
     """Check everything that reads only (bad input exits with code 2 and one line, before any model loads),
-    take --out (support/harness/lock.py) and --expert-cache, handle Ctrl-C and SIGTERM, and pick the device. Returns the
-    run's Life; release_folders(life) lets go of --out however the run ends."""
+    take --out and --expert-cache (folder.claim_folders), handle Ctrl-C and SIGTERM, and pick the device. Returns
+    the run's Life; release_folders(life) lets go of --out however the run ends."""
     hand_back_freed_memory()  # lib/runtime.py
     replace_unencodable()
     life = Life(paths=run_paths(args.out), claim=claim_folders(args, world))
@@ -130,14 +126,12 @@ def resume_run(run, args, world):
             for name in ("metrics", "samples", "validation"):
                 if os.path.exists(paths[name]):
                     os.remove(paths[name])
-        write_json(paths["config"], {**vars(args), "team_models": run.team,
-                                     "device_used": str(run.device), "processes": world.size})
-    life.tracker = open_tracker(args, start)  # --track: each step's record, live (None without it)
-    if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
-        before = validation_scores(run, args)
-        sigkill_hook("validation", 0)  # tests: a kill after validating, before its file
-        with writes_or_fail(args):
-            write_json(paths["validation"], {"items": args.eval_items, "before": before})
+        whole_write(paths["config"], {**vars(args), "team_models": run.team,
+                                      "device_used": str(run.device), "processes": world.size})
+        life.tracker = open_tracker(args, start)  # --track: each step's record, live (None without it)
+        if args.eval_items and start == 0:  # the policy before training: B = 0 and W_out = 0, so C = 0
+            before = validation_scores(run, args)
+            whole_write(paths["validation"], {"items": args.eval_items, "before": before})
     return start
 
 
@@ -151,142 +145,15 @@ def resume_line(args, checkpoint, start, resuming, dropped):
     return line + (f"; {dropped} log line(s) after it dropped (those steps run again)" if dropped else "")
 
 
-@contextlib.contextmanager
-def writes_or_fail(args):
-    """A write the system refuses (a full disk, a read-only folder, a permission: lib/files.WriteFailed,
-    its temporary file already removed) ends the run in one line, exit code 4, saying what to free and how
-    to continue; a link planted in --out while the run ran, in one line, exit code 2."""
-    try:
-        yield
-    except (WriteFailed, UnsafePath) as e:
-        from tqdm import tqdm
-        if any(not bar.disable for bar in tqdm._instances):  # the line gets a line of its own
-            print(file=sys.stderr)
-        if isinstance(e, UnsafePath):
-            fail(f"--out {args.out}: {e}")
-        fail(write_failed_message(e, args), code=4)
-
-
-def write_failed_message(e, args):
-    """What a failed write says: which file and why (and the flag, for --expert-cache's), what is kept, what to
-    free, the command that continues."""
-    paths, folder = run_paths(args.out), os.path.dirname(os.path.abspath(e.path))
-    step = checkpoint_step(paths["checkpoint"])
-    kept = f"{paths['checkpoint']} holds step {step}" if step is not None else "no checkpoint was written yet"
-    again = (f"continue with: {resume_command(args)}" if os.path.exists(paths["config"]) and step is not None
-             else "run the same command again")
-    cache = args.expert_cache and os.path.abspath(args.expert_cache)
-    flag = f"--expert-cache {args.expert_cache}: " if cache and folder.startswith(cache) else ""
-    return (f"{flag}{e}; nothing half-written was left and {kept}. Free space on the disk that holds {folder} "
-            f"(df -h {folder}) or make it writable, then {again}")
-
-
-def claim_folders(args, world):
-    """--out made if missing and locked by this process (rank 0; another run there: exit code 2 at once), and
-    --expert-cache made and written to, before any model loads. Returns what release_folders undoes."""
-    if world.rank != 0:
-        return {"lock": None, "made": []}
-    if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # before the lock is written there
-        fail(msg)
-    if not args.resume and (msg := user_files_problem(args.out)):  # a folder of the user's: never written
-        fail(msg)
-    made = create_folder(args.out, "--out")
-    try:
-        lock = take_lock(args.out)
-    except LockHeld as e:
-        fail(f"--out {args.out} is in use by process {e} (another run writes there; one run per folder). If no "
-             f"such process runs, delete {os.path.join(args.out, '.lock')}")
-    except ValueError as e:  # .lock is a link or not a plain file
-        fail(f"--out {args.out}: {e}")
-    except OSError as e:
-        remove_created(made)
-        fail(f"--out {args.out} cannot be written ({type(e).__name__}: {e.strerror})")
-    claim = {"lock": lock, "made": made}
-    if args.expert_cache:
-        try:
-            claim_expert_cache(args.expert_cache)
-        except SystemExit:
-            release_folders(Life(claim=claim))
-            raise
-    return claim
-
-
-def claim_expert_cache(path):
-    """--expert-cache made if missing, written to once (a file made and removed) and its width files read, before
-    any model loads (train.py, --precompute-states, evaluate.py): a bad one fails in one line, exit code 2."""
-    create_folder(path, "--expert-cache")  # a file there, or in its way: one line
-    try:
-        fd, probe = exclusive_temporary(os.path.join(path, ".probe"))  # a file made, removed
-        os.close(fd)
-        remove_quietly(probe)
-        PENDING.discard(probe)
-    except WriteFailed as e:
-        fail(f"--expert-cache {path} cannot be written ({type(e.error).__name__}: {e.error.strerror})")
-    from lib.state_store import cache_problem
-    if msg := cache_problem(path, "--expert-cache"):
-        fail(msg)
-
-
 def release_folders(life):
     """Let go of --out: the --track tracker closed, the lock removed, and the folders claim_folders made removed
     again if still empty."""
     tracker, life.tracker = life.tracker, None
     if tracker:
         tracker.close()
-    let_go_of_folders(life)
+    let_go(life)
     handlers, life.signal_handlers = life.signal_handlers, None
     restore_signals(handlers)
-
-
-def let_go_of_folders(life):
-    """The lock on --out removed, and the folders claim_folders made removed again if still empty."""
-    claim, life.claim = life.claim, None
-    if claim:
-        release_lock(claim["lock"])
-        remove_created(claim["made"])
-
-
-def stop_on_signals(life, args):
-    """Ctrl-C (SIGINT) and SIGTERM end the run with one line: the step the checkpoint on disk holds (it is
-    written whole or not at all, so it is safe at any moment) and the command that continues from it; exit
-    code 128 + the signal's number (130, 143), as a shell reports a process the signal ended. A step's log
-    line, samples and checkpoint being written are finished first; nothing else is saved on the way out: what
-    ran after the checkpoint is lost, and --resume runs it again. Within a few seconds even inside a forward
-    that does not return for minutes (answer_signals). Under torchrun lib/distributed.py turns SIGTERM
-    (another rank failed) into its own line."""
-    if threading.current_thread() is not threading.main_thread():  # signals reach the main thread only
-        return
-    life.signal_handlers = answer_signals(life, lambda name: stopped_message(name, life, args),
-                                          cleanup=lambda: let_go_of_folders(life))
-
-
-def stopped_message(name, life, args):
-    paths = life.paths
-    if not os.path.exists(paths["config"]):
-        return f"stopped by {name} before the run wrote anything; to start it, run the same command again"
-    step, command = checkpoint_step(paths["checkpoint"]), resume_command(args)
-    if step is None and not holds_a_run(args.out):
-        return f"stopped by {name} before its first step ended: nothing to keep; run the same command again"
-    if step is None:
-        return (f"stopped by {name} before the first checkpoint (--save-every {args.save_every}): the steps "
-                f"that ran are lost; start again from step 0 with: {command}")
-    return (f"stopped by {name}: {paths['checkpoint']} is safe and holds step {step} of {args.steps} (any step "
-            f"after it is lost and runs again); continue with: {command}")
-
-
-def resume_command(args):
-    """This process's command line with --resume: exact for a script started as `python SCRIPT.py ...`; for a
-    run started another way (python -c, a notebook, a script that calls main) a description."""
-    argv = sys.argv
-    if os.path.basename(argv[0]) not in ("train.py", "conductor.py", "rlae.py"):
-        return f"the same flags and --resume (--out {args.out})"
-    return shlex.join(["python", *argv, *([] if "--resume" in argv else ["--resume"])])
-
-
-def run_paths(out):
-    names = {"config": "config.json", "metrics": "metrics.jsonl", "samples": "samples.jsonl",
-             "checkpoint": "checkpoint.pt", "validation": "validation.json"}
-    return {k: os.path.join(out, v) for k, v in names.items()}
 
 
 def progress_bar(start, args, writer=True):
@@ -300,7 +167,6 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
     step's metrics, its log line and the checkpoint; every rank stops (exit code 3) after --max-bad-steps
     non-finite steps in a row. `batches`: the step's, each with .questions, .items, .texts and .r. Returns
     the new count of non-finite steps in a row."""
-    sigkill_hook("step", step + 1)  # tests: a kill after the update, before its log and checkpoint
     b = batches[0]  # a few completions of the step's first prompt, with their rewards
     write_samples(run, args, step, b.questions[0], answer=b.items[0].get("answer"), texts=b.texts,
                   rewards_trained=b.r)
@@ -311,21 +177,18 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
         if stop:  # rank 0 saves the checkpoint, says why, and every rank stops together
             distributed.stop_together(run.world, "", code=3)
         return bad_steps
-    life.writing = True  # the step's line, samples and checkpoint are written whole: signals wait
-    try:
-        with writes_or_fail(args):  # a full disk: one line, exit code 4, the last good checkpoint kept
-            append_lines(life.paths["metrics"], json.dumps({k: None if isinstance(v, float) and not np.isfinite(v)
-                                                              else v for k, v in rec.items()}) + "\n")  # strict JSON
-            if life.tracker:  # --track: the same record, live
-                life.tracker.log(rec)
-            say(life, log_line(rec, args.steps), bar)
-            if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
-                parts = (run.policy, run.method, run.optimizer, run.pool)
-                save_checkpoint(life.paths["checkpoint"], step + 1, *parts)
-    finally:
-        life.writing = False
-    raise_held_signal(life)  # Ctrl-C or SIGTERM came while writing: now it stops the run
-    stop_if_stdout_refused(life, args)  # likewise a stdout that refused the log line (| head, > /dev/full)
+    # the step's line and checkpoint are written whole (signals wait for them); a full disk: one line, exit
+    # code 4, the last good checkpoint kept
+    with writing_whole(life, args):
+        append_lines(life.paths["metrics"], json.dumps({k: None if isinstance(v, float) and not np.isfinite(v)
+                                                          else v for k, v in rec.items()}) + "\n")  # strict JSON
+        if life.tracker:  # --track: the same record, live
+            life.tracker.log(rec)
+        say(life, log_line(rec, args.steps), bar)
+        if (step + 1) % args.save_every == 0 or step + 1 == args.steps or stop:
+            parts = (run.policy, run.method, run.optimizer, run.pool)
+            save_checkpoint(life.paths["checkpoint"], step + 1, *parts)
+    stop_if_stdout_refused(life, args)  # a stdout that refused the log line (| head, > /dev/full) stops it too
     if stop:  # the skipped steps left the weights as they were, and saved
         bar.close()  # so that the message gets a line of its own
         msg = (f"{bad_steps} steps in a row (--max-bad-steps) had a non-finite loss, gradient or update; stopped. "
@@ -334,13 +197,6 @@ def after_step(run, args, step, rec, batches, bar, bad_steps):
             distributed.stop_together(run.world, msg, code=3)
         fail(msg, code=3)
     return bad_steps
-
-
-def raise_held_signal(life):
-    """A signal held while a write ran (Life.signal) raised again now that the write is whole."""
-    if life.signal:
-        signum, life.signal = life.signal, None
-        signal.raise_signal(signum)
 
 
 def write_samples(run, args, step, question, answer, texts, rewards_trained):
@@ -361,13 +217,8 @@ def write_samples(run, args, step, question, answer, texts, rewards_trained):
         if args.format_bonus:
             rec["reward_with_bonus"] = rewards_trained[k].item()
         lines.append(json.dumps(rec) + "\n")
-    life.writing = True  # whole lines: a signal waits for them
-    try:
-        with writes_or_fail(args):
-            append_lines(life.paths["samples"], "".join(lines))
-    finally:
-        life.writing = False
-    raise_held_signal(life)
+    with writing_whole(life, args):  # whole lines: a signal waits for them
+        append_lines(life.paths["samples"], "".join(lines))
 
 
 def finish_run(run, args):
@@ -381,20 +232,17 @@ def finish_run(run, args):
     with writes_or_fail(args):
         export_run(args.out, run.policy, run.tok, run.method, args=args,
                    team=run.team)  # support/harness/export.py
-    from support.harness.plot import plot_run
-    say(life, f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
-        f"{', validation.json' if args.eval_items else ''})")
-    if args.eval_items:
-        with open(life.paths["validation"]) as f:
-            before = json.load(f)["before"]
-        after = validation_scores(run, args)
-        sigkill_hook("validation", args.steps)  # tests: a kill after validating, before its file
-        scores = {"items": args.eval_items, "before": before, "after": after}
-        with writes_or_fail(args):
-            write_json(life.paths["validation"], scores)
-        say(life, validation_line(before, after))
-    with writes_or_fail(args), replaced_name(os.path.join(args.out, "plot.png"), ".png") as tmp:
-        plot_run(args.out, name=os.path.basename(tmp))  # after the validation, whose scores it shows
+        from support.harness.plot import plot_run
+        say(life, f"run folder: {args.out} (metrics.jsonl, samples.jsonl, lora_peft/, g_phi.*, plot.png"
+            f"{', validation.json' if args.eval_items else ''})")
+        if args.eval_items:
+            with open(life.paths["validation"]) as f:
+                before = json.load(f)["before"]
+            after = validation_scores(run, args)
+            whole_write(life.paths["validation"], {"items": args.eval_items, "before": before, "after": after})
+            say(life, validation_line(before, after))
+        with replaced_name(os.path.join(args.out, "plot.png"), ".png") as tmp:
+            plot_run(args.out, name=os.path.basename(tmp))  # after the validation, whose scores it shows
     stop_if_stdout_refused(life, args)
     return args.out
 
