@@ -19,6 +19,7 @@ So here:
                         support/harness/folder.py turns it into one line and exit code 4
   link_in_run_folder    the one-line refusal, before any model loads, of a run folder holding such a link
   remove_stray_temporary_files   what a run killed while writing (SIGKILL, a power cut) left, removed on resume
+                                 (is_temporary: such a name)
 
 Nothing here is in the paper.
 
@@ -221,6 +222,11 @@ def link_in_run_folder(out, flag="--out"):
         except UnsafePath as e:
             return f"{flag} {out}: {e}"
     return None
+
+
+def is_temporary(name):
+    """Whether a file name in --out is a temporary file of a run's (NAME.tmpPID.XXXXXX, or the older NAME.tmpPID)."""
+    return any(name.startswith(f"{run_file}.tmp") for run_file in RUN_FILES)
 
 
 def remove_stray_temporary_files(out):

@@ -70,7 +70,7 @@ from baselines import Context  # noqa: E402
 from experts import is_encoder, load_model  # noqa: E402
 from lora import lora_disabled  # noqa: E402
 from support.harness.build import load_policy_and_data, run_around  # noqa: E402
-from support.harness.checks import parse, refuse_train_levers  # noqa: E402
+from support.harness.checks import parse  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
 from support.harness.run import after_step, finish_run, progress_bar, resume_run  # noqa: E402
@@ -363,7 +363,7 @@ def parse_args(argv=None):
         p.error(f"--max-subtask-chars {args.max_subtask_chars} is above the parser's limit of {MAX_STRING}")
     if args.workflow_decoding == "constrained" and not have_llguidance():
         p.error(NO_LIBRARY)
-    return refuse_train_levers(p, args, rewards=("task", "exact", "random"))
+    return plumbing.refuse_train_levers(p, args, rewards=("task", "exact", "random"))
 
 
 def main(argv=None, score_batch=None):

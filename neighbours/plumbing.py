@@ -1,8 +1,9 @@
 """
 The plumbing both neighbour scripts (conductor.py, rlae.py) share around their own GRPO step, written once: the
-micro-batch's items, the update, the record fields train.py logs too, the run's opening, and the `evaluate` command
-that scores a saved run. Each script keeps its own step and its own loop over the steps (train.py's loop, copied:
-one file per algorithm); nothing here takes a step, a builder or a method as an argument.
+micro-batch's items, the update, the record fields train.py logs too, the refusal of train.py's levers their step
+lacks, the run's opening, and the `evaluate` command that scores a saved run. Each script keeps its own step and its
+own loop over the steps (train.py's loop, copied: one file per algorithm); nothing here takes a step, a builder or a
+method as an argument.
 
 Try it on CPU:  python -m pytest tests/test_conductor.py tests/test_rlae.py -q -k trains_and_evaluates
 """
@@ -74,6 +75,19 @@ def opened(args):
         yield life
     finally:
         release_folders(life)
+
+
+def refuse_train_levers(p, args, rewards=("task",)):
+    """A neighbour script's own step has mu = 1, a float32 rollout and one of `rewards` (the --reward
+    values its step implements): a lever of train.py's step given to it fails loudly instead of doing
+    nothing."""
+    own_step = (args.inner_epochs == 1 and args.reward in rewards and not (
+        args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
+    if not own_step:
+        p.error(f"--method {args.method} runs its own step (mu = 1, --reward {' or '.join(rewards)}, a "
+                "float32 rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
+                "--rollout-dtype / --tis-cap")
+    return args
 
 
 @contextlib.contextmanager

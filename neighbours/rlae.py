@@ -62,7 +62,7 @@ from experts import ExpertPool, is_encoder, load_model  # noqa: E402
 from rollout import draw, encode_prompts, eos_token_ids, prefill  # noqa: E402
 from lib.kv_cache import cache_kwargs  # noqa: E402
 from support.harness.build import load_policy_and_data, run_around  # noqa: E402
-from support.harness.checks import parse, refuse_train_levers  # noqa: E402
+from support.harness.checks import parse  # noqa: E402
 from support.harness.config import COUNT, build_parser  # noqa: E402
 from support.harness.metrics import wall_clock  # noqa: E402
 from support.harness.run import after_step, finish_run, progress_bar, resume_run  # noqa: E402
@@ -321,7 +321,7 @@ def parse_args(argv=None):
     a = p.add_argument_group("RLAE's own", "the agent's decisions during decoding").add_argument
     a("--ensemble-span", type=COUNT, default=8, help="tokens between two weight decisions (paper: L = 8)")
     args = parse(p, argv)
-    return refuse_train_levers(p, args, rewards=("task", "exact", "random"))
+    return plumbing.refuse_train_levers(p, args, rewards=("task", "exact", "random"))
 
 
 def main(argv=None, score_batch=None):

@@ -284,6 +284,12 @@ def test_a_flag_given_beside_config_wins_even_at_its_default(tmp_path):
     assert args.worked_example and args.team == "tiny" and args.steps == 2  # the rest from the file
 
 
+def test_config_replays_a_text_that_looks_like_flags_as_that_text(tmp_path):
+    """The parser reads a replayed text as `--flag=TEXT`: one that begins with a dash is the flag's value."""
+    args = parse_args(["--config", saved_config(tmp_path, response_prefix="--lr 5", lr=1e-3), "--out", "elsewhere"])
+    assert (args.response_prefix, args.lr) == ("--lr 5", 1e-3)
+
+
 def test_config_replays_neither_out_nor_resume(tmp_path):
     args = parse_args(["--config", saved_config(tmp_path, resume=True), "--out", str(tmp_path / "replay")])
     assert args.out == str(tmp_path / "replay") and not args.resume
@@ -296,7 +302,7 @@ def test_config_replays_neither_out_nor_resume(tmp_path):
     ("a list", "--config {path}: not a JSON object of flag values"),
     ("unknown keys", "--config {path}: learning_rate, max_workflow_steps: not a flag of this script"),
     ("bad number", "--config {path}: --lr: must be > 0, got -0.001"),
-    ("bad choice", '--config {path}: --team: "nope" is not a value of this flag'),
+    ("bad choice", "--config {path}: {team_nope}"),  # the line `--team nope` gets on the command line
     ("bad switch", '--config {path}: --worked-example: "yes" is not a value of this flag'),
     ("null", "--config {path}: --lr: null is not a value of this flag"),
     ("no --out", "--config {path}: give --out, a new folder for the replay (the run's own holds that run)"),
@@ -319,5 +325,30 @@ def test_a_bad_config_is_one_line_and_exit_code_2_before_anything_is_written(cas
     with pytest.raises(SystemExit) as e:
         train.main(["--config", path] + flags)
     err = capsys.readouterr().err
-    assert e.value.code == 2 and err == f"error: {message.format(path=path)}\n"
+    team_nope = command_line_error(["--team", "nope"], capsys) if case == "bad choice" else None
+    assert e.value.code == 2 and err == f"error: {message.format(path=path, team_nope=team_nope)}\n"
     assert not os.path.exists(out)
+
+
+def command_line_error(flags, capsys):
+    """The line (without `error: `) that train.py's flags `flags` fail with on the command line, exit code 2."""
+    with pytest.raises(SystemExit) as e:
+        parse_args(SMOKE + flags + ["--out", "nowhere"])
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and err.startswith("error: ") and err.count("\n") == 1, err
+    return err[len("error: "):-1]
+
+
+@pytest.mark.parametrize("flag, value", [("team", "nope"), ("rollout_dtype", "int4"), ("lr", -1e-3),
+                                         ("grad_accum", 2.5), ("seed", 2 ** 40)])
+def test_a_replayed_value_is_read_by_the_parser_and_fails_with_the_command_lines_line(flag, value, tmp_path,
+                                                                                      capsys):
+    """--config reads each value with train.py's own parser, from the text the command line would give it: a bad
+    value fails with the very line that text gets there, after `--config PATH: `. Before, --config checked each
+    value again by hand, and a bad choice said `--team: "nope" is not a value of this flag` where the command
+    line lists the choices."""
+    path = saved_config(tmp_path, **{flag: value})
+    want = command_line_error([f"--{flag.replace('_', '-')}={value}"], capsys)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--config", path, "--out", str(tmp_path / "replay")])
+    assert e.value.code == 2 and capsys.readouterr().err == f"error: --config {path}: {want}\n"

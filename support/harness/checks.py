@@ -10,13 +10,12 @@ flags themselves, their types and the presets are support/harness/config.py's.
     check_prompt_lengths(run, args, start)      # support/harness/run.py resume_run: before the first forward
 
 `--config RUN/config.json --out NEW` replays a run as --preset does: the file's values are the defaults (each
-checked as its flag's text is), flags beside it win. Nothing here is in the paper.
+read by the same parser from its flag's text), flags beside it win. Nothing here is in the paper.
 
 Try it on CPU:  python -m pytest tests/test_config.py tests/test_hardening.py -q
 """
 import argparse
 import json
-import math
 import os
 
 import torch
@@ -24,11 +23,11 @@ import torch
 import rewards
 from baselines import NEIGHBOURS, kind
 from experts import team_models
-from support.harness.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume, read_log
-from support.harness.config import PRESETS, ArgumentParser, build_parser, fail
+from support.harness.checkpoint import MAX_CONFIG_BYTES, check_checkpoint, check_resume, read_checkpoint, read_log
+from support.harness.config import PRESETS, ArgumentParser, build_parser, fail, strict_json
 from support.harness.model_check import check_models
 from support.harness.track import check_library
-from lib.files import RUN_FILES
+from lib.files import RUN_FILES, is_temporary, link_in_run_folder
 
 
 def parse_args(argv=None):
@@ -69,11 +68,11 @@ RECORDED, NOT_REPLAYED = {"team_models", "device_used", "processes"}, {"out", "r
 
 
 def replayed_values(p, path):
-    """--config PATH: the flag values a run's config.json holds, each checked as the same flag on the command
-    line would be (its type, its choices), as {dest: value} for p.set_defaults: a flag given beside --config
-    wins. A flag the file lacks is newer than the run, which ran as that flag's default behaves (as --resume
-    reads it, support/harness/checkpoint.py). A file that cannot be read, is not a JSON object, names a key that is no
-    flag of `p` or holds a bad value fails in one line (exit code 2), naming p.where or --config."""
+    """--config PATH: the flag values a run's config.json holds, as {dest: value} for p.set_defaults (a flag given
+    beside --config wins), each read by `p` itself from its command-line text (replay_text): a bad one fails with
+    the line that text gets on a command line, after p.where or --config. A flag the file lacks is newer than the
+    run, which ran as its default behaves (as --resume reads it). A file that cannot be read, is not a JSON object,
+    names a key that is no flag of `p` or holds a value no command line gives fails in one line (exit code 2)."""
     where = p.where or f"--config {path}"
     try:
         if os.path.exists(path) and not os.path.isfile(path):  # a folder, or a pipe that would block the read
@@ -92,33 +91,29 @@ def replayed_values(p, path):
     unknown = sorted(set(saved) - set(flags) - RECORDED)
     if unknown:
         fail(f"{where}: {', '.join(unknown)}: not a flag of this script")
-    return {k: replayed_value(flags[k], v, where) for k, v in saved.items() if k in flags and k not in NOT_REPLAYED}
+    replayed, argv = {k: v for k, v in saved.items() if k in flags and k not in NOT_REPLAYED}, []
+    for k, v in replayed.items():
+        if (text := replay_text(flags[k], v)) is None:
+            fail(f"{where}: {flags[k].option_strings[0]}: {json.dumps(v)} is not a value of this flag")
+        argv += text
+    command_line, p.where = p.where, where
+    values = vars(p.parse_args(argv))  # the flag's type and choices; a bad value: p.error's line, after `where`
+    p.where = command_line
+    return {k: values[k] for k in replayed}
 
 
-def replayed_value(action, value, where):
-    """A config.json value for the flag `action`, checked as argparse checks the flag's text: a switch takes true
-    or false, a flag whose default is null may be null, and any other value goes through the flag's type
-    (str(value): a float's str is its exact repr) and its choices."""
+def replay_text(action, value):
+    """A config.json value as the command line gives it to the flag `action`: [] (unset: a null where the default
+    is null, a switch off), [--switch], [--flag=TEXT] (str(value): a float's str is its exact repr; a text that
+    begins with a dash is still the value); None for a value no command line gives (a switch not true or false,
+    null for a flag with a value, a number for a text flag)."""
     flag = action.option_strings[0]
-    bad = f"{where}: {flag}: {json.dumps(value)} is not a value of this flag"
     if action.nargs == 0:  # a switch (store_true)
-        if not isinstance(value, bool):
-            fail(bad)
-        return value
+        return ([flag] if value != action.default else []) if isinstance(value, bool) else None
     if value is None:
-        if action.default is not None:
-            fail(bad)
-        return value
-    if isinstance(value, bool) or not isinstance(value, str if action.type is None else (int, float, str)):
-        fail(bad)
-    if action.type is not None:
-        try:
-            value = action.type(str(value))
-        except (argparse.ArgumentTypeError, ValueError) as e:
-            fail(f"{where}: {flag}: {e}")
-    if action.choices is not None and value not in action.choices:
-        fail(bad)
-    return value
+        return [] if action.default is None else None
+    text_kinds = str if action.type is None else (int, float, str)
+    return [f"{flag}={value}"] if isinstance(value, text_kinds) and not isinstance(value, bool) else None
 
 
 def check_args(p, args):
@@ -189,7 +184,6 @@ def check_args(p, args):
 
 
 MAX_TEXT = 100_000  # characters in a text flag's value: a prompt part far beyond any model's context
-MAX_JSON_DEPTH = 8  # nesting of --task-config (reasoning-gym's configs are flat)
 
 
 def text_problem(args):
@@ -203,40 +197,6 @@ def text_problem(args):
                    f"is {len(v)} characters, above {MAX_TEXT}: far beyond any model's context")
             return f"--{k.replace('_', '-')} {why}"
     return None
-
-
-def strict_json(text, depth=MAX_JSON_DEPTH):
-    """json.loads that holds a value to a flag's rules: finite numbers only (JSON's NaN, Infinity and 1e400 are
-    refused), nesting at most `depth` deep. ValueError with a one-line reason."""
-    def finite(v):
-        v = float(v)
-        if not math.isfinite(v):
-            raise ValueError(f"{v} is not a finite number")
-        return v
-
-    def no_constant(name):
-        raise ValueError(f"{name} is not a finite number")
-
-    # nesting counted before parsing: json.loads recurses once per level and a deep text overflows the stack
-    level, deepest, quoted, escaped = 0, 0, False, False
-    for ch in text:
-        if quoted:  # inside a string: brackets do not count
-            if escaped:
-                escaped = False
-            elif ch == "\\":
-                escaped = True
-            elif ch == '"':
-                quoted = False
-        elif ch == '"':
-            quoted = True
-        elif ch in "[{":
-            level += 1
-            deepest = max(deepest, level)
-        elif ch in "]}":
-            level -= 1
-    if deepest > depth:
-        raise ValueError(f"nested {deepest} deep, more than {depth}")
-    return json.loads(text, parse_float=finite, parse_constant=no_constant)
 
 
 def json_problem(text, flag):
@@ -254,19 +214,6 @@ def json_problem(text, flag):
 def low_precision_frozen(args):
     """The frozen weights will be below float32: --dtype bfloat16, or auto on a CUDA machine."""
     return args.dtype == "bfloat16" or (args.dtype == "auto" and args.device != "cpu" and torch.cuda.is_available())
-
-
-def refuse_train_levers(p, args, rewards=("task",)):
-    """A neighbour script's own step has mu = 1, a float32 rollout and one of `rewards` (the --reward
-    values its step implements): a lever of train.py's step given to it fails loudly instead of doing
-    nothing."""
-    own_step = (args.inner_epochs == 1 and args.reward in rewards and not (
-        args.format_bonus or args.dynamic_sampling or args.tis_cap or args.rollout_dtype != "float32"))
-    if not own_step:
-        p.error(f"--method {args.method} runs its own step (mu = 1, --reward {' or '.join(rewards)}, a "
-                "float32 rollout): drop --inner-epochs / --reward / --format-bonus / --dynamic-sampling / "
-                "--rollout-dtype / --tis-cap")
-    return args
 
 
 def run_config(folder):
@@ -348,11 +295,6 @@ def from_its_run(path):
     return name == "config.json" or name not in RUN_FILES
 
 
-def is_temporary(name):
-    """A temporary file a run killed while writing left (lib/files.remove_stray_temporary_files)."""
-    return any(name.startswith(f"{run_file}.tmp") for run_file in RUN_FILES)
-
-
 def holds_a_run(out):
     """Whether `out` holds a run that finished a step: a checkpoint or a line in metrics.jsonl."""
     metrics = os.path.join(out, "metrics.jsonl")
@@ -365,7 +307,6 @@ def finished_run(out, steps, eval_items):
     written after the last step) and, with eval_items, its validation after training. Reads only. (--resume of
     such a run still finishes it again, export and validation: a run killed in its export or validation needs
     exactly that, and the chaos test kills runs there.)"""
-    from support.harness.checkpoint import read_checkpoint
     checkpoint, validation = os.path.join(out, "checkpoint.pt"), os.path.join(out, "validation.json")
     if not (os.path.isfile(checkpoint) and os.path.isfile(os.path.join(out, "lora_peft", "adapter_config.json"))):
         return False
@@ -387,7 +328,6 @@ def check_run(args, world, config_path):
     or raises ValueError / FileNotFoundError with a one-line message; writes nothing. A folder whose run never
     finished a step (it failed while loading, or ran out of memory in its first step: a config.json, no
     checkpoint, no metrics) is no run to keep: the same command may start it again."""
-    from lib.files import link_in_run_folder
     if os.path.lexists(args.out) and (msg := link_in_run_folder(args.out)):  # a shared folder's planted link
         fail(msg)
     if args.resume and (msg := check_resume(args, config_path, build_parser().get_default)):
@@ -417,7 +357,6 @@ def check_run(args, world, config_path):
         models.append((team["router"], by_team))
     check_models(models)
     if args.expert_device:
-        import torch
         if args.expert_device.startswith("cuda") and not torch.cuda.is_available():
             raise ValueError(f"--expert-device {args.expert_device}: CUDA is not available")
         if world.size > 1 and args.expert_device.startswith("cuda"):

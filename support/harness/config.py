@@ -9,7 +9,8 @@ describe, are support/harness/checks.py's: its parse_args parses train.py's flag
 
 One flat argparse block, as nanochat's scripts have it: flags use dashes, variables underscores. Each number is
 checked by its type (COUNT, NONNEG, POSITIVE, number(...)), so a bad value fails on its own line, naming its
-flag, with exit code 2 and before anything is written. train.py, evaluate.py, support/harness/plan.py, the
+flag, with exit code 2 and before anything is written; a JSON value (--task-config, --config's file) is read by
+strict_json (finite numbers, MAX_JSON_DEPTH deep). train.py, evaluate.py, support/harness/plan.py, the
 neighbours and the experiments all build their training flags here (build_parser), so a flag means the same
 everywhere. A value may be negative ("--flag -1e-3" is a value, not an option); each flag's type says whether a
 negative value makes sense.
@@ -21,6 +22,7 @@ defaults of its settings (--help's first group).
 Try it on CPU:  python train.py --help
 """
 import argparse
+import json
 import math
 import os
 import re
@@ -67,6 +69,43 @@ def number(kind, low, low_ok=True, high=None, why_high=""):
 COUNT, NONNEG, POSITIVE = number(int, 1), number(float, 0), number(float, 0, low_ok=False)
 # items of one split: their reasoning-gym seeds must fit in the split's range (rewards.MAX_DATASET_SIZE)
 SPLIT_SIZE = number(int, 1, high=rewards.MAX_DATASET_SIZE, why_high=" (the most items a split holds)")
+
+MAX_JSON_DEPTH = 8  # nesting of a JSON flag value (--task-config: reasoning-gym's configs are flat; --config's file)
+
+
+def strict_json(text, depth=MAX_JSON_DEPTH):
+    """json.loads that holds a value to a flag's rules: finite numbers only (JSON's NaN, Infinity and 1e400 are
+    refused), nesting at most `depth` deep. ValueError with a one-line reason."""
+    def finite(v):
+        v = float(v)
+        if not math.isfinite(v):
+            raise ValueError(f"{v} is not a finite number")
+        return v
+
+    def no_constant(name):
+        raise ValueError(f"{name} is not a finite number")
+
+    # nesting counted before parsing: json.loads recurses once per level and a deep text overflows the stack
+    level, deepest, quoted, escaped = 0, 0, False, False
+    for ch in text:
+        if quoted:  # inside a string: brackets do not count
+            if escaped:
+                escaped = False
+            elif ch == "\\":
+                escaped = True
+            elif ch == '"':
+                quoted = False
+        elif ch == '"':
+            quoted = True
+        elif ch in "[{":
+            level += 1
+            deepest = max(deepest, level)
+        elif ch in "]}":
+            level -= 1
+    if deepest > depth:
+        raise ValueError(f"nested {deepest} deep, more than {depth}")
+    return json.loads(text, parse_float=finite, parse_constant=no_constant)
+
 
 # The README's first run: the pocket team on 2-term sums, 6 steps with the speedrun's levers, scored on 100
 # validation items before and after (about 9 minutes on a 2-core CPU). `smoke`: the tiny random-init team,
