@@ -190,7 +190,7 @@ class StaticLayer(DynamicLayer):
 
     def __init__(self, layer, length, col):
         super().__init__()
-        (N, H, P, Dk), Dv = layer.keys.shape, layer.values.shape[-1]
+        (N, H, _, Dk), Dv = layer.keys.shape, layer.values.shape[-1]
         self.keys = layer.keys.new_zeros(N, H, length, Dk)  # zeros, not empty: 0 x NaN would reach the output
         self.values = layer.values.new_zeros(N, H, length, Dv)
         self.col = col
