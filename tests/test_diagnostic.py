@@ -88,3 +88,23 @@ def test_a_third_seed_goes_to_an_arm_whose_seeds_disagree_within_the_budget(tmp_
     for name in ("paper_lr-s0", "paper_lr-s1", "frozen_policy-s0", "frozen_policy-s1"):
         write(os.path.join(costly, name), diagnostic.load_run(os.path.join(records, name)), 3.5)
     assert diagnostic.third_seed_arms(costly) == []
+
+
+def test_the_results_prose_table_is_what_the_records_give():
+    """results/diagnostic/README.md's seed-0 table, recomputed from the committed records and the twin's (the same
+    `measures` table.md uses); a number typed by hand that the records do not give fails here."""
+    text = open(os.path.join(ROOT, "results", "diagnostic", "README.md")).read()
+    records = os.path.join(ROOT, "results", "diagnostic", "runs")
+
+    def cells(m):
+        three = lambda key: " / ".join(  # noqa: E731
+            "–" if m.get(f"{key}_{s}") is None else f"{m[f'{key}_{s}']:+.0f}".replace("-", "−")
+            for s in diagnostic.CHECKPOINTS)
+        return (f"| {m['flat_early']:.2f} → {m['flat_late']:.2f} | {m['g_early']:.3f} → {m['g_late']:.3f} | "
+                f"{three('shuffled')} | {three('anchor')} | {m['exact_300']:.0f} % |")
+    rows = {"twin (LoRA lr 1e-3)": diagnostic.twin_measures(0),
+            "P: LoRA lr 1e-4": diagnostic.measures(diagnostic.load_run(os.path.join(records, "paper_lr-s0"))),
+            "F: policy frozen": diagnostic.measures(
+                diagnostic.load_run(os.path.join(records, "frozen_policy-s0")))}
+    for name, m in rows.items():
+        assert f"| {name} {cells(m)}" in text, (name, cells(m))
