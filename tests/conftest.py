@@ -9,8 +9,12 @@ import torch
 os.environ["HF_HUB_OFFLINE"] = "1"
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Threads: OMP_NUM_THREADS when it is set (the suite holds at 1 and at 2, two orders of sums), else one per
-# pytest-xdist worker (the workers already share the cores), else at most 2.
+# pytest-xdist worker (the workers already share the cores), else at most 2. A worker's one thread is also its
+# subprocesses' (train.py runs, torchrun): with torch's default of one thread a core, each run two workers start
+# would share the cores with the other worker's (the pocket step took 53 s so, 27 s alone).
 if "OMP_NUM_THREADS" not in os.environ:
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        os.environ["OMP_NUM_THREADS"] = "1"
     torch.set_num_threads(1 if os.environ.get("PYTEST_XDIST_WORKER") else max(1, min(2, os.cpu_count() or 1)))
 
 
