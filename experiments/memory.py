@@ -50,7 +50,7 @@ PHASES = [
     ("torch", "Tensor.backward", "backward"),
     ("torch.optim", "AdamW.step", "optimizer step"),
     ("support.harness.run", "save_checkpoint", "checkpoint"),
-    ("support.harness.run", "save_peft", "LoRA saved"),
+    ("support.harness.export", "save_peft", "LoRA saved"),
 ]
 
 
