@@ -16,7 +16,7 @@ it changes no step's maths, the lr is constant), and so on.
     python experiments/diagnostic.py --cores 1 --out /work/runs/diagnostic \
         --records /work/main/results/diagnostic/runs --commit-into /work/main
     python experiments/diagnostic.py --status --out /work/runs/diagnostic   # archived, running, left
-    python experiments/diagnostic.py --analyse     # results/diagnostic/table.md from the records and the twins
+    python experiments/diagnostic.py --analyse     # results/diagnostic/table.md and curves.png from the records
 """
 import argparse
 import json
@@ -261,7 +261,8 @@ def table(records):
          "rate with its C minus with another item's C / with the anchor, points on the same 100 items (gold "
          "log-prob difference in nats in brackets).", "",
          "| run | steps | flat 1–25 → 200–300 | g_phi 1–25 → 200–300 | signal | "
-         "exact with C 100 / 200 / 300 | C − shuffled 100 / 200 / 300 | C − anchor 100 / 200 / 300 | C rms / token |", "|---" * 9 + "|"]
+         "exact with C 100 / 200 / 300 | C − shuffled 100 / 200 / 300 | C − anchor 100 / 200 / 300 | "
+         "C rms / token |", "|---" * 9 + "|"]
     names = sorted(n for n in os.listdir(records)) if os.path.isdir(records) else []
     rows = [(n, measures(load_run(os.path.join(records, n)))) for n in names]
     seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in names})
@@ -292,6 +293,62 @@ def table(records):
     return "\n".join(L) + "\n"
 
 
+def rolling(x, k, how):
+    """A trailing window of k steps (fewer at the start), NaN-aware: how is np.nanmean or np.nanmedian."""
+    return np.array([how(x[max(0, i - k + 1):i + 1]) for i in range(len(x))])
+
+
+def curves(records, path):
+    """The figure beside table.md: per seed (a column), the twin, P and F over the steps: the flat share of
+    first-draw groups (25-step mean), g_phi's gradient norm (25-step median, log scale), and C − shuffled C at each
+    evaluation (exact, points). Returns the path, or None (no matplotlib, or no records)."""
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        return None
+    names = sorted(os.listdir(records)) if os.path.isdir(records) else []
+    seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in names})
+    if not seeds:
+        return None
+    fig, axes = plt.subplots(3, len(seeds), figsize=(4.2 * len(seeds), 8), squeeze=False, sharex=True)
+    style = {"twin": ("0.45", "twin (LoRA lr 1e-3)"), "paper_lr": ("C0", "P: LoRA lr 1e-4"),
+             "frozen_policy": ("C1", "F: policy frozen")}
+    for j, seed in enumerate(seeds):
+        runs = [("twin", os.path.join(TWINS, f"ours_strong-s{seed}"))]
+        runs += [(arm, os.path.join(records, f"{arm}-s{seed}")) for arm in arms() if f"{arm}-s{seed}" in names]
+        for arm, d in runs:
+            if not os.path.isdir(d):
+                continue
+            rec = load_run(d)
+            color, label = style[arm]
+            col = lambda k: np.array([m.get(k) if m.get(k) is not None else np.nan  # noqa: E731
+                                      for m in rec["metrics"]], dtype=float)
+            steps = np.arange(1, len(rec["metrics"]) + 1)
+            axes[0, j].plot(steps, rolling(col("zero_std_fraction"), 25, np.nanmean), color=color, label=label)
+            axes[1, j].plot(steps, np.maximum(rolling(col("grad_norm_g_phi"), 25, np.nanmedian), 1e-5), color=color)
+            m = measures(rec)
+            at = [s for s in CHECKPOINTS if f"shuffled_{s}" in m]
+            axes[2, j].plot(at, [m[f"shuffled_{s}"] for s in at], "o-", color=color)
+        axes[0, j].set_title(f"seed {seed}")
+        axes[0, j].axhline(0.70, ls=":", color="k", lw=0.8)
+        axes[1, j].set_yscale("log")
+        axes[1, j].axhline(0.1, ls=":", color="k", lw=0.8)
+        axes[2, j].axhline(0, ls=":", color="k", lw=0.8)
+        axes[2, j].set_xlabel("step")
+    axes[0, 0].set_ylabel("flat first draws\n(25-step mean)")
+    axes[1, 0].set_ylabel("g_phi gradient norm\n(25-step median)")
+    axes[2, 0].set_ylabel("C − shuffled C\n(exact, points, 100 items)")
+    axes[0, 0].legend(fontsize=7)
+    fig.suptitle("The diagnostic: dotted lines are the pre-registered thresholds (flat 0.70, gradient 0.1, C − "
+                 "shuffled 0)", fontsize=9)
+    fig.tight_layout()
+    fig.savefig(path, dpi=100)
+    plt.close(fig)
+    return path
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--out", default=os.path.join(ROOT, "runs", "diagnostic"), help="folder for the runs")
@@ -299,7 +356,8 @@ def main():
     p.add_argument("--cores", nargs="+", type=int, default=[1], help="one pinned worker per core")
     p.add_argument("--commit-into", default=None, help="a git checkout in which each record is committed")
     p.add_argument("--status", action="store_true", help="which runs are archived, running, left")
-    p.add_argument("--analyse", action="store_true", help="write results/diagnostic/table.md from the records")
+    p.add_argument("--analyse", action="store_true",
+                   help="write results/diagnostic/table.md and curves.png from the records")
     p.add_argument("--worker", action="store_true", help=argparse.SUPPRESS)
     p.add_argument("--core", type=int, default=None, help=argparse.SUPPRESS)
     a = p.parse_args()
@@ -311,6 +369,8 @@ def main():
         with open(os.path.join(os.path.dirname(records), "table.md"), "w") as f:
             f.write(md)
         print(md)
+        drawn = curves(records, os.path.join(os.path.dirname(records), "curves.png"))
+        print(f"figure: {drawn}" if drawn else "figure: not drawn (no matplotlib or no records)")
     elif a.worker:
         problem = worker_problem(a.core)
         if problem:

@@ -4,6 +4,7 @@ import json
 import os
 import sys
 
+import numpy as np
 import pytest
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -108,3 +109,20 @@ def test_the_results_prose_table_is_what_the_records_give():
                 diagnostic.load_run(os.path.join(records, "frozen_policy-s0")))}
     for name, m in rows.items():
         assert f"| {name} {cells(m)}" in text, (name, cells(m))
+
+
+def test_the_figures_windows_trail_and_skip_missing_steps():
+    x = np.array([1.0, np.nan, 3.0, 5.0, 7.0])
+    assert diagnostic.rolling(x, 2, np.nanmean).tolist() == [1.0, 1.0, 3.0, 4.0, 6.0]
+    assert diagnostic.rolling(x, 3, np.nanmedian).tolist() == [1.0, 1.0, 2.0, 4.0, 5.0]
+
+
+def test_the_figure_is_drawn_per_seed_from_the_records(tmp_path):
+    pytest.importorskip("matplotlib")
+    records = str(tmp_path / "runs")
+    assert diagnostic.curves(records, str(tmp_path / "none.png")) is None   # no records: nothing drawn
+    write(os.path.join(records, "paper_lr-s0"), record(0.6, 0.2, (1, 2, 5)), 2.0)
+    write(os.path.join(records, "frozen_policy-s1"), record(0.9, 0.01, (0, 0, -1), steps=120), 2.0)
+    path = diagnostic.curves(records, str(tmp_path / "curves.png"))
+    with open(path, "rb") as f:
+        assert f.read(8) == b"\x89PNG\r\n\x1a\n"
