@@ -92,8 +92,9 @@ def test_a_third_seed_goes_to_an_arm_whose_seeds_disagree_within_the_budget(tmp_
 
 
 def test_the_results_prose_table_is_what_the_records_give():
-    """results/diagnostic/README.md's seed-0 table, recomputed from the committed records and the twin's (the same
-    `measures` table.md uses); a number typed by hand that the records do not give fails here."""
+    """results/diagnostic/README.md's table, recomputed from the committed records and the twins' (the same `measures`
+    table.md uses): every finished run and its twin has its row; a number typed by hand that the records do not give
+    fails here."""
     text = open(os.path.join(ROOT, "results", "diagnostic", "README.md")).read()
     records = os.path.join(ROOT, "results", "diagnostic", "runs")
 
@@ -103,10 +104,14 @@ def test_the_results_prose_table_is_what_the_records_give():
             for s in diagnostic.CHECKPOINTS)
         return (f"| {m['flat_early']:.2f} → {m['flat_late']:.2f} | {m['g_early']:.3f} → {m['g_late']:.3f} | "
                 f"{three('shuffled')} | {three('anchor')} | {m['exact_300']:.0f} % |")
-    rows = {"twin (LoRA lr 1e-3)": diagnostic.twin_measures(0),
-            "P: LoRA lr 1e-4": diagnostic.measures(diagnostic.load_run(os.path.join(records, "paper_lr-s0"))),
-            "F: policy frozen": diagnostic.measures(
-                diagnostic.load_run(os.path.join(records, "frozen_policy-s0")))}
+    label = {"paper_lr": "P: LoRA lr 1e-4", "frozen_policy": "F: policy frozen"}
+    done = [n for n in sorted(os.listdir(records)) if diagnostic.finished(records, n)]
+    assert done, "no finished run in results/diagnostic/runs"
+    rows = {}
+    for name in done:
+        arm, seed = name.rsplit("-s", 1)
+        rows[f"s{seed} {label[arm]}"] = diagnostic.measures(diagnostic.load_run(os.path.join(records, name)))
+        rows[f"s{seed} twin (LoRA lr 1e-3)"] = diagnostic.twin_measures(int(seed))
     for name, m in rows.items():
         assert f"| {name} {cells(m)}" in text, (name, cells(m))
 
