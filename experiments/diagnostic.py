@@ -178,9 +178,9 @@ def measures(rec):
         return np.array([x.get(k) if x.get(k) is not None else np.nan for x in m], dtype=float)
     flat, g, signal = col("zero_std_fraction"), col("grad_norm_g_phi"), col("trained_group_fraction")
     out = {"steps": len(m), "flat_early": float(np.nanmean(flat[:25])),
-           "flat_late": float(np.nanmean(flat[199:300])) if len(m) >= 200 else np.nan,
+           "flat_late": float(np.nanmean(flat[199:300])) if len(m) >= 300 else np.nan,
            "g_early": float(np.nanmedian(g[:25])),
-           "g_late": float(np.nanmedian(g[199:300])) if len(m) >= 200 else np.nan,
+           "g_late": float(np.nanmedian(g[199:300])) if len(m) >= 300 else np.nan,
            "signal": int(round(np.nansum(signal * 32))), "answer_late": float(np.nanmean(col("answer_rate")[-25:])),
            "c_rms_last": float(m[-1]["c_rms"] / m[-1]["embed_rms"]) if m and m[-1].get("embed_rms") else np.nan}
     for s, e in rec["eval"].items():
