@@ -188,6 +188,10 @@ def measures(rec):
         for other, key in (("shuffled_C", "shuffled"), ("zero_C", "anchor")):
             out[f"{key}_{s}"] = 100 * (c["with_C"]["solve_rate"] - c[other]["solve_rate"])
             out[f"{key}_gold_{s}"] = c["with_C"]["gold_logprob"] - c[other]["gold_logprob"]
+            item = e.get("paired", {}).get(f"with_C - {other}", {}).get("score")
+            if item:  # over the 100 items of this one run: evaluate.py's interval and exact sign test
+                out[f"{key}_items_{s}"] = (100 * item["ci95"][0], 100 * item["ci95"][1], item["better"],
+                                           item["worse"], item["p_sign"])
         out[f"exact_{s}"] = 100 * c["with_C"]["solve_rate"]
     return out
 
@@ -253,6 +257,11 @@ def fmt(x, f="+.0f"):
     return "–" if x is None or (isinstance(x, float) and not np.isfinite(x)) else format(x, f)
 
 
+def items(t):
+    """'[+7, +25], 20 / 4, p 0.0015' from measures' (ci low, ci high, better, worse, p) over one run's items."""
+    return "–" if t is None else f"[{t[0]:+.0f}, {t[1]:+.0f}], {t[2]} / {t[3]}, p {t[4]:.2g}"
+
+
 def table(records):
     L = ["# The diagnostic (experiments/diagnostic.py --analyse)", "",
          "Per run beside its archived twin (the verdict's `ours_strong` of the same seed, LoRA lr 1e-3; evaluated at "
@@ -262,7 +271,8 @@ def table(records):
          "log-prob difference in nats in brackets).", "",
          "| run | steps | flat 1–25 → 200–300 | g_phi 1–25 → 200–300 | signal | "
          "exact with C 100 / 200 / 300 | C − shuffled 100 / 200 / 300 | C − anchor 100 / 200 / 300 | "
-         "C rms / token |", "|---" * 9 + "|"]
+         "C rms / token | C − shuffled at 300 over its items: 95 % interval, better / worse, sign p |",
+         "|---" * 10 + "|"]
     names = sorted(n for n in os.listdir(records)) if os.path.isdir(records) else []
     rows = [(n, measures(load_run(os.path.join(records, n)))) for n in names]
     seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in names})
@@ -275,7 +285,8 @@ def table(records):
         L.append(f"| {n} | {m.get('steps', 0)} | {fmt(m.get('flat_early'), '.2f')} → {fmt(m.get('flat_late'), '.2f')}"
                  f" | {fmt(m.get('g_early'), '.3f')} → {fmt(m.get('g_late'), '.4f')} | {m.get('signal', '–')} | "
                  + " / ".join(fmt(m.get(f"exact_{s}"), ".0f") for s in CHECKPOINTS)
-                 + f" | {three(m, 'shuffled')} | {three(m, 'anchor')} | {fmt(m.get('c_rms_last'), '.2f')} |")
+                 + f" | {three(m, 'shuffled')} | {three(m, 'anchor')} | {fmt(m.get('c_rms_last'), '.2f')} | "
+                 + f"{items(m.get('shuffled_items_300'))} |")
     L += ["", "## The predictions, in the pre-registration's words", "",
           "| run | prediction | outcome |", "|---|---|---|"]
     for n, m in rows:

@@ -48,6 +48,14 @@ def test_measures_read_the_windows_and_the_checkpoints():
     assert m["shuffled_gold_300"] == pytest.approx(0.5)
 
 
+def test_the_item_level_test_of_one_run_is_read_from_its_evaluation():
+    rec = record(0.5, 0.2, (1, 3, 16))
+    rec["eval"][300]["paired"] = {"with_C - shuffled_C": {"score": {"diff": 0.16, "ci95": [0.07, 0.25], "better": 20,
+                                                                    "worse": 4, "p_sign": 0.0015, "n": 100}}}
+    m = diagnostic.measures(rec)
+    assert "shuffled_items_200" not in m and diagnostic.items(m.get("shuffled_items_200")) == "–"
+    assert diagnostic.items(m["shuffled_items_300"]) == "[+7, +25], 20 / 4, p 0.0015"
+
 def test_the_predictions_in_the_preregistrations_words():
     twin = diagnostic.measures(record(0.96, 0.007, (0, 0, 0)))
     explored = diagnostic.predictions("paper_lr", diagnostic.measures(record(0.6, 0.2, (1, 2, 5))), twin)
