@@ -140,3 +140,18 @@ def test_the_figure_is_drawn_per_seed_from_the_records(tmp_path):
     path = diagnostic.curves(records, str(tmp_path / "curves.png"))
     with open(path, "rb") as f:
         assert f.read(8) == b"\x89PNG\r\n\x1a\n"
+
+
+def test_over_seeds_pairs_p_with_its_twin_and_reads_only_finished_runs(tmp_path):
+    records = str(tmp_path)
+    write(os.path.join(records, "paper_lr-s0"), record(0.6, 0.2, (1, 2, 5)), 2.0)
+    write(os.path.join(records, "paper_lr-s1"), record(0.6, 0.2, (1, 2, 3)), 2.0)
+    write(os.path.join(records, "frozen_policy-s0"), record(0.6, 0.2, (1, 2, -1)), 2.0)
+    unfinished = record(0.6, 0.2, (9, 9, 9))
+    del unfinished["eval"][300]
+    write(os.path.join(records, "frozen_policy-s1"), unfinished, 1.0)
+    twins = [diagnostic.twin_measures(s)["shuffled_300"] for s in (0, 1)]   # the verdict's: +0 and +0
+    lines = diagnostic.over_seeds(records)
+    assert lines[0] == (f"P − its twin, C − shuffled at step 300 over seeds 0, 1: mean {(8 - sum(twins)) / 2:+.1f} "
+                        f"points ({5 - twins[0]:+.0f}, {3 - twins[1]:+.0f}), one-sided sign-flip p = 0.25")
+    assert lines[1] == "F, C − shuffled at step 300 over seeds 0: mean -1.0 points (-1), one-sided sign-flip p = 1"
