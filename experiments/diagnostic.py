@@ -278,6 +278,29 @@ def over_seeds(records):
     return lines
 
 
+def flat_onset(rec, level=0.90, k=25):
+    """Exploratory, chosen after the data: the first step at which the k-step mean of the flat share of first-draw
+    groups reaches `level` (None if it never does)."""
+    flat = np.array([x.get("zero_std_fraction") if x.get("zero_std_fraction") is not None else np.nan
+                     for x in rec["metrics"]], dtype=float)
+    hit = np.nonzero(rolling(flat, k, np.nanmean)[k - 1:] >= level)[0]
+    return int(hit[0]) + k if len(hit) else None
+
+
+def onsets(records):
+    """Exploratory lines: per run (the diagnostic's and every `ours_strong` run of the verdict), the step at which
+    its first draws went flat (flat_onset) beside its C − shuffled at step 300."""
+    runs = [(f"verdict `{n}` (lr 1e-3)", os.path.join(TWINS, n)) for n in sorted(os.listdir(TWINS))
+            if n.startswith("ours_strong-s")]
+    runs += [(n, os.path.join(records, n)) for n in sorted(os.listdir(records)) if finished(records, n)]
+    lines = []
+    for name, d in runs:
+        rec = load_run(d)
+        onset, m = flat_onset(rec), measures(rec)
+        lines.append(f"| {name} | {onset if onset else 'never'} | {fmt(m.get('shuffled_300'))} |")
+    return lines
+
+
 def items(t):
     """'[+7, +25], 20 / 4, p 0.0015' from measures' (ci low, ci high, better, worse, p) over one run's items."""
     return "–" if t is None else f"[{t[0]:+.0f}, {t[1]:+.0f}], {t[2]} / {t[3]}, p {t[4]:.2g}"
@@ -322,6 +345,9 @@ def table(records):
                      f"{'–' if s is None else 'met' if s else 'not met'} |")
     L += ["", "## Over seeds (descriptive: the pre-registration names no test over seeds)", ""]
     L += [f"- {line}" for line in over_seeds(records)]
+    L += ["", "## Exploratory (chosen after the data): when the first draws went flat", "",
+          "The first step at which the 25-step mean of the flat share reaches 0.90, beside C − shuffled at step 300.",
+          "", "| run | flat from step | C − shuffled at 300 |", "|---|---|---|", *onsets(records)]
     L += ["", f"Core-hours (steps and evaluations of the archived records): {spent_hours(records):.2f} of "
           f"{BUDGET_HOURS}; third-seed arms by the rule: {', '.join(third_seed_arms(records)) or 'none'}."]
     return "\n".join(L) + "\n"

@@ -155,3 +155,10 @@ def test_over_seeds_pairs_p_with_its_twin_and_reads_only_finished_runs(tmp_path)
     assert lines[0] == (f"P − its twin, C − shuffled at step 300 over seeds 0, 1: mean {(8 - sum(twins)) / 2:+.1f} "
                         f"points ({5 - twins[0]:+.0f}, {3 - twins[1]:+.0f}), one-sided sign-flip p = 0.25")
     assert lines[1] == "F, C − shuffled at step 300 over seeds 0: mean -1.0 points (-1), one-sided sign-flip p = 1"
+
+
+def test_the_flat_onset_is_the_first_whole_window_at_the_level():
+    rec = {"metrics": [{"zero_std_fraction": 0.0}] * 50 + [{"zero_std_fraction": 1.0}] * 50}
+    assert diagnostic.flat_onset(rec) == 73          # 23 of the 25 steps 49..73 are flat: 0.92 >= 0.90
+    assert diagnostic.flat_onset({"metrics": [{"zero_std_fraction": 1.0}] * 24}) is None   # no whole window yet
+    assert diagnostic.flat_onset({"metrics": [{"zero_std_fraction": 0.8}] * 300}) is None
