@@ -162,3 +162,15 @@ def test_the_flat_onset_is_the_first_whole_window_at_the_level():
     assert diagnostic.flat_onset(rec) == 73          # 23 of the 25 steps 49..73 are flat: 0.92 >= 0.90
     assert diagnostic.flat_onset({"metrics": [{"zero_std_fraction": 1.0}] * 24}) is None   # no whole window yet
     assert diagnostic.flat_onset({"metrics": [{"zero_std_fraction": 0.8}] * 300}) is None
+
+
+def test_the_results_prose_quotes_the_analysis_of_the_records():
+    """The predictions' outcomes, the lines over seeds and the exploratory onsets in results/diagnostic/README.md are
+    what `--analyse` gives from the committed records, line for line."""
+    text = open(os.path.join(ROOT, "results", "diagnostic", "README.md")).read()
+    records = os.path.join(ROOT, "results", "diagnostic", "runs")
+    lines = diagnostic.table(records).splitlines()
+    start = lines.index("| run | prediction | outcome |")
+    quoted = lines[start + 2:lines.index("", start)] + diagnostic.over_seeds(records) + diagnostic.onsets(records)
+    missing = [line for line in quoted if line not in text]
+    assert not missing, missing
