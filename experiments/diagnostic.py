@@ -292,7 +292,8 @@ def onsets(records):
     its first draws went flat (flat_onset) beside its C − shuffled at step 300."""
     runs = [(f"verdict `{n}` (lr 1e-3)", os.path.join(TWINS, n)) for n in sorted(os.listdir(TWINS))
             if n.startswith("ours_strong-s")]
-    runs += [(n, os.path.join(records, n)) for n in sorted(os.listdir(records)) if finished(records, n)]
+    runs += [(n, os.path.join(records, n)) for n in sorted(os.listdir(records) if os.path.isdir(records) else [])
+             if finished(records, n)]
     lines = []
     for name, d in runs:
         rec = load_run(d)

@@ -155,6 +155,8 @@ def test_over_seeds_pairs_p_with_its_twin_and_reads_only_finished_runs(tmp_path)
     assert lines[0] == (f"P − its twin, C − shuffled at step 300 over seeds 0, 1: mean {(8 - sum(twins)) / 2:+.1f} "
                         f"points ({5 - twins[0]:+.0f}, {3 - twins[1]:+.0f}), one-sided sign-flip p = 0.25")
     assert lines[1] == "F, C − shuffled at step 300 over seeds 0: mean -1.0 points (-1), one-sided sign-flip p = 1"
+    nothing = str(tmp_path / "not yet")   # before the first record: a table of the twins alone, no error
+    assert diagnostic.over_seeds(nothing) == [] and "third-seed arms by the rule: none" in diagnostic.table(nothing)
 
 
 def test_the_flat_onset_is_the_first_whole_window_at_the_level():
