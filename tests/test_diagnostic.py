@@ -175,6 +175,24 @@ def test_the_results_prose_quotes_the_analysis_of_the_records():
     start = lines.index("| run | prediction | outcome |")
     finished = lambda line: diagnostic.finished(records, line.split(" | ")[0].strip("| "))  # noqa: E731
     quoted = [line for line in lines[start + 2:lines.index("", start)] if finished(line)]   # a running run's: "–"
-    quoted += diagnostic.over_seeds(records) + diagnostic.onsets(records)
+    quoted += diagnostic.over_seeds(records) + diagnostic.onsets(records) + [diagnostic.onset_split(records)]
     missing = [line for line in quoted if line not in text]
     assert not missing, missing
+
+
+def test_the_onset_split_counts_the_settings_where_readers_went_flat_last(tmp_path, monkeypatch):
+    def flat_from(step, shuffled):   # flat share 0 until `step`, 1 after; C − shuffled at 300
+        rec = record(0.0, 0.1, (0, 0, shuffled))
+        for m in rec["metrics"][step:]:
+            m["zero_std_fraction"] = 1.0
+        return rec
+    twins, records = str(tmp_path / "twins"), str(tmp_path / "runs")
+    monkeypatch.setattr(diagnostic, "TWINS", twins)
+    write(os.path.join(twins, "ours_strong-s0"), flat_from(40, 0), 1.0)
+    write(os.path.join(records, "paper_lr-s0"), flat_from(150, 12), 1.0)
+    assert diagnostic.onset_split(records) == (
+        "Of the 2 co-trained runs, 1 read C at step 300; they all went flat later than every other in 12 of 12 "
+        "settings (flat level / window, steps): 0.80/10, 0.80/25, 0.80/50, 0.85/10, 0.85/25, 0.85/50, 0.90/10, "
+        "0.90/25, 0.90/50, 0.95/10, 0.95/25, 0.95/50.")
+    write(os.path.join(twins, "ours_strong-s1"), record(0.0, 0.1, (0, 0, 0)), 1.0)   # never flat, C unread
+    assert diagnostic.onset_split(records).endswith("in 0 of 12 settings (flat level / window, steps): none.")
