@@ -153,6 +153,21 @@ def status(records, out):
 # The reading: per run the measures the pre-registration names, beside the archived twin.
 
 
+def run_names(records):
+    """The run folders in `records`, sorted; none before the first record."""
+    return sorted(os.listdir(records)) if os.path.isdir(records) else []
+
+
+def verdict_runs():
+    """The second verdict's `ours_strong` run folders (lr 1e-3): the twins, and the co-trained runs beside P's."""
+    return [os.path.join(TWINS, n) for n in sorted(os.listdir(TWINS)) if n.startswith("ours_strong-s")]
+
+
+def column(metrics, key):
+    """One metric over a run's steps, NaN where a step did not log it."""
+    return np.array([x.get(key) if x.get(key) is not None else np.nan for x in metrics], dtype=float)
+
+
 def load_run(d):
     """{"metrics": [...], "eval": {steps: eval_paired}, "timing": {...}} of a run folder (archived or a twin)."""
     metrics = [json.loads(line) for line in open(os.path.join(d, "metrics.jsonl")) if line.strip()]
@@ -174,15 +189,13 @@ def measures(rec):
     gradient norm median (same windows), completions that carried a learning signal, and at each evaluated step
     C - shuffled and C - anchor (exact, points; gold log-prob, nats)."""
     m = rec["metrics"]
-
-    def col(k):
-        return np.array([x.get(k) if x.get(k) is not None else np.nan for x in m], dtype=float)
-    flat, g, signal = col("zero_std_fraction"), col("grad_norm_g_phi"), col("trained_group_fraction")
+    flat, g, signal = (column(m, k) for k in ("zero_std_fraction", "grad_norm_g_phi", "trained_group_fraction"))
     out = {"steps": len(m), "flat_early": float(np.nanmean(flat[:25])),
            "flat_late": float(np.nanmean(flat[199:300])) if len(m) >= 300 else np.nan,
            "g_early": float(np.nanmedian(g[:25])),
            "g_late": float(np.nanmedian(g[199:300])) if len(m) >= 300 else np.nan,
-           "signal": int(round(np.nansum(signal * 32))), "answer_late": float(np.nanmean(col("answer_rate")[-25:])),
+           "signal": int(round(np.nansum(signal * 32))),
+           "answer_late": float(np.nanmean(column(m, "answer_rate")[-25:])),
            "c_rms_last": float(m[-1]["c_rms"] / m[-1]["embed_rms"]) if m and m[-1].get("embed_rms") else np.nan}
     for s, e in rec["eval"].items():
         c = e["conditions"]
@@ -251,7 +264,7 @@ def run_hours(d):
 
 
 def spent_hours(records):
-    return sum(run_hours(os.path.join(records, n)) for n in os.listdir(records)) if os.path.isdir(records) else 0.0
+    return sum(run_hours(os.path.join(records, n)) for n in run_names(records))
 
 
 def fmt(x, f="+.0f"):
@@ -264,7 +277,7 @@ def over_seeds(records):
     over seeds (with 2 seeds the p cannot go below 1/4, with 3 below 1/8)."""
     lines = []
     for arm, what in (("paper_lr", "P − its twin"), ("frozen_policy", "F")):
-        done = sorted(int(n.rsplit("-s", 1)[1]) for n in (os.listdir(records) if os.path.isdir(records) else [])
+        done = sorted(int(n.rsplit("-s", 1)[1]) for n in run_names(records)
                       if n.startswith(arm + "-s") and finished(records, n))
         if not done:
             continue
@@ -281,19 +294,15 @@ def over_seeds(records):
 def flat_onset(rec, level=0.90, k=25):
     """Exploratory, chosen after the data: the first step at which the k-step mean of the flat share of first-draw
     groups reaches `level` (None if it never does)."""
-    flat = np.array([x.get("zero_std_fraction") if x.get("zero_std_fraction") is not None else np.nan
-                     for x in rec["metrics"]], dtype=float)
-    hit = np.nonzero(rolling(flat, k, np.nanmean)[k - 1:] >= level)[0]
+    hit = np.nonzero(rolling(column(rec["metrics"], "zero_std_fraction"), k, np.nanmean)[k - 1:] >= level)[0]
     return int(hit[0]) + k if len(hit) else None
 
 
 def onsets(records):
     """Exploratory lines: per run (the diagnostic's and every `ours_strong` run of the verdict), the step at which
     its first draws went flat (flat_onset) beside its C − shuffled at step 300."""
-    runs = [(f"verdict `{n}` (lr 1e-3)", os.path.join(TWINS, n)) for n in sorted(os.listdir(TWINS))
-            if n.startswith("ours_strong-s")]
-    runs += [(n, os.path.join(records, n)) for n in sorted(os.listdir(records) if os.path.isdir(records) else [])
-             if finished(records, n)]
+    runs = [(f"verdict `{os.path.basename(d)}` (lr 1e-3)", d) for d in verdict_runs()]
+    runs += [(n, os.path.join(records, n)) for n in run_names(records) if finished(records, n)]
     lines = []
     for name, d in runs:
         rec = load_run(d)
@@ -306,9 +315,8 @@ def onset_split(records, levels=(0.80, 0.85, 0.90, 0.95), windows=(10, 25, 50)):
     """Exploratory: how robust the onsets table's pattern is. Over the co-trained runs (the verdict's `ours_strong`
     and P), in how many of the (level, window) settings of flat_onset every run that read C at step 300 (C −
     shuffled > 0) went flat later than every run that did not ("never" counts as after step 300)."""
-    runs = [os.path.join(TWINS, n) for n in sorted(os.listdir(TWINS)) if n.startswith("ours_strong-s")]
-    runs += [os.path.join(records, n) for n in sorted(os.listdir(records) if os.path.isdir(records) else [])
-             if n.startswith("paper_lr-s") and finished(records, n)]
+    runs = verdict_runs() + [os.path.join(records, n) for n in run_names(records)
+                             if n.startswith("paper_lr-s") and finished(records, n)]
     recs = [load_run(d) for d in runs]
     read = [measures(r).get("shuffled_300", 0) > 0 for r in recs]
     clean = []
@@ -339,9 +347,9 @@ def table(records):
          "exact with C 100 / 200 / 300 | C − shuffled 100 / 200 / 300 | C − anchor 100 / 200 / 300 | "
          "C rms / token | C − shuffled at 300 over its items: 95 % interval, better / worse, sign p |",
          "|---" * 10 + "|"]
-    names = sorted(n for n in os.listdir(records)) if os.path.isdir(records) else []
-    rows = [(n, measures(load_run(os.path.join(records, n)))) for n in names]
-    seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in names})
+    done = run_names(records)
+    rows = [(n, measures(load_run(os.path.join(records, n)))) for n in done]
+    seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in done})
     rows += [(f"twin ours_strong-s{s}", twin_measures(s)) for s in seeds]
 
     def three(m, key):
@@ -391,8 +399,8 @@ def curves(records, path):
         import matplotlib.pyplot as plt
     except ImportError:
         return None
-    names = sorted(os.listdir(records)) if os.path.isdir(records) else []
-    seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in names})
+    there = run_names(records)
+    seeds = sorted({int(n.rsplit("-s", 1)[1]) for n in there})
     if not seeds:
         return None
     fig, axes = plt.subplots(3, len(seeds), figsize=(4.2 * len(seeds), 8), squeeze=False, sharex=True)
@@ -400,17 +408,17 @@ def curves(records, path):
              "frozen_policy": ("C1", "F: policy frozen")}
     for j, seed in enumerate(seeds):
         runs = [("twin", os.path.join(TWINS, f"ours_strong-s{seed}"))]
-        runs += [(arm, os.path.join(records, f"{arm}-s{seed}")) for arm in arms() if f"{arm}-s{seed}" in names]
+        runs += [(arm, os.path.join(records, f"{arm}-s{seed}")) for arm in arms() if f"{arm}-s{seed}" in there]
         for arm, d in runs:
             if not os.path.isdir(d):
                 continue
             rec = load_run(d)
             color, label = style[arm]
-            col = lambda k: np.array([m.get(k) if m.get(k) is not None else np.nan  # noqa: E731
-                                      for m in rec["metrics"]], dtype=float)
-            steps = np.arange(1, len(rec["metrics"]) + 1)
-            axes[0, j].plot(steps, rolling(col("zero_std_fraction"), 25, np.nanmean), color=color, label=label)
-            axes[1, j].plot(steps, np.maximum(rolling(col("grad_norm_g_phi"), 25, np.nanmedian), 1e-5), color=color)
+            metrics, steps = rec["metrics"], np.arange(1, len(rec["metrics"]) + 1)
+            axes[0, j].plot(steps, rolling(column(metrics, "zero_std_fraction"), 25, np.nanmean), color=color,
+                            label=label)
+            axes[1, j].plot(steps, np.maximum(rolling(column(metrics, "grad_norm_g_phi"), 25, np.nanmedian), 1e-5),
+                            color=color)
             m = measures(rec)
             at = [s for s in CHECKPOINTS if f"shuffled_{s}" in m]
             axes[2, j].plot(at, [m[f"shuffled_{s}"] for s in at], "o-", color=color)

@@ -56,6 +56,7 @@ def test_the_item_level_test_of_one_run_is_read_from_its_evaluation():
     assert "shuffled_items_200" not in m and diagnostic.items(m.get("shuffled_items_200")) == "–"
     assert diagnostic.items(m["shuffled_items_300"]) == "[+7, +25], 20 / 4, p 0.0015"
 
+
 def test_the_predictions_in_the_preregistrations_words():
     twin = diagnostic.measures(record(0.96, 0.007, (0, 0, 0)))
     explored = diagnostic.predictions("paper_lr", diagnostic.measures(record(0.6, 0.2, (1, 2, 5))), twin)
